@@ -1,0 +1,2 @@
+# cython: language_level=3
+"""Kernel module _sizes (being written)."""

@@ -1,0 +1,1 @@
+"""Pure-Python twin of shardkit._kernels._packing."""
