@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .tensors import ShardableTensor
+from .devices import DeviceSpec
+from .errors import ShardingValidationError, ShardkitError, SliceSpecError
+from .slices import SliceSpec, check_tiling, parse_slice_spec
+from .tensors import ShardableTensor, _gc_paused
 
 # checkpoint key -> slice spec -> tensor
 Shard = MutableMapping[str, MutableMapping[str, Any]]
@@ -47,3 +50,273 @@ def _hashable(value: Any) -> Any:
         return value
     except TypeError:
         return repr(value)
+
+
+TaskShard = tuple[int, dict[str, dict[str, Any]]]
+
+
+def _fail(rule: str, description: str, key: str, spec: str, expected: str, found: str) -> None:
+    raise ShardingValidationError(
+        f"sharding callback broke the rule {rule!r}.\n"
+        f"  callback: {description}\n"
+        f"  key: {key!r}, slice spec: {spec!r}\n"
+        f"  expected: {expected}\n"
+        f"  found: {found}"
+    )
+
+
+def _task_of(value: Any) -> int | None:
+    """The task a returned value claims to live on, if it carries a device (None for arrays)."""
+    device = getattr(value, "device", None)
+    if isinstance(device, DeviceSpec):
+        return device.task or 0
+    if isinstance(device, str):
+        try:
+            return DeviceSpec.from_string(device).task or 0
+        except ShardkitError:
+            return None
+    return None
+
+
+def _as_array(value: Any) -> Any:
+    """Arrays pass through; records with a `.tensor` (ShardableTensor, TensorSaveSpec) unwrap."""
+    if type(value) is np.ndarray:
+        return value
+    inner = getattr(value, "tensor", None)
+    return value if inner is None else inner
+
+
+def _same_data(value: Any, original: np.ndarray, region: tuple[slice, ...] | None) -> bool:
+    """True if `value` holds `original[region]`: cheaply as a view of it, else by bytes."""
+    if value is original and region is None:
+        return True
+    if not isinstance(value, np.ndarray):
+        return False
+    expected = original if region is None else original[region]
+    ai, bi = value.__array_interface__, expected.__array_interface__
+    if ai["data"][0] == bi["data"][0] and ai["strides"] == bi["strides"]:
+        return True
+    if expected.size == 0:
+        return True
+    as_bytes = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in (value, expected)]
+    return bool(np.array_equal(*as_bytes))
+
+
+def validate_shards(
+    shards: Sequence[Shard], shardable_tensors: Sequence[ShardableTensor], description: str
+) -> None:
+    """Check a callback's shards against its input; raise ShardingValidationError on any breach.
+
+    Rules: no tensor removed, none added, no (key, slice) twice, no shape or dtype change, no task
+    change, all tensors of one shard from one task; a tensor split into slices must be tiled
+    exactly by them, and every slice must hold the original's data. Linear time: hash lookups per
+    entry, a sort per split tensor.
+    """
+    with _gc_paused():
+        _validate(shards, shardable_tensors, description)
+
+
+def _validate(
+    shards: Sequence[Shard], shardable_tensors: Sequence[ShardableTensor], description: str
+) -> None:
+    whole: dict[str, ShardableTensor] = {}
+    originals: dict[tuple[str, str], ShardableTensor] = {}
+    for t in shardable_tensors:
+        if t.slice_spec == "":
+            whole[t.checkpoint_key] = t
+        originals[(t.checkpoint_key, t.slice_spec)] = t
+    by_key: dict[str, list[ShardableTensor]] | None = None  # built on the first split
+    seen_whole: set[str] = set()
+    seen: set[tuple[str, str]] = set()  # (key, spec) of everything but the whole-tensor fast path
+    pieces: dict[tuple[str, str], list[tuple[str, SliceSpec]]] = {}
+    ndarray = np.ndarray
+    for shard_index, shard in enumerate(shards):
+        if not isinstance(shard, Mapping):
+            _fail("each shard is a mapping", description, f"<shard {shard_index}>", "",
+                  "a mapping checkpoint_key -> slice_spec -> tensor", type(shard).__name__)
+        shard_task: int | None = None
+        for key, slices in shard.items():
+            if type(slices) is not dict and not isinstance(slices, Mapping):
+                _fail("each shard is a mapping", description, key, "",
+                      "a mapping slice_spec -> tensor", type(slices).__name__)
+            for spec, value in slices.items():
+                # Fast path: a whole tensor handed back as the very array it was given.
+                if spec == "" and type(value) is ndarray:
+                    original = whole.get(key)
+                    if original is not None and original.tensor is value:
+                        if key in seen_whole:
+                            _fail("no tensor duplicated", description, key, spec,
+                                  "each (key, slice) in exactly one shard",
+                                  f"a second copy in shard {shard_index}")
+                        seen_whole.add(key)
+                        task = original.device.task or 0
+                        if shard_task is None:
+                            shard_task = task
+                        elif task != shard_task:
+                            _fail("all tensors of a shard from one task", description, key,
+                                  spec, f"task {shard_task} (of the shard's first tensor)",
+                                  f"task {task} in shard {shard_index}")
+                        continue
+                pair = (key, spec)
+                if pair in seen or (spec == "" and key in seen_whole):
+                    _fail("no tensor duplicated", description, key, spec,
+                          "each (key, slice) in exactly one shard",
+                          f"a second copy in shard {shard_index}")
+                seen.add(pair)
+                original = originals.get(pair)
+                box = None
+                if original is None:
+                    if by_key is None:
+                        by_key = {}
+                        for t in shardable_tensors:
+                            by_key.setdefault(t.checkpoint_key, []).append(t)
+                    original, box = _split_parent(by_key, key, spec, description)
+                    pieces.setdefault((key, original.slice_spec), []).append((spec, box))
+                task = original.device.task or 0
+                claimed = _task_of(value)
+                if claimed is not None and claimed != task:
+                    _fail("no task change", description, key, spec,
+                          f"task {task}", f"task {claimed}")
+                if shard_task is None:
+                    shard_task = task
+                elif task != shard_task:
+                    _fail("all tensors of a shard from one task", description, key, spec,
+                          f"task {shard_task} (of the shard's first tensor)",
+                          f"task {task} in shard {shard_index}")
+                array = _as_array(value)
+                if array is not original.tensor:
+                    _check_entry(array, original, spec, box, description)
+    for (key, parent_spec), parts in pieces.items():
+        if (key, parent_spec) in seen or (parent_spec == "" and key in seen_whole):
+            _fail("no tensor duplicated", description, key, parts[0][0],
+                  "a tensor either whole or split into slices",
+                  f"both whole (slice spec {parent_spec!r}) and as slices")
+        _check_tiling(originals[(key, parent_spec)], parts, description)
+    if len(seen_whole) + len(seen) - sum(map(len, pieces.values())) + len(pieces) == len(
+        originals
+    ):
+        return  # every input accounted for (duplicates and additions were rejected above)
+    for (key, spec), t in originals.items():
+        if (key, spec) in seen or (key, spec) in pieces or (spec == "" and key in seen_whole):
+            continue
+        _fail("no tensor removed", description, key, spec,
+              "the tensor in one shard (whole or as slices)", "it is in no shard")
+
+
+def _split_parent(
+    by_key: dict[str, list[ShardableTensor]], key: str, spec: str, description: str
+) -> tuple[ShardableTensor, SliceSpec]:
+    """The input tensor that slice `spec` of `key` was cut from, or raise 'no tensor added'."""
+    candidates = by_key.get(key)
+    if not candidates:
+        _fail("no tensor added", description, key, spec,
+              "only keys given to the callback", "a key the callback was not given")
+    try:
+        box = parse_slice_spec(spec)
+    except SliceSpecError as e:
+        _fail("slice specs are well formed", description, key, spec,
+              "TensorFlow slice spec text, e.g. '4 6 2,2:0,6'", str(e))
+    for t in candidates:
+        region = _region(t)
+        if region.full_shape == box.full_shape and region.intersect(box) == box:
+            return t, box
+    full = _region(candidates[0]).full_shape
+    _fail("no tensor added", description, key, spec,
+          f"slices inside the given tensor of full shape {list(full)}",
+          f"a slice of full shape {list(box.full_shape)} that lies outside every given slice")
+    raise AssertionError  # unreachable; _fail raises
+
+
+def _region(t: ShardableTensor) -> SliceSpec:
+    return SliceSpec.whole(t.shape) if t.slice_spec == "" else parse_slice_spec(t.slice_spec)
+
+
+def _check_entry(
+    array: Any, original: ShardableTensor, spec: str, box: SliceSpec | None, description: str
+) -> None:
+    """Shape, dtype and data of one returned entry; `box` is set when it is a slice of a split."""
+    key = original.checkpoint_key
+    want_shape = tuple(original.shape) if box is None else box.lengths
+    shape = getattr(array, "shape", None)
+    if shape is None or tuple(shape) != want_shape:
+        _fail("no shape change", description, key, spec, f"shape {list(want_shape)}",
+              f"shape {None if shape is None else list(shape)}")
+    dtype = getattr(array, "dtype", None)
+    if dtype != original.dtype:
+        _fail("no dtype change", description, key, spec, f"dtype {original.dtype}",
+              f"dtype {dtype}")
+    index = None
+    if box is not None:
+        origin = _region(original).offsets
+        index = tuple(
+            slice(o - r, o - r + n) for o, r, n in zip(box.offsets, origin, box.lengths)
+        )
+    if not _same_data(array, original.tensor, index):
+        _fail("slices hold the original's data", description, key, spec,
+              "the original's values in that region (a view of it, or an equal copy)",
+              "different values")
+
+
+def _check_tiling(
+    parent: ShardableTensor, parts: list[tuple[str, SliceSpec]], description: str
+) -> None:
+    """The slices of a split tensor tile its region exactly: in bounds, no overlap, no gap."""
+    region = _region(parent)
+    relative = [
+        SliceSpec(region.lengths, tuple(o - r for o, r in zip(b.offsets, region.offsets)),
+                  b.lengths)
+        for _, b in parts
+    ]
+    try:
+        check_tiling(region.lengths, relative)
+    except SliceSpecError as e:
+        _fail("split tensors tile the original exactly", description, parent.checkpoint_key,
+              ", ".join(spec for spec, _ in parts),
+              f"slices covering shape {list(region.lengths)} exactly once", str(e))
+
+
+def shard_tensors(
+    callback: ShardingCallback, shardable_tensors: Sequence[ShardableTensor]
+) -> list[TaskShard]:
+    """Run `callback` once per device task and validate its shards before anything is written.
+
+    Returns ``(task, shard)`` pairs in task order of first appearance, then callback order, with
+    values unwrapped to arrays and empty shards dropped.
+    """
+    groups: dict[int, list[ShardableTensor]] = {}
+    for t in shardable_tensors:
+        groups.setdefault(t.device.task or 0, []).append(t)
+    description = _description(callback)
+    out: list[TaskShard] = []
+    for task, group in groups.items():
+        shards = callback(group)
+        if isinstance(shards, Mapping) or not isinstance(shards, Sequence):
+            raise ShardingValidationError(
+                f"sharding callback broke the rule 'returns a sequence of shards'.\n"
+                f"  callback: {description}\n"
+                f"  expected: a list of mappings checkpoint_key -> slice_spec -> tensor\n"
+                f"  found: {type(shards).__name__}"
+            )
+        validate_shards(shards, group, description)
+        for shard in shards:
+            if shard:
+                out.append((task, {
+                    key: {spec: _as_array(v) for spec, v in slices.items()}
+                    for key, slices in shard.items()
+                }))
+    return out
+
+
+def _description(callback: ShardingCallback) -> str:
+    try:
+        description = callback.description
+    except Exception as e:
+        raise ShardingValidationError(
+            f"sharding callback {type(callback).__name__} has no usable description: {e}"
+        ) from e
+    if not isinstance(description, str):
+        raise ShardingValidationError(
+            f"sharding callback {type(callback).__name__}: description must be a str, "
+            f"got {type(description).__name__}"
+        )
+    return description

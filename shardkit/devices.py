@@ -44,7 +44,9 @@ def _int(value: str, field: str, spec: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise DeviceSpecError(f"device string {spec!r}: {field} {value!r} is not an integer") from None
+        raise DeviceSpecError(
+            f"device string {spec!r}: {field} {value!r} is not an integer"
+        ) from None
     if n < 0:
         raise DeviceSpecError(f"device string {spec!r}: {field} {n} is negative")
     return n

@@ -138,7 +138,7 @@ def _parse(spec: str) -> SliceSpec:
 
 
 def check_tiling(full_shape: Sequence[int], slices: Iterable[SliceSpec]) -> None:
-    """Raise SliceSpecError unless `slices` cover `full_shape` exactly: in bounds, no overlap, no gap.
+    """Raise SliceSpecError unless `slices` cover `full_shape` exactly: no overlap, no gap.
 
     Sweep over axis 0: a slice can only overlap those whose axis-0 range is still open.
     """

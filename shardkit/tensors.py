@@ -144,7 +144,8 @@ def flatten(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]
         for k, v in items:
             if type(k) is not str:
                 if not isinstance(k, (str, int)):
-                    raise TypeError(f"state key {k!r} under {base or '<root>'!r} is not a str or int")
+                    where = base or "<root>"
+                    raise TypeError(f"state key {k!r} under {where!r} is not a str or int")
                 k = str(k)
             key = base + k
             tv = type(v)

@@ -1,0 +1,96 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+from shardkit.devices import DeviceSpec
+from shardkit.errors import UnsupportedDTypeError
+from shardkit.tensors import ShardableTensor, flatten, shardable_tensors, unflatten
+
+
+def test_nested_keys_are_joined_in_order():
+    a, b, c = np.arange(3), np.ones((2, 2), np.float32), np.zeros(0, np.int8)
+    ts = shardable_tensors({"model": {"layer0": {"kernel": a, "bias": b}}, "step": c})
+    assert [t.checkpoint_key for t in ts] == ["model/layer0/kernel", "model/layer0/bias", "step"]
+    t = ts[1]
+    assert t.tensor is b  # zero copy
+    assert (t.dtype, t.shape, t.slice_spec, t.name) == (b.dtype, (2, 2), "", "model/layer0/bias")
+    assert t.device == DeviceSpec.from_string("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert t.task == 0 and t.nbytes == 16
+
+
+def test_tensor_save_spec_mirrors_tf():
+    (t,) = shardable_tensors({"w": np.ones(3)})
+    spec = t.tensor_save_spec
+    assert spec.tensor is t.tensor
+    assert (spec.name, spec.slice_spec, spec.dtype, spec.device) == ("w", "", t.dtype, t.device)
+
+
+def test_scalars_lists_and_int_keys():
+    ts = shardable_tensors({"lr": 0.1, "step": 7, "flag": True, "opt": {0: [np.ones(1), 2]}})
+    by_key = {t.checkpoint_key: t for t in ts}
+    assert by_key["lr"].dtype == np.float64 and by_key["lr"].shape == ()
+    assert by_key["step"].dtype == np.int64
+    assert by_key["flag"].dtype == np.bool_
+    assert set(by_key) == {"lr", "step", "flag", "opt/0/0", "opt/0/1"}
+
+
+def test_device_override():
+    ts = shardable_tensors({"a": np.ones(1), "b": np.ones(1)},
+                           device=lambda k: "/job:w/task:1" if k == "b" else "/job:w/task:0")
+    assert [t.task for t in ts] == [0, 1]
+    (t,) = shardable_tensors({"a": np.ones(1)}, device="/job:w/replica:0/task:3/device:GPU:1")
+    assert t.task == 3 and t.device.device_type == "GPU"
+
+
+def test_ml_dtypes_and_big_endian():
+    bf = np.arange(4, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    big = np.arange(3, dtype=">i4")
+    by_key = {t.checkpoint_key: t for t in shardable_tensors({"bf": bf, "big": big})}
+    assert by_key["bf"].tensor is bf
+    assert by_key["big"].dtype == np.dtype("<i4")
+    assert by_key["big"].tensor.tolist() == [0, 1, 2]
+
+
+def test_unsupported_dtypes_name_the_key():
+    with pytest.raises(UnsupportedDTypeError, match=r"'m/c'.*complex"):
+        shardable_tensors({"m": {"c": np.zeros(2, np.complex64)}})
+    with pytest.raises(UnsupportedDTypeError, match="'s'"):
+        shardable_tensors({"s": np.array(["x"])})
+
+
+def test_bad_state():
+    with pytest.raises(TypeError, match="mapping of arrays"):
+        shardable_tensors(np.ones(3))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"state key \(1, 2\)"):
+        shardable_tensors({(1, 2): np.ones(1)})  # type: ignore[dict-item]
+
+
+def test_frozen_and_fast_constructor_equivalent():
+    (t,) = shardable_tensors({"w": np.ones(2)})
+    with pytest.raises(AttributeError):
+        t.name = "x"  # type: ignore[misc]
+    rebuilt = ShardableTensor(*(getattr(t, f) for f in ShardableTensor.__slots__))
+    assert rebuilt == t
+
+
+def test_flatten_unflatten():
+    state = {"a": {"b": 1, "c": {"d": 2}}, "e": 3}
+    flat = flatten(state)
+    assert flat == [("a/b", 1), ("a/c/d", 2), ("e", 3)]
+    assert unflatten(dict(flat)) == state
+
+
+def test_torch_tensors_become_host_views():
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    bf = torch.arange(4, dtype=torch.float32).to(torch.bfloat16)
+    nc = w.t()  # non-contiguous
+    by_key = {t.checkpoint_key: t for t in shardable_tensors({"w": w, "bf": bf, "nc": nc,
+                                                              "s": torch.tensor(2.5)})}
+    assert np.shares_memory(by_key["w"].tensor, w.numpy())
+    assert by_key["bf"].dtype == ml_dtypes.bfloat16
+    assert by_key["bf"].tensor.astype(np.float32).tolist() == [0, 1, 2, 3]
+    assert by_key["nc"].tensor.tolist() == nc.tolist()
+    assert by_key["s"].shape == () and float(by_key["s"].tensor) == 2.5
+    bf0 = shardable_tensors({"x": torch.tensor(1.5, dtype=torch.bfloat16)})[0]
+    assert bf0.shape == () and float(bf0.tensor) == 1.5
