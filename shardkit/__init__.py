@@ -6,10 +6,10 @@ from . import _kernels  # noqa: F401  (fails loudly here if the native build is 
 from .callback import Shard, ShardingCallback
 from .devices import DeviceSpec
 from .errors import (
-    ChecksumError,
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    ChecksumError,
     DeviceSpecError,
     KeyNotFoundError,
     PolicyError,

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 
 if os.environ.get("SHARDKIT_PUREPYTHON", "") == "1":
-    from .._reference import _gather, _packing, _shuffle, _sizes  # noqa: F401
+    from .._reference import _gather, _packing, _shuffle, _sizes
 
     PURE_PYTHON = True
 else:
     try:
-        from . import _gather, _packing, _shuffle, _sizes  # noqa: F401
+        from . import _gather, _packing, _shuffle, _sizes
     except ImportError as e:
         raise ImportError(
             f"shardkit's compiled kernels are missing or broken ({e}). shardkit does not run "
