@@ -196,7 +196,7 @@ def _validate(
         originals
     ):
         return  # every input accounted for (duplicates and additions were rejected above)
-    for (key, spec), t in originals.items():
+    for key, spec in originals:
         if (key, spec) in seen or (key, spec) in pieces or (spec == "" and key in seen_whole):
             continue
         _fail("no tensor removed", description, key, spec,

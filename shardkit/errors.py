@@ -56,3 +56,50 @@ class CheckpointExistsError(ShardkitError, FileExistsError):
 
 class RestoreMismatchError(ShardkitError, ValueError):
     """A stored tensor does not fit the array it is being restored into."""
+
+
+# Storage-format errors (checkpoint reader): each names the file and, where there is one, the entry.
+
+
+class CorruptHeaderError(CheckpointFormatError):
+    """A shard's header is not valid: bad JSON, bad field types, unknown dtype, too long."""
+
+
+class EntryLayoutError(CorruptHeaderError):
+    """A shard's entries do not tile its data region: out of range, overlapping, a hole."""
+
+
+class TruncatedShardError(CheckpointFormatError):
+    """A shard file is shorter than its header or the index says it is."""
+
+
+class CorruptIndexError(CheckpointFormatError):
+    """index.json is not valid: bad JSON, missing or mistyped fields, slices that do not tile."""
+
+
+class ShardPathError(CorruptIndexError):
+    """A shard file name in index.json would leave the checkpoint directory."""
+
+
+class UnknownCodecError(CheckpointFormatError):
+    """A shard is stored with a codec this version of shardkit cannot decode."""
+
+
+class SliceIndexError(ShardkitError, IndexError):
+    """An index passed to get_slice does not fit the tensor (out of bounds, too many axes)."""
+
+
+class MissingShardError(CheckpointFormatError):
+    """A shard file listed in index.json is missing from the checkpoint directory."""
+
+
+class ReaderClosedError(ShardkitError, ValueError):
+    """A CheckpointReader was used after close()."""
+
+
+class MissingDependencyError(ShardkitError, ImportError):
+    """An optional package (matplotlib, safetensors, torch...) is needed but not installed."""
+
+
+class UnknownModelError(ShardkitError, ValueError):
+    """No built-in synthetic model has the requested name."""

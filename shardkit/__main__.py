@@ -1,0 +1,7 @@
+"""``python -m shardkit``: the same as the ``shardkit`` command."""
+
+from __future__ import annotations
+
+from .cli import main
+
+raise SystemExit(main())

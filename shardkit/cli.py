@@ -1,0 +1,187 @@
+"""The ``shardkit`` command.
+
+Each subcommand is one ``_add_<command>_parser(subparsers)`` (listed in ``_SUBCOMMANDS``; it sets
+``func=cmd_<command>``) and one ``cmd_<command>(args) -> int``. Handlers raise ShardkitError (or
+OSError) for failures; `main` turns those into a one-line message and exit code 1.
+
+    shardkit plan --model llm-1b [--policy NAME[:ARG]]... [--max-shard-size 1GiB] [--num-shards 8]
+    shardkit plan FILE.safetensors|FILE.npz [--plot sizes.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .callback import ShardingCallback
+from .errors import PolicyError, ShardkitError
+from .models import MODELS, load_state_file, synthetic_state
+from .policies import POLICIES, get_policy, parse_size
+from .profiling import format_table, human_size, plot_shard_sizes, profile
+from .tensors import shardable_tensors
+
+__all__ = ["build_parser", "cmd_plan", "main", "make_policy"]
+
+PROG = "shardkit"
+DEFAULT_NUM_SHARDS = 8
+_AUTO_MIN, _AUTO_MAX = 64 * 2**10, 2**30
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (0 ok, 1 shardkit error, 2 usage error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args))
+    except SystemExit as e:  # --help (0) or a usage error (2): argparse already printed
+        return e.code if isinstance(e.code, int) else 2
+    except (ShardkitError, OSError) as e:
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; each subcommand adds itself and sets ``func`` to its handler."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Sharded ML checkpoints: plan, save, inspect and verify them."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------- plan
+
+
+def _add_plan_parser(sub: Any) -> None:
+    models = "\n".join(f"  {name:<12} {desc}" for name, desc in MODELS.items())
+    p = sub.add_parser(
+        "plan",
+        help="compare sharding policies on a model or a state file (no data is written)",
+        description=(
+            "Run sharding policies on a state and print, per policy, the number of shards,\n"
+            "their sizes, the imbalance (largest over mean shard), the number of tensors\n"
+            "split and the planning time. Only shapes and dtypes are read: files are not\n"
+            "loaded and built-in models take no memory."
+        ),
+        epilog=(
+            f"built-in models:\n{models}\n\npolicies: {', '.join(POLICIES)}\n"
+            "  NAME:ARG sets the policy's argument, e.g. max-shard-size:256MiB, bin-pack:1GiB, "
+            "balanced:4"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "file", nargs="?", metavar="FILE", help="a .safetensors or .npz file to plan for"
+    )
+    source.add_argument("--model", metavar="NAME", help="a built-in synthetic model (see below)")
+    p.add_argument("--dtype", help="dtype of the built-in model (default: float32)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        metavar="NAME[:ARG]",
+        dest="policies",
+        help="a policy to profile; repeat for several (default: every built-in policy)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="size for policies without :ARG that take one, e.g. 1GiB "
+        "(default: about total/8, a power of two between 64 KiB and 1 GiB)",
+    )
+    p.add_argument(
+        "--num-shards",
+        type=int,
+        default=DEFAULT_NUM_SHARDS,
+        metavar="N",
+        help=f"shard count for policies without :ARG that take one (default: {DEFAULT_NUM_SHARDS})",
+    )
+    p.add_argument("--plot", metavar="PNG", help="also write a bar chart of shard sizes here")
+    p.set_defaults(func=cmd_plan, parser=p)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        dtype = args.dtype or "float32"
+        state = synthetic_state(args.model, dtype=dtype)
+        source = f"model {args.model} ({dtype})"
+    elif args.dtype is not None:
+        args.parser.error("--dtype applies to built-in models (--model) only")
+    else:
+        state = load_state_file(args.file, materialize=False)
+        source = args.file
+    tensors = shardable_tensors(state)
+    total = sum(t.nbytes for t in tensors)
+    if args.max_shard_size:
+        max_size, how = parse_size(args.max_shard_size, "--max-shard-size"), ""
+    else:
+        max_size, how = auto_max_shard_size(total), " (auto)"
+    defaults = {"max_shard_size": max_size, "num_shards": args.num_shards}
+    policies = {spec: make_policy(spec, defaults) for spec in args.policies or POLICIES}
+    print(f"{source}: {len(tensors)} tensors, {human_size(total)}")
+    print(f"defaults: max shard size {human_size(max_size)}{how}, {args.num_shards} shards\n")
+    profiles = profile(tensors, policies)
+    print(format_table(profiles))
+    if args.plot:
+        plot_shard_sizes(profiles, args.plot)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def auto_max_shard_size(total_bytes: int) -> int:
+    """About an eighth of the state, as a power of two between 64 KiB and 1 GiB."""
+    target = max(total_bytes // 8, 1)
+    return min(max(1 << (target.bit_length() - 1), _AUTO_MIN), _AUTO_MAX)
+
+
+def make_policy(spec: str, defaults: dict[str, Any]) -> ShardingCallback:
+    """A policy from ``NAME`` or ``NAME:ARG``; ARG is the policy's one constructor argument.
+
+    Without ARG the argument comes from `defaults` (keyed by parameter name).
+    """
+    name, sep, arg = spec.partition(":")
+    if name not in POLICIES:
+        raise PolicyError(f"unknown policy {name!r} in {spec!r}; known: {', '.join(POLICIES)}")
+    params = [
+        p
+        for p in inspect.signature(POLICIES[name]).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if not params:
+        if sep:
+            raise PolicyError(f"policy {name!r} takes no argument, got {spec!r}")
+        return get_policy(name)
+    if len(params) > 1 and sep:
+        raise PolicyError(f"policy {name!r} takes {len(params)} arguments; NAME:ARG sets only one")
+    config = {p.name: defaults[p.name] for p in params if p.name in defaults}
+    if sep:
+        param = params[0]
+        if not arg:
+            raise PolicyError(f"empty argument in {spec!r}; expected {name}:<{param.name}>")
+        config[param.name] = _convert(arg, param, spec)
+    return get_policy(name, **config)
+
+
+def _convert(arg: str, param: inspect.Parameter, spec: str) -> Any:
+    annotation = param.annotation
+    if annotation in (int, "int"):
+        try:
+            return int(arg)
+        except ValueError:
+            raise PolicyError(
+                f"policy argument {param.name} in {spec!r} must be an integer, got {arg!r}"
+            ) from None
+    return arg  # sizes stay strings: the policy parses "256MiB"
+
+
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan_parser]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
