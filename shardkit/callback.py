@@ -218,7 +218,7 @@ def _split_parent(
               "TensorFlow slice spec text, e.g. '4 6 2,2:0,6'", str(e))
     for t in candidates:
         region = _region(t)
-        if region.full_shape == box.full_shape and region.intersect(box) == box:
+        if region.full_shape == box.full_shape and (region == box or region.intersect(box) == box):
             return t, box
     full = _region(candidates[0]).full_shape
     _fail("no tensor added", description, key, spec,

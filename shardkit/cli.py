@@ -4,8 +4,11 @@ Each subcommand is one ``_add_<command>_parser(subparsers)`` (listed in ``_SUBCO
 ``func=cmd_<command>``) and one ``cmd_<command>(args) -> int``. Handlers raise ShardkitError (or
 OSError) for failures; `main` turns those into a one-line message and exit code 1.
 
+    shardkit demo [--model llm-small] [--dtype float32] [--dir DIR]
     shardkit plan --model llm-1b [--policy NAME[:ARG]]... [--max-shard-size 1GiB] [--num-shards 8]
     shardkit plan FILE.safetensors|FILE.npz [--plot sizes.png]
+    shardkit inspect CHECKPOINT
+    shardkit verify CHECKPOINT
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from .policies import POLICIES, get_policy, parse_size
 from .profiling import format_table, human_size, plot_shard_sizes, profile
 from .tensors import shardable_tensors
 
-__all__ = ["build_parser", "cmd_plan", "main", "make_policy"]
+__all__ = [
+    "build_parser", "cmd_demo", "cmd_inspect", "cmd_plan", "cmd_verify", "main", "make_policy",
+]
 
 PROG = "shardkit"
 DEFAULT_NUM_SHARDS = 8
@@ -180,7 +185,120 @@ def _convert(arg: str, param: inspect.Parameter, spec: str) -> Any:
     return arg  # sizes stay strings: the policy parses "256MiB"
 
 
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan_parser]
+# ------------------------------------------------------------------------------ demo
+
+
+def _add_demo_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="build a transformer-like state, plan, save, verify and restore it, and report",
+        description=(
+            "Build a synthetic transformer-like state (a few hundred MB), compare the sharding\n"
+            "policies, save it with a progress bar into a temporary directory, verify every\n"
+            "checksum, restore it by memory-mapping, check it byte for byte and print the\n"
+            "sizes, throughputs and shard counts. The temporary directory is removed after."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="llm-small", choices=sorted(MODELS),
+                   help="built-in model to use (default: llm-small, 300 MiB as float32)")
+    p.add_argument("--dtype", default="float32", help="dtype of the model (default: float32)")
+    p.add_argument("--dir", help="where to create the temporary checkpoint (default: system tmp)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(sys.stdout, model=args.model, dtype=args.dtype, directory=args.dir,
+             progress=not args.no_progress)
+    return 0
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def _add_inspect_parser(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="list a checkpoint's shards and tensors")
+    p.add_argument("path", metavar="CHECKPOINT", help="checkpoint directory")
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .reader import open_checkpoint
+
+    with open_checkpoint(args.path) as reader:
+        index = reader.index
+        total = sum(s.bytes for s in index.shards)
+        print(f"{args.path}: format {index.version}, {len(reader)} tensors, "
+              f"{len(index.shards)} shards, {human_size(total)}")
+        print(f"callback: {index.callback}")
+        if index.user_metadata:
+            print(f"metadata: {index.user_metadata}")
+        print("\nshards:")
+        for i, shard in enumerate(index.shards):
+            print(f"  [{i}] {shard.file}  task {shard.task}  {shard.codec}  "
+                  f"{human_size(shard.bytes)}")
+        print("\ntensors:")
+        rows = []
+        for key in reader.keys():
+            info = reader.info(key)
+            for s in info.slices:
+                where = f"[{s.shard}] {s.entry}" if s.entry != key else f"[{s.shard}]"
+                rows.append((key, info.dtype_name, str(list(info.shape)), s.spec or "(whole)",
+                             human_size(info.nbytes), where))
+                key = ""  # further slices of the same tensor: key shown once
+        widths = [max(len(r[i]) for r in rows) for i in range(5)] if rows else []
+        for row in rows:
+            cells = [c.ljust(w) for c, w in zip(row, widths)]
+            print("  " + "  ".join(cells) + "  " + row[5])
+    return 0
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def _add_verify_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check every shard header and checksum; exit 0 if intact, 1 naming what is corrupt",
+    )
+    p.add_argument("path", metavar="CHECKPOINT", help="checkpoint directory")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .reader import open_checkpoint
+
+    problems = []
+    with open_checkpoint(args.path) as reader:
+        checked = 0
+        for key in reader.keys():
+            try:
+                checked += reader.verify([key])
+            except ShardkitError as e:
+                problems.append(" ".join(str(e).split()))
+        if not problems:
+            try:
+                reader.verify()  # also opens shards that hold no listed key
+            except ShardkitError as e:
+                problems.append(" ".join(str(e).split()))
+    if problems:
+        for p in problems:
+            print(f"CORRUPT: {p}", file=sys.stderr)
+        print(f"{args.path}: {len(problems)} problem(s) found", file=sys.stderr)
+        return 1
+    print(f"{args.path}: OK ({checked} entries checked, {len(reader)} tensors)")
+    return 0
+
+
+_SUBCOMMANDS: list[Callable[[Any], None]] = [
+    _add_demo_parser,
+    _add_plan_parser,
+    _add_inspect_parser,
+    _add_verify_parser,
+]
 
 
 if __name__ == "__main__":

@@ -103,3 +103,7 @@ class MissingDependencyError(ShardkitError, ImportError):
 
 class UnknownModelError(ShardkitError, ValueError):
     """No built-in synthetic model has the requested name."""
+
+
+class IncompleteRestoreError(ShardkitError, AssertionError):
+    """A restore did not match every checkpoint value to an object, or every object to a value."""
