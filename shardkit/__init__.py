@@ -1,53 +1,114 @@
-"""shardkit: sharded ML checkpoints with a TensorFlow-compatible sharding-callback API."""
+"""shardkit: sharded ML checkpoints with a TensorFlow-compatible sharding-callback API.
+
+    import shardkit
+    shardkit.save("ckpt", {"model": {"w": w, "b": b}})
+    state = shardkit.load("ckpt")            # memory-mapped, zero-copy
+"""
 
 from __future__ import annotations
 
 from . import _kernels  # noqa: F401  (fails loudly here if the native build is missing)
-from .callback import Shard, ShardingCallback
+from .api import DefaultShardingPolicy, SaveInfo, load, open, restore_into, save
+from .callback import Shard, ShardingCallback, shard_tensors, validate_shards
 from .devices import DeviceSpec
 from .errors import (
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     ChecksumError,
+    CorruptHeaderError,
+    CorruptIndexError,
     DeviceSpecError,
+    EntryLayoutError,
+    IncompleteRestoreError,
     KeyNotFoundError,
+    MissingDependencyError,
+    MissingShardError,
     PolicyError,
+    ReaderClosedError,
     RestoreMismatchError,
     ShardingValidationError,
     ShardkitError,
+    ShardPathError,
+    SliceIndexError,
     SliceSpecError,
+    TruncatedShardError,
+    UnknownCodecError,
+    UnknownModelError,
     UnsupportedDTypeError,
     UnsupportedVersionError,
 )
+from .options import CheckpointOptions
+from .policies import (
+    AllInOnePolicy,
+    BalancedPolicy,
+    BinPackPolicy,
+    MaxShardSizePolicy,
+    ShardByTaskPolicy,
+    get_policy,
+    parse_size,
+)
+from .profiling import PolicyProfile, profile
+from .reader import CheckpointReader
 from .slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
 from .tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllInOnePolicy",
+    "BalancedPolicy",
+    "BinPackPolicy",
     "CheckpointExistsError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
+    "CheckpointOptions",
+    "CheckpointReader",
     "ChecksumError",
+    "CorruptHeaderError",
+    "CorruptIndexError",
+    "DefaultShardingPolicy",
     "DeviceSpec",
     "DeviceSpecError",
+    "EntryLayoutError",
+    "IncompleteRestoreError",
     "KeyNotFoundError",
+    "MaxShardSizePolicy",
+    "MissingDependencyError",
+    "MissingShardError",
     "PolicyError",
+    "PolicyProfile",
+    "ReaderClosedError",
     "RestoreMismatchError",
+    "SaveInfo",
     "Shard",
+    "ShardByTaskPolicy",
+    "ShardPathError",
     "ShardableTensor",
     "ShardingCallback",
     "ShardingValidationError",
     "ShardkitError",
+    "SliceIndexError",
     "SliceSpec",
     "SliceSpecError",
     "TensorSaveSpec",
+    "TruncatedShardError",
+    "UnknownCodecError",
+    "UnknownModelError",
     "UnsupportedDTypeError",
     "UnsupportedVersionError",
     "__version__",
     "check_tiling",
     "format_slice_spec",
+    "get_policy",
+    "load",
+    "open",
+    "parse_size",
     "parse_slice_spec",
+    "profile",
+    "restore_into",
+    "save",
+    "shard_tensors",
     "shardable_tensors",
+    "validate_shards",
 ]
