@@ -1,0 +1,336 @@
+"""Corrupt, truncated and hostile checkpoints: each raises its own ShardkitError subclass whose
+message names the file and the key; never a bare json / numpy / OS error, a crash or a hang."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_format import row_slices, whole, write_checkpoint
+
+from shardkit import format as fmt
+from shardkit import reader as rd
+from shardkit.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    CorruptHeaderError,
+    CorruptIndexError,
+    EntryLayoutError,
+    KeyNotFoundError,
+    MissingShardError,
+    ShardkitError,
+    ShardPathError,
+    TruncatedShardError,
+    UnknownCodecError,
+    UnsupportedVersionError,
+)
+
+SHARD0 = fmt.shard_file_name(0, 1)
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, whole({"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.int8)}))
+    return path
+
+
+def _edit_index(path: Path, change) -> None:
+    doc = json.loads((path / "index.json").read_bytes())
+    change(doc)
+    (path / "index.json").write_text(json.dumps(doc))
+
+
+def _replace_shard(path: Path, data: bytes, name: str = SHARD0) -> None:
+    """Put `data` in a shard and record its size in the index (so only the content is bad)."""
+    (path / name).write_bytes(data)
+
+    def change(doc):
+        for s in doc["shardkit"]["shards"]:
+            if s["file"] == name:
+                s["bytes"] = len(data)
+
+    _edit_index(path, change)
+
+
+def _shard_with_header(header: Any, data: bytes) -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    text += b" " * (-(len(text) + 8) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def _read_all(path: Path, **kw) -> None:
+    with rd.CheckpointReader(path, **kw) as r:
+        for k in r.keys():
+            r.get(k)
+
+
+# --- missing things -------------------------------------------------------------------------------
+
+
+def test_missing_checkpoint_directory(tmp_path):
+    with pytest.raises(CheckpointNotFoundError,
+                       match=r"no checkpoint at .*nope: the path does not exist"):
+        rd.CheckpointReader(tmp_path / "nope")
+    with pytest.raises(CheckpointNotFoundError, match="nope"):
+        rd.load(tmp_path / "nope")
+
+
+def test_checkpoint_path_is_a_file(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="is not a directory"):
+        rd.CheckpointReader(tmp_path / "f")
+
+
+def test_missing_index(ckpt):
+    (ckpt / "index.json").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"ckpt: index\.json is missing"):
+        rd.CheckpointReader(ckpt)
+
+
+def test_index_is_a_directory(ckpt):
+    (ckpt / "index.json").unlink()
+    (ckpt / "index.json").mkdir()
+    with pytest.raises(CorruptIndexError, match=r"index\.json is a directory"):
+        rd.CheckpointReader(ckpt)
+
+
+def test_missing_key(ckpt):
+    with rd.CheckpointReader(ckpt) as r:
+        with pytest.raises(KeyNotFoundError, match=r"key 'ww' is not in checkpoint .*ckpt "
+                           r"\(2 tensors\); did you mean 'w'\?") as info:
+            r["ww"]
+        assert isinstance(info.value, KeyError)
+        with pytest.raises(KeyNotFoundError, match="key 'zzzzz' is not in checkpoint"):
+            r.info("zzzzz")
+
+
+def test_missing_shard_file(ckpt):
+    (ckpt / SHARD0).unlink()
+    with rd.CheckpointReader(ckpt) as r:
+        with pytest.raises(MissingShardError, match=rf"{SHARD0}: shard file listed in index\.json "
+                           r"is missing .*while reading key 'w'"):
+            r["w"]
+
+
+# --- index.json ---------------------------------------------------------------------------------
+
+
+def test_corrupt_index_json(ckpt):
+    (ckpt / "index.json").write_bytes(b'{"format": "shardkit", ')
+    with pytest.raises(CorruptIndexError, match=r"ckpt/index\.json: not valid JSON"):
+        rd.CheckpointReader(ckpt)
+
+
+def test_newer_major_version(ckpt):
+    _edit_index(ckpt, lambda d: d.update(format_version="2.1"))
+    with pytest.raises(UnsupportedVersionError, match=r"index\.json: checkpoint format version 2\.1"
+                       r" is newer than this shardkit reads \(up to 1\.x\); upgrade shardkit"):
+        rd.load(ckpt)
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/tmp/abs.safetensors",
+                                  "sub/../../x", "..", "C:evil"])
+def test_shard_name_leaving_the_directory(ckpt, name):
+    def change(doc):
+        doc["shardkit"]["shards"][0]["file"] = name
+    _edit_index(ckpt, change)
+    with pytest.raises(ShardPathError,
+                       match=r"index\.json: shard file name .* is not a plain file"):
+        rd.CheckpointReader(ckpt)
+
+
+def test_unknown_codec(ckpt):
+    _edit_index(ckpt, lambda d: d["shardkit"]["shards"][0].update(codec="lz9"))
+    with rd.CheckpointReader(ckpt) as r:
+        with pytest.raises(UnknownCodecError, match=rf"{SHARD0}: shard codec 'lz9' is not "
+                           r"supported .*while reading key 'w'"):
+            r["w"]
+
+
+def test_index_and_header_disagree(ckpt):
+    _edit_index(ckpt, lambda d: d["shardkit"]["tensors"]["w"].update(shape=[2, 3], dtype="I32"))
+    with rd.CheckpointReader(ckpt) as r:
+        with pytest.raises(CorruptHeaderError, match=rf"{SHARD0}: entry 'w' \(key 'w', slice ''\) "
+                           r"does not match index\.json: expected dtype I32 shape \[2, 3\], the "
+                           r"shard has dtype F32 shape \[6\]"):
+            r["w"]
+
+
+def test_entry_missing_from_shard(ckpt):
+    _edit_index(ckpt, lambda d: d["shardkit"]["tensors"]["w"]["slices"][0].update(entry="w2"))
+    with rd.CheckpointReader(ckpt) as r:
+        with pytest.raises(CorruptHeaderError, match=r"entry 'w2' \(key 'w', slice ''\) is listed "
+                           r"in index\.json but not in the shard"):
+            r["b"]
+
+
+# --- shard files --------------------------------------------------------------------------------
+
+
+def test_truncated_shard(ckpt):
+    data = (ckpt / SHARD0).read_bytes()
+    (ckpt / SHARD0).write_bytes(data[:-3])
+    for use_mmap in (True, False):
+        with rd.CheckpointReader(ckpt, mmap=use_mmap) as r:
+            with pytest.raises(TruncatedShardError, match=rf"{SHARD0}: shard is truncated: file "
+                               rf"has {len(data) - 3} bytes, index\.json records {len(data)} "
+                               r".*while reading key 'b'"):
+                r["b"]
+
+
+def test_shard_longer_than_recorded(ckpt):
+    with open(ckpt / SHARD0, "ab") as f:
+        f.write(b"junk")
+    with rd.CheckpointReader(ckpt) as r:
+        with pytest.raises(CheckpointFormatError, match=r"bytes, but index\.json records"):
+            r["b"]
+
+
+def test_shard_shorter_than_length_prefix(ckpt):
+    _replace_shard(ckpt, b"\x01\x02")
+    with pytest.raises(TruncatedShardError, match=r"file is 2 bytes, shorter than the 8-byte"):
+        _read_all(ckpt)
+
+
+def test_header_length_past_end_of_file(ckpt):
+    _replace_shard(ckpt, struct.pack("<Q", 1000) + b"{}      ")
+    with pytest.raises(TruncatedShardError, match=rf"{SHARD0}: header length 1000 runs past the "
+                       r"end of the file \(8 \+ 1000 bytes needed, file has 16\)"):
+        _read_all(ckpt)
+
+
+def test_header_length_over_limit(ckpt):
+    _replace_shard(ckpt, struct.pack("<Q", fmt.MAX_HEADER_BYTES + 8) + b"{}      ")
+    with pytest.raises(CorruptHeaderError, match=r"header length 104857608 exceeds the limit of "
+                       r"104857600 bytes .*while reading key 'w'"):
+        _read_all(ckpt)
+
+
+def test_corrupt_json_header(ckpt):
+    _replace_shard(ckpt, _shard_with_header(b'{"w": {"dtype": "F32", ', bytes(26)))
+    with pytest.raises(CorruptHeaderError, match=rf"{SHARD0}: header is not valid JSON .*"
+                       r"while reading key 'w'"):
+        _read_all(ckpt)
+
+
+W = {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}
+B = {"dtype": "I8", "shape": [2], "data_offsets": [24, 26]}
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "error", "match"),
+    [
+        ({"w": {**W, "data_offsets": [0, 24]}, "b": {**B, "data_offsets": [30, 32]}}, 26,
+         EntryLayoutError, r"entry 'b' data_offsets \[30, 32\] run past the end of the data "
+                           r"region \(26 bytes\)"),
+        ({"w": W, "b": {**B, "data_offsets": [22, 24]}}, 26, EntryLayoutError,
+         r"entries 'w' \[0, 24\] and 'b' \[22, 24\] overlap"),
+        ({"w": W, "b": {**B, "data_offsets": [26, 28]}}, 28, EntryLayoutError,
+         r"hole of 2 bytes after entry 'w' \(bytes 24\.\.26\) before entry 'b'"),
+        ({"w": {**W, "dtype": "F31"}, "b": B}, 26, CorruptHeaderError,
+         r"entry 'w' has unknown dtype 'F31'"),
+        ({"w": {**W, "shape": [7]}, "b": B}, 26, EntryLayoutError,
+         r"entry 'w': data_offsets \[0, 24\] span 24 bytes, but dtype F32 and shape \[7\] need 28"),
+        ({"w": {**W, "shape": "6"}, "b": B}, 26, CorruptHeaderError,
+         r"entry 'w': shape must be a list of non-negative integers"),
+        ({"w": {**W, "data_offsets": [0, "24"]}, "b": B}, 26, CorruptHeaderError,
+         r"entry 'w': data_offsets must be 2 integers"),
+        ([W, B], 26, CorruptHeaderError, r"header must be a JSON object, found list"),
+    ],
+    ids=["out-of-range", "overlap", "hole", "unknown-dtype", "size-mismatch", "bad-shape",
+         "bad-offsets", "not-object"],
+)
+def test_bad_shard_headers(ckpt, header, data, error, match):
+    _replace_shard(ckpt, _shard_with_header(header, bytes(data)))
+    for use_mmap in (True, False):
+        with rd.CheckpointReader(ckpt, mmap=use_mmap) as r:
+            with pytest.raises(error, match=match) as info:
+                r["w"]
+    assert SHARD0 in str(info.value)
+    assert "key 'w'" in str(info.value)
+
+
+# --- checksums ----------------------------------------------------------------------------------
+
+
+def _flip_data_byte(path: Path, name: str, from_end: int = 1) -> None:
+    p = path / name
+    data = bytearray(p.read_bytes())
+    data[-from_end] ^= 0x40
+    p.write_bytes(bytes(data))
+
+
+def test_checksum_mismatch_verify_and_load(ckpt):
+    _flip_data_byte(ckpt, SHARD0)  # the last byte belongs to 'b' (int8, laid out last)
+    with rd.CheckpointReader(ckpt) as r:
+        r["w"]  # reading without verification does not look at checksums
+        with pytest.raises(ChecksumError, match=rf"{SHARD0}: checksum mismatch for key 'b' slice "
+                           r"'' \(entry 'b'\): index\.json records xxh3 [0-9a-f]{16}, the stored "
+                           r"bytes hash to [0-9a-f]{16}"):
+            r.verify()
+        assert r.verify(["w"]) == 1
+    for use_mmap in (True, False):
+        with pytest.raises(ChecksumError, match="key 'b'"):
+            rd.load(ckpt, verify=True, mmap=use_mmap)
+    assert list(rd.load(ckpt, ["w"], verify=True)) == ["w"]
+    with pytest.raises(ChecksumError, match="key 'b'"):
+        rd.CheckpointReader(ckpt, verify=True)
+    with pytest.raises(ChecksumError, match="key 'b'"):
+        rd.restore_into(ckpt, {"b": np.zeros(2, np.int8)}, verify=True)
+
+
+def test_checksum_mismatch_in_a_slice(tmp_path):
+    a = np.arange(24, dtype=np.int32).reshape(6, 4)
+    write_checkpoint(tmp_path, row_slices("a", a, 2, [0, 1]))
+    _flip_data_byte(tmp_path, fmt.shard_file_name(1, 2))
+    with pytest.raises(ChecksumError, match=r"shard-00001-of-00002\.safetensors: checksum "
+                       r"mismatch for key 'a' slice '6 4 3,3:0,4'"):
+        rd.load(tmp_path, verify=True, mmap=False)
+
+
+# --- fuzz: any damage gives a ShardkitError or a correct read -------------------------------------
+
+
+def _exercise(path: Path) -> None:
+    for use_mmap in (True, False):
+        with rd.CheckpointReader(path, mmap=use_mmap) as r:
+            for k in r.keys():
+                r.get(k)
+                r.get_slice(k, np.s_[..., ::2])
+            r.verify()
+
+
+@pytest.mark.parametrize("target", ["shard", "index"])
+def test_random_damage_never_escapes_as_a_foreign_error(tmp_path, target):
+    base = tmp_path / "base"
+    a = np.arange(40, dtype=np.float32).reshape(8, 5)
+    write_checkpoint(base, row_slices("a", a, 2, [0, 1]) + whole({"b": np.ones(3, np.int16)}))
+    name = fmt.shard_file_name(0, 2) if target == "shard" else "index.json"
+    original = (base / name).read_bytes()
+    rng = random.Random(target)
+    outcomes = {"ok": 0, "error": 0}
+    for trial in range(120):
+        data = bytearray(original)
+        how = trial % 3
+        if how == 0:  # flip bytes
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif how == 1:  # cut
+            del data[rng.randrange(len(data)) :]
+        else:  # overwrite a run with a random byte value
+            i = rng.randrange(len(data))
+            data[i : i + rng.randint(1, 16)] = bytes([rng.randrange(256)]) * 16
+        (base / name).write_bytes(bytes(data))
+        try:
+            _exercise(base)
+            outcomes["ok"] += 1
+        except ShardkitError:
+            outcomes["error"] += 1
+    assert outcomes["error"] > 0

@@ -1,0 +1,512 @@
+"""shardkit.format: shard header and index.json encode/decode, layout, golden bytes.
+
+`write_checkpoint` below builds checkpoints from format.py's encoders alone (no writer module), so
+the reader tests (test_reader.py, test_bad_input.py) import it from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import xxhash
+
+from shardkit import format as fmt
+from shardkit.errors import (
+    CorruptHeaderError,
+    CorruptIndexError,
+    EntryLayoutError,
+    ShardPathError,
+    TruncatedShardError,
+    UnsupportedVersionError,
+)
+from shardkit.slices import format_slice_spec
+
+# --- checkpoint factory (used by the reader tests too) -----------------------------------------
+
+Item = tuple[str, str, int, np.ndarray]  # key, slice spec, shard number, data of that slice
+
+
+def row_slices(key: str, a: np.ndarray, parts: int, shards: Sequence[int]) -> list[Item]:
+    """Split `a` along axis 0 into `parts` slices, slice i stored in shard shards[i]."""
+    bounds = np.linspace(0, a.shape[0], parts + 1).astype(int)
+    out = []
+    for i in range(parts):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        offsets = (lo,) + (0,) * (a.ndim - 1)
+        lengths = (hi - lo, *a.shape[1:])
+        out.append((key, format_slice_spec(a.shape, offsets, lengths), shards[i], a[lo:hi]))
+    return out
+
+
+def write_checkpoint(
+    path: Path,
+    items: Sequence[Item],
+    *,
+    n_shards: int | None = None,
+    checksum: bool = True,
+    user_metadata: dict[str, Any] | None = None,
+    full_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> fmt.CheckpointIndex:
+    """Write shards + index.json with format.py's encoders. Items in save order."""
+    path.mkdir(parents=True, exist_ok=True)
+    n = n_shards if n_shards is not None else max(s for _, _, s, _ in items) + 1
+    per_shard: list[list[Item]] = [[] for _ in range(n)]
+    for it in items:
+        per_shard[it[2]].append(it)
+    shard_infos = []
+    for i, shard_items in enumerate(per_shard):
+        layouts = fmt.layout_entries(
+            [(fmt.entry_name(k, s), a.dtype, a.shape) for k, s, _, a in shard_items]
+        )
+        header = fmt.encode_safetensors_header(layouts)
+        data = bytearray(fmt.data_size(layouts))
+        for e in layouts:
+            a = shard_items[e.order_index][3]
+            data[e.begin : e.end] = np.ascontiguousarray(a).tobytes()
+        name = fmt.shard_file_name(i, n)
+        (path / name).write_bytes(header + bytes(data))
+        shard_infos.append(fmt.ShardInfo(name, 0, "raw", len(header) + len(data)))
+    tensors: dict[str, fmt.TensorInfo] = {}
+    for key, spec, shard, a in items:
+        digest = xxhash.xxh3_64_hexdigest(np.ascontiguousarray(a).tobytes()) if checksum else None
+        sl = fmt.SliceInfo(spec, shard, fmt.entry_name(key, spec), digest)
+        if key in tensors:
+            tensors[key].slices.append(sl)
+        else:
+            shape = a.shape if spec == "" else (full_shapes or {}).get(key) or _full(spec)
+            tensors[key] = fmt.TensorInfo(
+                fmt.safetensors_name(a.dtype), tuple(shape),
+                "/job:localhost/replica:0/task:0/device:CPU:0", [sl],
+            )
+    index = fmt.CheckpointIndex("test-callback", shard_infos, tensors, user_metadata or {})
+    (path / fmt.INDEX_FILE).write_bytes(fmt.encode_index(index))
+    return index
+
+
+def _full(spec: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in spec.split(" ")[:-1])
+
+
+def whole(items: dict[str, np.ndarray], n_shards: int = 1) -> list[Item]:
+    """Whole tensors, assigned round robin to `n_shards` shards."""
+    return [(k, "", i % n_shards, a) for i, (k, a) in enumerate(items.items())]
+
+
+# --- names -----------------------------------------------------------------------------------
+
+
+def test_constants():
+    assert fmt.FORMAT_NAME == "shardkit"
+    assert fmt.FORMAT_VERSION == "1.0"
+    assert fmt.INDEX_FILE == "index.json"
+    assert fmt.MAX_HEADER_BYTES == 100 * 1024 * 1024
+    assert fmt.RAW_SUFFIX == ".safetensors"
+
+
+def test_shard_file_name():
+    assert fmt.shard_file_name(0, 3) == "shard-00000-of-00003.safetensors"
+    assert fmt.shard_file_name(2, 3, "raw") == "shard-00002-of-00003.safetensors"
+    assert fmt.shard_file_name(1, 12, "zstd") == "shard-00001-of-00012.skz"
+    with pytest.raises(ValueError, match="unknown codec 'lz4'"):
+        fmt.shard_file_name(0, 1, "lz4")
+    with pytest.raises(ValueError, match=r"outside 0\.\.2"):
+        fmt.shard_file_name(3, 3)
+
+
+def test_entry_name():
+    assert fmt.entry_name("model/w") == "model/w"
+    assert fmt.entry_name("model/w", "") == "model/w"
+    assert fmt.entry_name("model/w", "4 6 2,2:0,6") == "model/w:4 6 2,2:0,6"
+
+
+# --- layout ----------------------------------------------------------------------------------
+
+
+def test_layout_orders_by_descending_itemsize_stably():
+    entries = [
+        ("u8", np.dtype("u1"), (3,)),
+        ("f64", np.dtype("f8"), (2,)),
+        ("bf16", np.dtype(ml_dtypes.bfloat16), (5,)),
+        ("f32a", np.dtype("f4"), ()),
+        ("i16", np.dtype("i2"), (1,)),
+        ("f32b", np.dtype("f4"), (2, 0)),
+        ("f32c", np.dtype("f4"), (3,)),
+    ]
+    layouts = fmt.layout_entries(entries)
+    assert [e.name for e in layouts] == ["f64", "f32a", "f32b", "f32c", "bf16", "i16", "u8"]
+    assert [e.order_index for e in layouts] == [1, 3, 5, 6, 2, 4, 0]
+    assert [(e.begin, e.end) for e in layouts] == [
+        (0, 16), (16, 20), (20, 20), (20, 32), (32, 42), (42, 44), (44, 47)
+    ]
+    assert [e.dtype_name for e in layouts] == ["F64", "F32", "F32", "F32", "BF16", "I16", "U8"]
+    assert fmt.data_size(layouts) == 47
+    assert fmt.data_size([]) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_entry_is_aligned_for_mixed_dtypes(seed):
+    rng = np.random.default_rng(seed)
+    dtypes = [np.dtype(d) for d in ("f8", "f4", "f2", "i8", "i4", "i2", "i1", "u8", "?")]
+    dtypes += [np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)]
+    entries = [
+        (f"t{i}", dtypes[rng.integers(len(dtypes))], tuple(rng.integers(0, 4, rng.integers(0, 3))))
+        for i in range(30)
+    ]
+    layouts = fmt.layout_entries(entries)
+    header = fmt.encode_safetensors_header(layouts)
+    assert len(header) % 8 == 0
+    for e in layouts:
+        size = np.dtype(entries[e.order_index][1]).itemsize
+        assert (len(header) + e.begin) % size == 0, e
+    # contiguous, no holes
+    pos = 0
+    for e in layouts:
+        assert e.begin == pos
+        pos = e.end
+
+
+def test_layout_rejects_duplicates_and_bad_shapes():
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        fmt.layout_entries([("a", np.dtype("f4"), (1,)), ("a", np.dtype("f4"), (2,))])
+    with pytest.raises(ValueError, match="negative dimension"):
+        fmt.layout_entries([("a", np.dtype("f4"), (-1,))])
+
+
+# --- header ----------------------------------------------------------------------------------
+
+GOLDEN_HEADER = (
+    b"\x98\x00\x00\x00\x00\x00\x00\x00"  # N = 152: 151 bytes of JSON + 1 space
+    b'{"__metadata__":{"format":"shardkit"},'
+    b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+    b'"b:2 0,1":{"dtype":"I16","shape":[1],"data_offsets":[8,10]}}'
+    b" "
+)
+
+
+def test_golden_header_bytes():
+    layouts = fmt.layout_entries(
+        [("b:2 0,1", np.dtype("i2"), (1,)), ("w", np.dtype("f4"), (2,))]
+    )
+    header = fmt.encode_safetensors_header(layouts)
+    assert header == GOLDEN_HEADER
+    assert len(header) == 160
+    assert struct.unpack("<Q", header[:8])[0] == 152
+
+
+def test_header_round_trip_with_metadata():
+    layouts = fmt.layout_entries(
+        [("a", np.dtype("f8"), (3, 2)), ("ü/ключ", np.dtype("u1"), ()), ("e", np.dtype("i4"), (0,))]
+    )
+    header = fmt.encode_safetensors_header(layouts, {"note": "x"})
+    size = len(header) + fmt.data_size(layouts)
+    entries, meta, start = fmt.decode_safetensors_header(header, size, "s.safetensors")
+    assert start == len(header)
+    assert meta == {"format": "shardkit", "note": "x"}
+    assert list(entries) == ["a", "e", "ü/ключ"]
+    for e in layouts:
+        d = entries[e.name]
+        assert (d.dtype_name, d.shape, d.begin, d.end) == (e.dtype_name, e.shape, e.begin, e.end)
+
+
+def test_encode_header_rejects_bad_metadata_and_reserved_names():
+    with pytest.raises(TypeError, match="str to str"):
+        fmt.encode_safetensors_header([], {"n": 1})  # type: ignore[dict-item]
+    bad = [fmt.EntryLayout("__metadata__", "F32", (), 0, 4, 0)]
+    with pytest.raises(ValueError, match="reserved"):
+        fmt.encode_safetensors_header(bad)
+
+
+def test_read_header_from_file(tmp_path):
+    layouts = fmt.layout_entries([("x", np.dtype("f4"), (4,))])
+    header = fmt.encode_safetensors_header(layouts)
+    p = tmp_path / "s.safetensors"
+    p.write_bytes(header + bytes(16))
+    with open(p, "rb") as f:
+        entries, _, start = fmt.read_safetensors_header(f, p.stat().st_size, str(p))
+    assert start == len(header)
+    assert entries["x"].end == 16
+
+
+def _header(d: Any, pad: bool = True) -> bytes:
+    text = d if isinstance(d, bytes) else json.dumps(d).encode()
+    if pad:
+        text += b" " * (-(len(text) + 8) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _entry(dtype: str, shape: list[int], b: int, e: int) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [b, e]}
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "error", "match"),
+    [
+        (b"{not json", 0, CorruptHeaderError, "s.bin: header is not valid JSON"),
+        (b"\xff\xfe", 0, CorruptHeaderError, "s.bin: header is not UTF-8"),
+        ([1, 2], 0, CorruptHeaderError, "must be a JSON object, found list"),
+        ({"a": 3}, 0, CorruptHeaderError, "entry 'a' must be a JSON object"),
+        ({"a": {"dtype": "F32"}}, 0, CorruptHeaderError, r"entry 'a' lacks the field\(s\)"),
+        ({"a": _entry("Q7", [1], 0, 4)}, 4, CorruptHeaderError, "entry 'a' has unknown dtype 'Q7'"),
+        ({"a": _entry("F32", [-1], 0, 4)}, 4, CorruptHeaderError, "'a': shape must be a list"),
+        ({"a": _entry("F32", [1.0], 0, 4)}, 4, CorruptHeaderError, "'a': shape must be a list"),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, 4, CorruptHeaderError,
+         "'a': data_offsets must be 2 integers"),
+        ({"a": _entry("F32", [2], 0, 4)}, 4, EntryLayoutError, "span 4 bytes, but dtype F32"),
+        ({"a": _entry("F32", [1], 4, 0)}, 4, EntryLayoutError, "not 0 <= begin <= end"),
+        ({"a": _entry("F32", [1], 8, 12)}, 4, EntryLayoutError,
+         "'a' data_offsets .8, 12. run past"),
+        ({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [1], 4, 8)}, 8, EntryLayoutError,
+         "entries 'a' .0, 8. and 'b' .4, 8. overlap"),
+        ({"a": _entry("F32", [1], 0, 4), "b": _entry("F32", [1], 8, 12)}, 12, EntryLayoutError,
+         "hole of 4 bytes after entry 'a'"),
+        ({"a": _entry("F32", [1], 4, 8)}, 8, EntryLayoutError, "hole of 4 bytes at the start"),
+        ({"a": _entry("F32", [1], 0, 4)}, 8, EntryLayoutError, "4 bytes after the last entry"),
+        ({"__metadata__": {"x": 1}}, 0, CorruptHeaderError, "__metadata__ must map str to str"),
+        (b'{"a":{"dtype":"U8","shape":[],"data_offsets":[0,1]},'
+         b'"a":{"dtype":"U8","shape":[],"data_offsets":[1,2]}}', 2, CorruptHeaderError,
+         "header has the key 'a' twice"),
+    ],
+)
+def test_decode_header_rejects(header, data, error, match):
+    buf = _header(header)
+    with pytest.raises(error, match=match):
+        fmt.decode_safetensors_header(buf + bytes(data), len(buf) + data, "s.bin")
+
+
+def test_header_length_limits():
+    with pytest.raises(TruncatedShardError, match=r"s\.bin: file is 5 bytes, shorter than the 8"):
+        fmt.header_length(b"12345", 5, "s.bin")
+    big = struct.pack("<Q", fmt.MAX_HEADER_BYTES + 1)
+    with pytest.raises(CorruptHeaderError, match="exceeds the limit of 104857600 bytes"):
+        fmt.header_length(big, 1 << 40, "s.bin")
+    with pytest.raises(TruncatedShardError, match=r"runs past the end of the file \(8 \+ 100"):
+        fmt.header_length(struct.pack("<Q", 100), 50, "s.bin")
+    assert fmt.header_length(struct.pack("<Q", 100), 108, "s.bin") == 100
+
+
+def test_safetensors_package_reads_our_shard(tmp_path):
+    safetensors_numpy = pytest.importorskip(
+        "safetensors.numpy", reason="safetensors (optional test dependency) is not installed"
+    )
+    from safetensors import safe_open
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "i8": rng.integers(-9, 9, (3, 5)).astype(np.int8),
+        "f64": rng.standard_normal((2, 3)),
+        "scalar": np.array(7, np.int32),
+        "f16": rng.standard_normal(7).astype(np.float16),
+        "empty": np.zeros((0, 4), np.float32),
+        "b": rng.integers(0, 2, 9).astype(bool),
+        "u64": np.arange(4, dtype=np.uint64) * (1 << 60),
+    }
+    write_checkpoint(tmp_path, whole(arrays))
+    shard = tmp_path / fmt.shard_file_name(0, 1)
+    loaded = safetensors_numpy.load_file(str(shard))
+    assert loaded.keys() == arrays.keys()
+    for k, a in arrays.items():
+        assert loaded[k].dtype == a.dtype and loaded[k].shape == a.shape
+        np.testing.assert_array_equal(loaded[k], a)
+    with safe_open(str(shard), "np") as f:
+        assert f.metadata() == {"format": "shardkit"}
+        np.testing.assert_array_equal(f.get_tensor("f64"), arrays["f64"])
+
+
+def test_our_decoder_reads_a_safetensors_file(tmp_path):
+    safetensors_numpy = pytest.importorskip(
+        "safetensors.numpy", reason="safetensors (optional test dependency) is not installed"
+    )
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(3, dtype=np.int64)}
+    p = tmp_path / "x.safetensors"
+    safetensors_numpy.save_file(arrays, str(p))
+    raw = p.read_bytes()
+    entries, _, start = fmt.decode_safetensors_header(raw, len(raw), str(p))
+    for k, a in arrays.items():
+        e = entries[k]
+        got = np.frombuffer(raw[start + e.begin : start + e.end], a.dtype).reshape(e.shape)
+        np.testing.assert_array_equal(got, a)
+
+
+# --- index -----------------------------------------------------------------------------------
+
+
+def _index() -> fmt.CheckpointIndex:
+    return fmt.CheckpointIndex(
+        "max-shard-size(1KiB)",
+        [fmt.ShardInfo("shard-00000-of-00002.safetensors", 0, "raw", 120),
+         fmt.ShardInfo("shard-00001-of-00002.safetensors", 1, "raw", 96)],
+        {
+            "w": fmt.TensorInfo("F32", (4, 6), "/job:localhost/replica:0/task:0/device:CPU:0", [
+                fmt.SliceInfo("4 6 0,2:0,6", 0, "w:4 6 0,2:0,6", "0123456789abcdef"),
+                fmt.SliceInfo("4 6 2,2:0,6", 1, "w:4 6 2,2:0,6", None),
+            ]),
+            "b": fmt.TensorInfo("BF16", (3,), "/job:w/replica:0/task:1/device:CPU:0",
+                                [fmt.SliceInfo("", 1, "b", None)]),
+            "s": fmt.TensorInfo("I64", (), "/device:CPU:0", [fmt.SliceInfo("", 0, "s", None)]),
+        },
+        {"step": 3, "nested": {"lr": 0.5, "tags": ["a"]}},
+    )
+
+
+def test_index_round_trip_and_hf_fields():
+    index = _index()
+    data = fmt.encode_index(index)
+    doc = json.loads(data)
+    assert doc["format"] == "shardkit" and doc["format_version"] == "1.0"
+    assert doc["metadata"] == {"total_size": 4 * 6 * 4 + 3 * 2 + 8}
+    assert doc["weight_map"] == {"b": "shard-00001-of-00002.safetensors",
+                                 "s": "shard-00000-of-00002.safetensors"}
+    assert list(doc["shardkit"]["tensors"]) == ["w", "b", "s"]
+    assert doc["shardkit"]["tensors"]["w"]["slices"][1] == {
+        "spec": "4 6 2,2:0,6", "shard": 1, "entry": "w:4 6 2,2:0,6", "xxh3": None}
+    back = fmt.decode_index(data, "ckpt/index.json")
+    assert back == index
+    assert list(back.tensors) == ["w", "b", "s"]
+    assert back.tensors["w"].is_split and not back.tensors["b"].is_split
+
+
+def test_index_rejects_unserialisable_metadata():
+    index = _index()
+    index.user_metadata = {"x": object()}
+    with pytest.raises(TypeError, match="not JSON-serialisable"):
+        fmt.encode_index(index)
+
+
+def _mutated(change) -> bytes:
+    doc = json.loads(fmt.encode_index(_index()))
+    change(doc)
+    return json.dumps(doc).encode()
+
+
+def _set(path: str, value: Any):
+    def change(doc):
+        *parents, last = path.split(".")
+        node = doc
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        if isinstance(node, list):
+            node[int(last)] = value
+        elif value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return change
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (_set("format", "other"), CorruptIndexError,
+         "\"format\" must be 'shardkit', found 'other'"),
+        (_set("format_version", "2.0"), UnsupportedVersionError,
+         "version 2.0 is newer than this shardkit reads"),
+        (_set("format_version", "1.x"), CorruptIndexError, "format_version must be a string"),
+        (_set("format_version", 1), CorruptIndexError, "format_version must be a string"),
+        (_set("shardkit", _DELETE), CorruptIndexError, "missing field shardkit"),
+        (_set("shardkit.callback", 5), CorruptIndexError, "shardkit.callback must be str"),
+        (_set("shardkit.shards.0.task", -1), CorruptIndexError, r"shards\[0\].task must be >= 0"),
+        (_set("shardkit.shards.0.bytes", True), CorruptIndexError, "bytes must be int"),
+        (_set("shardkit.shards.1.file", "shard-00000-of-00002.safetensors"), CorruptIndexError,
+         "listed twice"),
+        (_set("shardkit.shards.0.file", "../evil.safetensors"), ShardPathError,
+         "'../evil.safetensors' is not a plain file name"),
+        (_set("shardkit.shards.0.file", "/etc/passwd"), ShardPathError, "'/etc/passwd'"),
+        (_set("shardkit.shards.0.file", "a\\b"), ShardPathError, "not a plain file name"),
+        (_set("shardkit.shards.0.file", "a\0b"), ShardPathError, "not a plain file name"),
+        (_set("shardkit.shards.0.file", "index.json"), ShardPathError, "not a plain file name"),
+        (_set("shardkit.tensors.b.dtype", "F128"), CorruptIndexError,
+         "tensor 'b' has unknown dtype 'F128'"),
+        (_set("shardkit.tensors.b.shape", [3, -1]), CorruptIndexError, "tensor 'b' shape must"),
+        (_set("shardkit.tensors.b.slices", []), CorruptIndexError, "tensor 'b' has no slices"),
+        (_set("shardkit.tensors.s.slices.0", {"spec": "", "shard": 2, "entry": "s", "xxh3": None}),
+         CorruptIndexError, "tensor 's' slice '' is in shard 2, but the checkpoint has 2"),
+        (_set("shardkit.tensors.s.slices.0", {"spec": "", "shard": 0, "entry": "s", "xxh3": "AB"}),
+         CorruptIndexError, "xxh3 must be 16 lowercase hex digits"),
+        (_set("shardkit.tensors.w.slices.1",
+              {"spec": "4 6 3,1:0,6", "shard": 1, "entry": "w2", "xxh3": None}),
+         CorruptIndexError, "slices of tensor 'w' do not tile its shape .4, 6.: .*gap"),
+        (_set("shardkit.tensors.w.slices.1",
+              {"spec": "4 6 1,3:0,6", "shard": 1, "entry": "w2", "xxh3": None}),
+         CorruptIndexError, "slices of tensor 'w' do not tile .*overlap"),
+        (_set("shardkit.tensors.w.slices.1",
+              {"spec": "5 6 2,2:0,6", "shard": 1, "entry": "w2", "xxh3": None}),
+         CorruptIndexError, "tensor 'w': slice spec '5 6 2,2:0,6' is for shape"),
+        (_set("shardkit.tensors.b.slices.0", {"spec": "", "shard": 0, "entry": "s", "xxh3": None}),
+         CorruptIndexError, "entry 's' of shard 'shard-00000-of-00002.safetensors' is claimed"),
+        (_set("shardkit.user_metadata", []), CorruptIndexError, "user_metadata must be dict"),
+        (_set("weight_map", []), CorruptIndexError, "'weight_map' must be a JSON object"),
+    ],
+)
+def test_decode_index_rejects(change, error, match):
+    with pytest.raises(error, match=match) as info:
+        fmt.decode_index(_mutated(change), "ckpt/index.json")
+    assert "ckpt/index.json" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"{", "not valid JSON"),
+        (b"\xff", "not UTF-8"),
+        (b"[]", "must be a JSON object, found list"),
+        (b'{"format": "shardkit", "format": "shardkit"}', "has the key 'format' twice"),
+    ],
+)
+def test_decode_index_rejects_bad_json(data, match):
+    with pytest.raises(CorruptIndexError, match=match):
+        fmt.decode_index(data, "ckpt/index.json")
+
+
+def test_newer_minor_version_is_accepted():
+    index = fmt.decode_index(_mutated(_set("format_version", "1.7")), "i.json")
+    assert index.version == "1.7"
+
+
+def test_write_checkpoint_helper_produces_a_valid_tree(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    items = row_slices("a", a, 2, [0, 1]) + whole({"b": np.ones(2, np.int8)})
+    index = write_checkpoint(tmp_path, items)
+    assert sorted(os.listdir(tmp_path)) == [
+        "index.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    back = fmt.decode_index((tmp_path / "index.json").read_bytes(), "index.json")
+    assert back == index
+    assert [s.spec for s in back.tensors["a"].slices] == ["4 3 0,2:0,3", "4 3 2,2:0,3"]
+
+
+def test_worked_example_of_the_format_doc(tmp_path):
+    """The tiny checkpoint of docs/FORMAT.md section 10, byte for byte."""
+    emb = np.array([[1, 2], [3, 4]], np.uint8)
+    items = [("bias", "", 0, np.array([1.0, -2.0], np.float32)),
+             ("step", "", 0, np.array(7, np.int64)),
+             ("emb", "2 2 0,1:0,2", 0, emb[0:1]), ("emb", "2 2 1,1:0,2", 1, emb[1:2])]
+    write_checkpoint(tmp_path, items, user_metadata={"epoch": 3})
+    s0 = (tmp_path / "shard-00000-of-00002.safetensors").read_bytes()
+    s1 = (tmp_path / "shard-00001-of-00002.safetensors").read_bytes()
+    assert len(s0) == 250 and s0[:8] == bytes.fromhex("e000000000000000")
+    assert s0[8:28] == b'{"__metadata__":{"fo'
+    # end of the JSON, 4 spaces, then the data: step = 7, bias = [1.0, -2.0], emb row 0
+    assert s0[0xE0:] == bytes.fromhex("385d7d7d20202020" "0700000000000000" "0000803f000000c0"
+                                      "0102")
+    assert s1 == (
+        bytes.fromhex("7000000000000000")
+        + b'{"__metadata__":{"format":"shardkit"},'
+        + b'"emb:2 2 1,1:0,2":{"dtype":"U8","shape":[1,2],"data_offsets":[0,2]}}'
+        + b"      " + b"\x03\x04"
+    )
+    doc = json.loads((tmp_path / "index.json").read_bytes())
+    assert doc["metadata"] == {"total_size": 20}
+    tensors = doc["shardkit"]["tensors"]
+    assert [s["xxh3"] for t in tensors.values() for s in t["slices"]] == [
+        "28a0ba9c345d3723", "81671e58d6b596af", "08130b77ddef5807", "754ea65aedd96680"]
+    assert [s["bytes"] for s in doc["shardkit"]["shards"]] == [250, 122]

@@ -1,0 +1,690 @@
+"""shardkit.reader: CheckpointReader, load, restore_into on checkpoints written by format.py."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import threading
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+from test_format import row_slices, whole, write_checkpoint
+
+from shardkit import format as fmt
+from shardkit import reader as rd
+from shardkit.errors import (
+    KeyNotFoundError,
+    ReaderClosedError,
+    RestoreMismatchError,
+    SliceIndexError,
+)
+from shardkit.slices import format_slice_spec
+from shardkit.tensors import flatten, unflatten
+
+RNG = np.random.default_rng(1234)
+
+
+def _sample(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return RNG.integers(0, 2, shape).astype(bool)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return RNG.integers(info.min, info.max, shape, dtype=dt, endpoint=True)
+    return (RNG.standard_normal(shape) * 4).astype(dt)
+
+
+ALL_DTYPES = [
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64,
+    ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> None:
+    """Same dtype, shape and bytes (NaN-safe: compares the raw bytes)."""
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+@pytest.fixture(params=[True, False], ids=["mmap", "pread"])
+def use_mmap(request):
+    return request.param
+
+
+# --- whole tensors -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def all_dtypes_ckpt(tmp_path):
+    arrays = {}
+    for dt in ALL_DTYPES:
+        name = np.dtype(dt).name
+        arrays[f"m/{name}"] = _sample(dt, (3, 5))
+        arrays[f"scalar/{name}"] = _sample(dt, ())
+        arrays[f"empty/{name}"] = _sample(dt, (0, 3))
+    write_checkpoint(tmp_path / "c", whole(arrays, n_shards=3), user_metadata={"step": 7})
+    return tmp_path / "c", arrays
+
+
+def test_every_dtype_round_trips(all_dtypes_ckpt, use_mmap):
+    path, arrays = all_dtypes_ckpt
+    with rd.CheckpointReader(path, mmap=use_mmap) as r:
+        assert r.keys() == list(arrays)
+        assert len(r) == len(arrays)
+        assert r.metadata == {"step": 7}
+        for k, a in arrays.items():
+            got = r[k]
+            _same(got, a)
+            assert got.flags.writeable is (not use_mmap)
+
+
+def test_mmap_views_are_zero_copy_read_only_and_aligned(all_dtypes_ckpt):
+    path, arrays = all_dtypes_ckpt
+    with rd.CheckpointReader(path) as r:
+        for k in arrays:
+            got = r.get(k)
+            assert not got.flags.writeable
+            if got.size:
+                assert isinstance(got.base, memoryview) or got.base is not None
+                assert got.ctypes.data % got.dtype.itemsize == 0, k
+                with pytest.raises(ValueError, match="read-only"):
+                    got.flat[0] = got.flat[0]
+
+
+def test_pread_arrays_are_owned_and_writable(all_dtypes_ckpt):
+    path, _ = all_dtypes_ckpt
+    with rd.CheckpointReader(path, mmap=False) as r:
+        a = r["m/float32"]
+    a[0, 0] = 1.5  # owned memory, still usable after close
+    assert a[0, 0] == 1.5
+
+
+def test_bf16_and_fp8_come_back_as_ml_dtypes(all_dtypes_ckpt):
+    path, _ = all_dtypes_ckpt
+    with rd.CheckpointReader(path) as r:
+        assert r["m/bfloat16"].dtype == np.dtype(ml_dtypes.bfloat16)
+        assert r["m/float8_e4m3fn"].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+        assert r["m/float8_e5m2"].dtype == np.dtype(ml_dtypes.float8_e5m2)
+        assert r["scalar/float64"].shape == ()
+
+
+def test_info_and_contains(tmp_path):
+    a = _sample(np.float32, (4, 6))
+    write_checkpoint(tmp_path, row_slices("w", a, 2, [0, 1]) + whole({"b": _sample(np.int8, (2,))}))
+    with rd.open_checkpoint(tmp_path) as r:
+        assert "w" in r and "b" in r and "x" not in r and 3 not in r
+        info = r.info("w")
+        assert info.dtype == np.float32 and info.dtype_name == "F32"
+        assert info.shape == (4, 6) and info.nbytes == 96 and info.is_split
+        assert info.device == "/job:localhost/replica:0/task:0/device:CPU:0"
+        assert [(s.spec, s.file, s.entry) for s in info.slices] == [
+            ("4 6 0,2:0,6", "shard-00000-of-00002.safetensors", "w:4 6 0,2:0,6"),
+            ("4 6 2,2:0,6", "shard-00001-of-00002.safetensors", "w:4 6 2,2:0,6"),
+        ]
+        assert not r.info("b").is_split
+        assert isinstance(r.index, fmt.CheckpointIndex)
+        assert list(r) == ["w", "b"]
+        assert "2 tensors" in repr(r)
+
+
+def test_shards_are_opened_lazily(tmp_path):
+    write_checkpoint(tmp_path, whole({"a": np.ones(3), "b": np.zeros(2)}, n_shards=2))
+    with rd.CheckpointReader(tmp_path) as r:
+        assert r._sources == {}
+        r["b"]
+        assert list(r._sources) == [1]
+
+
+# --- split tensors -------------------------------------------------------------------------------
+
+
+def _split_ckpt(path, a, key="t"):
+    """`a` stored as a 2x2 grid of blocks (rows split at 1, cols at 2) across 3 shards."""
+    r0, c0 = 1, 2
+    items = []
+    for i, (ro, rl) in enumerate([(0, r0), (r0, a.shape[0] - r0)]):
+        for j, (co, cl) in enumerate([(0, c0), (c0, a.shape[1] - c0)]):
+            offsets = (ro, co, *([0] * (a.ndim - 2)))
+            lengths = (rl, cl, *a.shape[2:])
+            spec = format_slice_spec(a.shape, offsets, lengths)
+            idx = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
+            items.append((key, spec, (2 * i + j) % 3, a[idx]))
+    write_checkpoint(path, items)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, ml_dtypes.bfloat16, np.float64])
+def test_split_tensor_is_assembled(tmp_path, dtype, use_mmap):
+    a = _sample(dtype, (5, 7, 3))
+    _split_ckpt(tmp_path, a)
+    with rd.CheckpointReader(tmp_path, mmap=use_mmap) as r:
+        got = r.get("t")
+        _same(got, a)
+        assert got.flags.writeable and got.flags.owndata
+
+
+def test_row_split_across_shards_large_enough_for_parallel_reads(tmp_path, monkeypatch):
+    # Small chunk size so the pool path and chunk splitting run on a small array.
+    monkeypatch.setattr(rd, "_PARALLEL_MIN", 1024)
+    monkeypatch.setattr(rd.RawShard, "read_granularity", 1000)
+    a = _sample(np.float64, (64, 33))
+    b = _sample(np.int16, (10_001,))
+    write_checkpoint(tmp_path, row_slices("a", a, 3, [0, 1, 2]) + whole({"b": b}))
+    with rd.CheckpointReader(tmp_path, mmap=False) as r:
+        _same(r["a"], a)
+        _same(r["b"], b)
+        _same(r.get_slice("a", np.s_[5:60:3, ::-2]), a[5:60:3, ::-2])
+        assert r._pool is not None
+    assert r._pool is None
+
+
+INDEXES = [
+    (), np.s_[...], np.s_[0], np.s_[-1], np.s_[1:4], np.s_[::-1], np.s_[4:0:-2], np.s_[:, 2],
+    np.s_[:, 1:6:2], np.s_[..., 1], np.s_[2, ..., ::-1], np.s_[1:2, 2:3, 1:2], np.s_[3, 4, 2],
+    np.s_[-2:, -5:-1], np.s_[None, 1], np.s_[:, None, ::3], np.s_[0:0], np.s_[:, 5:2],
+    np.s_[np.int64(1), ::4], np.s_[100:], np.s_[:, :, -1], np.s_[::2, ::-3, ::-1],
+]
+
+
+@pytest.mark.parametrize("index", INDEXES, ids=[repr(i) for i in INDEXES])
+def test_get_slice_matches_numpy(tmp_path, index, use_mmap):
+    a = _sample(np.int32, (5, 7, 3))
+    _split_ckpt(tmp_path / "split", a)
+    write_checkpoint(tmp_path / "whole", whole({"t": a}))
+    for path in ("split", "whole"):
+        with rd.CheckpointReader(tmp_path / path, mmap=use_mmap) as r:
+            _same(r.get_slice("t", index), a[index])
+
+
+def test_get_slice_hypothesis(tmp_path_factory):
+    hyp = pytest.importorskip("hypothesis", reason="hypothesis (test dependency) not installed")
+    st = pytest.importorskip("hypothesis.strategies", reason="hypothesis not installed")
+    a = _sample(np.uint16, (6, 5, 4))
+    path = tmp_path_factory.mktemp("hyp")
+    _split_ckpt(path, a)
+
+    def axis_index(dim):
+        return st.one_of(
+            st.integers(-dim, dim - 1),
+            st.builds(slice, st.none() | st.integers(-dim - 2, dim + 2),
+                      st.none() | st.integers(-dim - 2, dim + 2),
+                      st.none() | st.integers(-4, 4).filter(bool)),
+        )
+
+    gap_min = rd._GAP_MIN
+
+    @hyp.settings(max_examples=200, deadline=None)
+    @hyp.given(st.tuples(axis_index(6), axis_index(5), axis_index(4)), st.booleans(),
+               st.booleans())
+    def check(index, use_mmap, skip_gaps):
+        rd._GAP_MIN = 0 if skip_gaps else gap_min
+        try:
+            with rd.CheckpointReader(path, mmap=use_mmap) as r:
+                _same(r.get_slice("t", index), a[index])
+        finally:
+            rd._GAP_MIN = gap_min
+
+    check()
+
+
+def test_get_slice_returns_views_only_within_one_raw_entry(tmp_path):
+    a = _sample(np.float32, (4, 6))
+    write_checkpoint(tmp_path, row_slices("w", a, 2, [0, 1]))
+    with rd.CheckpointReader(tmp_path) as r:
+        inside = r.get_slice("w", np.s_[2:4, 1::2])
+        assert not inside.flags.writeable and not inside.flags.owndata
+        across = r.get_slice("w", np.s_[1:3])
+        assert across.flags.writeable
+        _same(inside, a[2:4, 1::2])
+        _same(across, a[1:3])
+
+
+def test_get_slice_reads_only_needed_bytes(tmp_path, monkeypatch):
+    a = _sample(np.float64, (100, 50))
+    write_checkpoint(tmp_path, row_slices("a", a, 4, [0, 1, 2, 3]))
+    reads = []
+    orig = rd.RawShard.read_into
+
+    def spy(self, entry, begin, end, dest):
+        reads.append((entry.name, begin, end))
+        return orig(self, entry, begin, end, dest)
+
+    monkeypatch.setattr(rd.RawShard, "read_into", spy)
+    with rd.CheckpointReader(tmp_path, mmap=False) as r:
+        _same(r.get_slice("a", np.s_[30:32, 10:12]), a[30:32, 10:12])
+    # rows 30..31 lie in the second slice (rows 25..49); bytes of local rows 5..6, cols 10..11
+    assert reads == [("a:100 50 25,25:0,50", (5 * 50 + 10) * 8, (6 * 50 + 11) * 8 + 8)]
+
+
+def test_get_slice_skips_large_gaps_in_pread_mode(tmp_path, monkeypatch):
+    a = _sample(np.int16, (40, 30, 20))
+    write_checkpoint(tmp_path, row_slices("a", a, 2, [0, 1]))
+    reads: list[int] = []
+    orig = rd.RawShard.read_into
+
+    def spy(self, entry, begin, end, dest):
+        reads.append(end - begin)
+        return orig(self, entry, begin, end, dest)
+
+    monkeypatch.setattr(rd.RawShard, "read_into", spy)
+    with rd.CheckpointReader(tmp_path, mmap=False) as r:
+        _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
+        # rows 3 and 13 are in the first stored slice (rows 0..19), row 23 in the second.
+        # Under 1 MiB a span is read whole, gaps included: rows 3..13 of column 5.
+        assert reads == [(10 * 30 * 20 + 20) * 2, 20 * 2]
+        reads.clear()
+        monkeypatch.setattr(rd, "_GAP_MIN", 0)
+        _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
+        assert reads == [20 * 2] * 3  # one 20-element row per selected index
+        reads.clear()
+        _same(r.get_slice("a", np.s_[::13, ::-7, 3]), a[::13, ::-7, 3])
+        assert reads == [2] * 20  # 4 rows x 5 columns, one element each
+        monkeypatch.setattr(rd, "_MAX_PIECES", 1)
+        reads.clear()
+        _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
+        assert reads == [(10 * 30 * 20 + 20) * 2, 20 * 2]  # over budget: not split
+
+
+@pytest.mark.parametrize("index", INDEXES, ids=[repr(i) for i in INDEXES])
+def test_get_slice_with_gap_skipping_matches_numpy(tmp_path, monkeypatch, index):
+    monkeypatch.setattr(rd, "_GAP_MIN", 0)
+    a = _sample(np.float32, (5, 7, 3))
+    _split_ckpt(tmp_path, a)
+    with rd.CheckpointReader(tmp_path, mmap=False) as r:
+        _same(r.get_slice("t", index), a[index])
+
+
+def test_get_slice_errors(tmp_path):
+    write_checkpoint(tmp_path, whole({"t": np.zeros((3, 4))}))
+    with rd.CheckpointReader(tmp_path) as r:
+        with pytest.raises(SliceIndexError, match="'t': index 3 is out of bounds for axis 0"):
+            r.get_slice("t", 3)
+        with pytest.raises(SliceIndexError, match="'t': index -5 is out of bounds for axis 1"):
+            r.get_slice("t", (0, -5))
+        with pytest.raises(SliceIndexError, match="too many indices: 3 for a tensor of shape"):
+            r.get_slice("t", (0, 0, 0))
+        with pytest.raises(SliceIndexError, match="single ellipsis"):
+            r.get_slice("t", (..., ...))
+        with pytest.raises(SliceIndexError, match=r"basic indices only .* list"):
+            r.get_slice("t", [0, 1])
+        with pytest.raises(SliceIndexError, match=r"basic indices only .* bool"):
+            r.get_slice("t", True)
+        with pytest.raises(KeyNotFoundError, match="'u'"):
+            r.get_slice("u", 0)
+
+
+def test_scalar_and_empty_tensors(tmp_path, use_mmap):
+    arrays = {"s": np.array(3.5, np.float32), "e": np.zeros((2, 0, 3), np.int16),
+              "z": np.zeros(0, np.uint8)}
+    write_checkpoint(tmp_path, whole(arrays))
+    with rd.CheckpointReader(tmp_path, mmap=use_mmap) as r:
+        for k, a in arrays.items():
+            _same(r[k], a)
+        _same(r.get_slice("s", ()), arrays["s"][()][...])
+        _same(r.get_slice("s", ...), arrays["s"][...])
+        _same(r.get_slice("e", np.s_[1]), arrays["e"][1])
+
+
+def test_checkpoint_with_only_empty_tensors(tmp_path, use_mmap):
+    # the data region of the shard is empty: nothing to map beyond the header
+    write_checkpoint(tmp_path, whole({"e": np.zeros((0,), np.float32)}))
+    with rd.CheckpointReader(tmp_path, mmap=use_mmap) as r:
+        _same(r["e"], np.zeros((0,), np.float32))
+        assert r.verify() == 1
+
+
+def test_mmap_and_pread_give_identical_results(tmp_path):
+    a = _sample(ml_dtypes.bfloat16, (9, 4))
+    items = row_slices("a", a, 3, [0, 1, 0]) + whole({"b": _sample(np.uint32, (17,))}, 2)
+    write_checkpoint(tmp_path, items)
+    with rd.CheckpointReader(tmp_path) as m, rd.CheckpointReader(tmp_path, mmap=False) as p:
+        for k in m.keys():
+            _same(m[k], p[k])
+            _same(m.get_slice(k, np.s_[1::2]), p.get_slice(k, np.s_[1::2]))
+
+
+# --- lifetime ------------------------------------------------------------------------------------
+
+
+def test_views_outlive_the_reader(tmp_path):
+    a = _sample(np.float64, (64, 64))
+    write_checkpoint(tmp_path, whole({"a": a, "b": np.ones(3)}))
+    r = rd.CheckpointReader(tmp_path)
+    view = r["a"]
+    part = r.get_slice("a", np.s_[3:5])
+    mm = r._sources[0]._map
+    assert mm is not None and not mm.closed
+    r.close()  # must not raise although views are exported
+    r.close()  # idempotent
+    ref = weakref.ref(r)
+    del r
+    gc.collect()
+    assert ref() is None
+    assert not mm.closed  # still mapped: the views keep it alive
+    _same(view, a)
+    _same(part, a[3:5])
+    assert float(view.sum()) == float(a.sum())
+    del view, part
+    gc.collect()
+
+
+def test_map_is_closed_when_no_view_is_alive(tmp_path):
+    write_checkpoint(tmp_path, whole({"a": np.ones(8)}))
+    r = rd.CheckpointReader(tmp_path)
+    float(r["a"].sum())  # the temporary view dies at once
+    gc.collect()
+    mm = r._sources[0]._map
+    r.close()
+    assert mm.closed
+
+
+def test_use_after_close_raises(tmp_path):
+    write_checkpoint(tmp_path, whole({"a": np.ones(2)}))
+    r = rd.CheckpointReader(tmp_path)
+    r.close()
+    with pytest.raises(ReaderClosedError, match="is closed"):
+        r["a"]
+
+
+def test_close_waits_for_reads_in_other_threads(tmp_path, monkeypatch):
+    a = _sample(np.int32, (100,))
+    write_checkpoint(tmp_path, whole({"a": a}))
+    started, release = threading.Event(), threading.Event()
+    events: list[str] = []
+    orig = rd.RawShard.read_into
+
+    def slow(self, entry, begin, end, dest):
+        started.set()
+        release.wait(10)
+        orig(self, entry, begin, end, dest)
+        events.append("read done")
+
+    monkeypatch.setattr(rd.RawShard, "read_into", slow)
+    r = rd.CheckpointReader(tmp_path, mmap=False)
+    result: list[np.ndarray] = []
+    reader_thread = threading.Thread(target=lambda: result.append(r["a"]))
+    reader_thread.start()
+    assert started.wait(10)
+    closer = threading.Thread(target=lambda: (r.close(), events.append("closed")))
+    closer.start()
+    for _ in range(10_000):  # wait until close() has begun (it then blocks on the read)
+        if r._closed:
+            break
+        threading.Event().wait(0.001)
+    with pytest.raises(ReaderClosedError):  # new reads are refused once close() began
+        r["a"]
+    assert events == []
+    release.set()
+    reader_thread.join(10)
+    closer.join(10)
+    assert events == ["read done", "closed"]  # the descriptor was closed after the read
+    _same(result[0], a)
+
+
+def test_concurrent_gets_open_each_shard_once(tmp_path):
+    arrays = {f"k{i}": _sample(np.float32, (50,)) for i in range(16)}
+    write_checkpoint(tmp_path, whole(arrays, n_shards=4))
+    opened = []
+    orig = rd.RawShard.__init__
+
+    def counting(self, *a, **kw):
+        opened.append(a[0])
+        orig(self, *a, **kw)
+
+    errors = []
+    with rd.CheckpointReader(tmp_path) as r:
+        rd.RawShard.__init__ = counting  # type: ignore[method-assign]
+        try:
+            def work():
+                try:
+                    for k, a in arrays.items():
+                        _same(r[k], a)
+                except BaseException as e:  # pragma: no cover - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=work) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            rd.RawShard.__init__ = orig  # type: ignore[method-assign]
+    assert not errors
+    assert sorted(opened) == sorted(set(opened)) and len(opened) == 4
+
+
+# --- load / verify --------------------------------------------------------------------------------
+
+
+def test_load_all_and_some(tmp_path, use_mmap):
+    a = _sample(np.float32, (6, 2))
+    items = row_slices("x/a", a, 2, [0, 1]) + whole({"x/b": np.arange(3), "c": np.ones(())}, 2)
+    write_checkpoint(tmp_path, items)
+    got = rd.load(tmp_path, mmap=use_mmap)
+    assert list(got) == ["x/a", "x/b", "c"]
+    _same(got["x/a"], a)
+    _same(got["x/b"], np.arange(3))
+    some = rd.load(tmp_path, ["c"], verify=True, mmap=use_mmap)
+    assert list(some) == ["c"]
+    assert list(rd.load(tmp_path, "x/b", mmap=use_mmap)) == ["x/b"]
+    with pytest.raises(KeyNotFoundError, match=r"'x/bb' is not in checkpoint .*did you mean 'x/b'"):
+        rd.load(tmp_path, ["x/bb"])
+    nested = unflatten(got)
+    assert set(nested["x"]) == {"a", "b"}
+
+
+def test_verify_counts_checked_entries(tmp_path):
+    a = _sample(np.int64, (4, 3))
+    write_checkpoint(tmp_path / "c", row_slices("a", a, 2, [0, 1]) + whole({"b": a}))
+    write_checkpoint(tmp_path / "n", whole({"b": a}), checksum=False)
+    with rd.CheckpointReader(tmp_path / "c", mmap=False) as r:
+        assert r.verify() == 3
+        assert r.verify(["b"]) == 1
+    with rd.CheckpointReader(tmp_path / "n", verify=True) as r:
+        assert r.verify() == 0
+
+
+def test_verify_streams_large_entries_in_pread_mode(tmp_path, monkeypatch):
+    monkeypatch.setattr(rd, "READ_CHUNK", 1000)
+    a = _sample(np.float32, (3001,))
+    write_checkpoint(tmp_path, whole({"a": a}))
+    with rd.CheckpointReader(tmp_path, mmap=False) as r:
+        assert r.verify() == 1
+
+
+# --- restore_into ---------------------------------------------------------------------------------
+
+
+def test_restore_into_numpy_in_place(tmp_path):
+    a = _sample(np.float32, (4, 6))
+    b = _sample(ml_dtypes.bfloat16, (3,))
+    items = row_slices("model/w", a, 2, [0, 1]) + whole({"model/b": b, "step": np.array(9)}, 2)
+    write_checkpoint(tmp_path, items)
+    state = {"model": {"w": np.zeros((4, 6), np.float32), "b": np.zeros(3, ml_dtypes.bfloat16)},
+             "step": np.array(0)}
+    w_before = state["model"]["w"]
+    restored = rd.restore_into(tmp_path, state, verify=True)
+    assert restored == ["model/w", "model/b", "step"]
+    assert state["model"]["w"] is w_before
+    _same(state["model"]["w"], a)
+    _same(state["model"]["b"], b)
+    assert state["step"] == 9
+
+
+def test_restore_into_big_endian_target(tmp_path):
+    a = np.arange(5, dtype="<i4")
+    write_checkpoint(tmp_path, whole({"a": a}))
+    target = np.zeros(5, ">i4")
+    rd.restore_into(tmp_path, {"a": target})
+    assert target.tolist() == a.tolist()
+
+
+def test_restore_into_mismatches(tmp_path):
+    write_checkpoint(tmp_path, whole({"w": np.zeros((2, 3), np.float32), "s": np.zeros(())}))
+    good = np.zeros((2, 3), np.float32)
+    with pytest.raises(RestoreMismatchError,
+                       match=r"key 'w' .*checkpoint has shape \[2, 3\] dtype F32 \(float32\), "
+                             r"the target has shape \[3, 2\] dtype F32"):
+        rd.restore_into(tmp_path, {"w": np.zeros((3, 2), np.float32)})
+    with pytest.raises(RestoreMismatchError,
+                       match=r"key 'w' .*target has shape \[2, 3\] dtype F64"):
+        rd.restore_into(tmp_path, {"w": np.zeros((2, 3))})
+    with pytest.raises(KeyNotFoundError, match="'missing' is not in checkpoint"):
+        rd.restore_into(tmp_path, {"w": good, "missing": np.zeros(1)})
+    assert not good.any()  # nothing copied before the error
+    ro = np.zeros((2, 3), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(RestoreMismatchError, match="target array is read-only"):
+        rd.restore_into(tmp_path, {"w": ro})
+    with pytest.raises(RestoreMismatchError, match="in place into a float"):
+        rd.restore_into(tmp_path, {"s": 1.0})
+
+
+def test_restore_into_torch(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch (optional) is not installed")
+    w = _sample(np.float32, (4, 6))
+    bf = _sample(ml_dtypes.bfloat16, (5,))
+    s = np.array(1.25, ml_dtypes.bfloat16)
+    items = row_slices("w", w, 2, [0, 1]) + whole({"bf": bf, "s": s, "i": np.arange(4)}, 2)
+    write_checkpoint(tmp_path, items)
+    state = {
+        "w": torch.zeros(4, 6, requires_grad=True),
+        "bf": torch.zeros(5, dtype=torch.bfloat16),
+        "s": torch.zeros((), dtype=torch.bfloat16),
+        "i": torch.zeros(8, dtype=torch.int64)[::2],  # strided view into a bigger buffer
+    }
+    restored = rd.restore_into(tmp_path, state)
+    assert restored == ["w", "bf", "s", "i"]
+    np.testing.assert_array_equal(state["w"].detach().numpy(), w)
+    got_bf = state["bf"].view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    _same(got_bf, bf)
+    assert float(state["s"]) == 1.25
+    assert state["i"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(RestoreMismatchError, match=r"key 'bf' .*checkpoint has shape \[5\] dtype "
+                       r"BF16 \(bfloat16\), the target has shape \[5\] dtype F32"):
+        rd.restore_into(tmp_path, {"bf": torch.zeros(5)})
+    with pytest.raises(RestoreMismatchError, match=r"key 'w' .*target has shape \[6, 4\]"):
+        rd.restore_into(tmp_path, {"w": torch.zeros(6, 4)})
+
+
+def test_restore_into_torch_copy_back_path(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch (optional) is not installed")
+    bf = _sample(ml_dtypes.bfloat16, (5,))
+    write_checkpoint(tmp_path, whole({"bf": bf, "f": np.arange(3, dtype=np.float32)}))
+    # Tensors outside host memory (CUDA...) are restored through a host copy and copy_back;
+    # the copy-back itself is checked here on CPU tensors.
+    state = {"bf": torch.zeros(5, dtype=torch.bfloat16), "f": torch.zeros(3)}
+    target, back = rd._restore_target(state["bf"], "bf")
+    assert back is None
+    rd._torch_copy_back(state["bf"], np.asarray(bf))
+    rd._torch_copy_back(state["f"], np.arange(3, dtype=np.float32))
+    _same(state["bf"].view(torch.int16).numpy().view(ml_dtypes.bfloat16), bf)
+    assert state["f"].tolist() == [0.0, 1.0, 2.0]
+    assert target.shape == (5,)
+
+
+def test_no_open_files_leak(tmp_path):
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to count open files")
+    write_checkpoint(tmp_path, whole({"a": np.ones(4), "b": np.ones(2)}, n_shards=2))
+    before = len(os.listdir("/proc/self/fd"))
+    for use_mmap in (True, False):
+        with rd.CheckpointReader(tmp_path, mmap=use_mmap) as r:
+            float(r["a"].sum() + r["b"].sum())
+    assert len(os.listdir("/proc/self/fd")) == before
+    r = rd.CheckpointReader(tmp_path, mmap=False)
+    float(r["a"].sum())
+    assert len(os.listdir("/proc/self/fd")) == before + 1
+    del r  # dropped without close(): the descriptor is released with the shard
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_single_full_box_slice_is_read_as_a_view(tmp_path):
+    # Some policies name an unsplit tensor by an explicit full-box spec instead of "".
+    a = _sample(np.float32, (4, 3))
+    write_checkpoint(tmp_path, [("a", "4 3 0,4:0,3", 0, a)])
+    doc = json.loads((tmp_path / "index.json").read_text())
+    assert doc["weight_map"] == {}  # no entry is named "a", so HF-style tools must not look
+    with rd.CheckpointReader(tmp_path) as r:
+        got = r["a"]
+        assert not got.flags.writeable and not got.flags.owndata
+        _same(got, a)
+        assert not r.info("a").is_split
+
+
+# --- round trips through the real writer (shardkit.api.save) ------------------------------------
+# (imported inside the tests: the reader tests above do not depend on the writer)
+
+
+def _state():
+    return {
+        "model": {
+            "w": _sample(np.float32, (300, 40)),
+            "b": _sample(np.float64, (40,)),
+            "emb": _sample(ml_dtypes.bfloat16, (50, 8)),
+            "q": _sample(ml_dtypes.float8_e4m3fn, (17, 3)),
+        },
+        "opt": [_sample(np.int64, ()), _sample(np.uint16, (0, 5)), _sample(np.bool_, (33,))],
+    }
+
+
+@pytest.mark.parametrize("policy", ["default", "max-shard-size", "all-in-one"])
+def test_round_trip_through_save(tmp_path, policy, use_mmap):
+    from shardkit.api import save
+    from shardkit.policies import AllInOnePolicy, MaxShardSizePolicy
+
+    callback = {"default": None, "max-shard-size": MaxShardSizePolicy(8192),
+                "all-in-one": AllInOnePolicy()}[policy]
+    state = _state()
+    save(tmp_path / "c", state, sharding_callback=callback, durable=False, metadata={"step": 5})
+    flat = dict(flatten(state))
+    with rd.CheckpointReader(tmp_path / "c", mmap=use_mmap) as r:
+        assert r.keys() == list(flat)
+        assert r.metadata == {"step": 5}
+        if policy == "max-shard-size":
+            assert r.info("model/w").is_split  # 48 KB tensor, 8 KB shards
+            assert len(r.index.shards) > 5
+        for k, a in flat.items():
+            _same(r[k], a)
+            if a.ndim:
+                _same(r.get_slice(k, np.s_[1::3]), a[1::3])
+        _same(r.get_slice("model/w", np.s_[-7:3:-11, ::-9]), flat["model/w"][-7:3:-11, ::-9])
+        assert r.verify() == sum(len(r.info(k).slices) for k in r.keys())
+    loaded = rd.load(tmp_path / "c", verify=True, mmap=use_mmap)
+    for k, a in flat.items():
+        _same(loaded[k], a)
+
+
+def test_save_then_restore_into_torch_and_numpy(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch (optional) is not installed")
+    from shardkit.api import save
+    from shardkit.policies import MaxShardSizePolicy
+
+    src = {"w": torch.randn(64, 32), "bf": torch.randn(16, dtype=torch.bfloat16),
+           "n": np.arange(10, dtype=np.int32)}
+    save(tmp_path / "c", src, sharding_callback=MaxShardSizePolicy(2048), durable=False)
+    dst = {"w": torch.zeros(64, 32), "bf": torch.zeros(16, dtype=torch.bfloat16),
+           "n": np.zeros(10, np.int32)}
+    assert rd.restore_into(tmp_path / "c", dst, verify=True) == ["w", "bf", "n"]
+    assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["bf"], src["bf"])
+    np.testing.assert_array_equal(dst["n"], src["n"])
+
+
+def test_zstd_shards_are_read_through_the_codec_hook(tmp_path, use_mmap):
+    from shardkit.api import save
+    from shardkit.options import CheckpointOptions
+
+    state = _state()
+    save(tmp_path / "c", state, options=CheckpointOptions(compression="zstd", durable=False))
+    with rd.CheckpointReader(tmp_path / "c", mmap=use_mmap) as r:
+        assert {s.codec for s in r.index.shards} == {"zstd"}
+        for k, a in flatten(state):
+            _same(r[k], a)
+        w = dict(flatten(state))["model/w"]
+        _same(r.get_slice("model/w", np.s_[5:290:4, 3]), w[5:290:4, 3])
+        assert r.verify() == len(r.keys())
