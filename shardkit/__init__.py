@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import _kernels  # noqa: F401  (fails loudly here if the native build is missing)
 from .api import DefaultShardingPolicy, SaveInfo, load, open, restore_into, save
 from .callback import Shard, ShardingCallback, shard_tensors, validate_shards
+from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
 from .devices import DeviceSpec
 from .errors import (
     CheckpointExistsError,
@@ -59,6 +60,9 @@ __all__ = [
     "AllInOnePolicy",
     "BalancedPolicy",
     "BinPackPolicy",
+    "Checkpoint",
+    "CheckpointLoadStatus",
+    "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
@@ -80,6 +84,7 @@ __all__ = [
     "PolicyProfile",
     "ReaderClosedError",
     "RestoreMismatchError",
+    "SaveHandle",
     "SaveInfo",
     "Shard",
     "ShardByTaskPolicy",

@@ -1,0 +1,821 @@
+"""Checkpoint and CheckpointManager: a drop-in saver for training loops, in TensorFlow's terms.
+
+    ckpt = Checkpoint(model=model, optimizer=optimizer)
+    manager = CheckpointManager(ckpt, "runs/ckpt", max_to_keep=3)
+    manager.restore_or_initialize()
+    ...
+    manager.save(checkpoint_number=step, options=CheckpointOptions(enable_async=True))
+
+A `Checkpoint` tracks named objects: nested dicts of arrays (numpy, torch, JAX), torch modules
+and optimizers, and anything with ``state_dict()`` / ``load_state_dict()``. Each tensor is stored
+under ``<object name>/<path in its state>``; the structure of every state dict, with its
+non-tensor values (optimizer hyperparameters, step counts, tuples, None), is stored as JSON in the
+checkpoint's user metadata under ``"shardkit.checkpoint"``; the save counter is the 0-d int64
+tensor ``save_counter``. Tensors that share memory (tied weights) are stored once and restored
+into every alias. Restoring copies into the existing arrays and tensors in place.
+
+With ``CheckpointOptions(enable_async=True)`` a save copies the state into a pool of host buffers
+(reused from save to save), returns, and writes in a background thread; the next save, restore,
+`Checkpoint.sync` and interpreter exit wait for it, and its error is raised by the next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import operator
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import api
+from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
+from .commit import INDEX_NAME, TMP_MARK
+from .errors import IncompleteRestoreError, RestoreMismatchError, ShardkitError
+from .options import CheckpointOptions
+from .reader import CheckpointReader, open_checkpoint
+from .tensors import SEPARATOR, to_host
+
+SAVE_COUNTER = "save_counter"
+METADATA_KEY = "shardkit.checkpoint"
+LAYOUT_VERSION = 1
+
+_MISSING: Any = object()  # "no value here" (distinct from None, which is a value)
+
+
+# --- what a tracked object is -------------------------------------------------------------------
+
+
+def _is_tensor(x: Any) -> bool:
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return True
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def _tensor_kind(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if isinstance(x, np.generic):
+        return "scalar"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    return "jax"
+
+
+def _object_kind(name: str, obj: Any) -> str:
+    if _is_tensor(obj):
+        return "array"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, torch.nn.Module):
+            return "module"
+    if callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        return "stateful"
+    if isinstance(obj, MutableMapping):
+        return "tree"
+    raise TypeError(
+        f"Checkpoint({name}=...): cannot track a {type(obj).__name__}; pass an array, a dict "
+        "of arrays, a torch module or optimizer, or an object with state_dict() and "
+        "load_state_dict()"
+    )
+
+
+# --- saving: state -> flat tensors + a JSON skeleton --------------------------------------------
+
+
+def _identity(x: Any) -> tuple[Any, ...] | None:
+    """What makes two tensors the same memory (tied weights); None for ones never shared."""
+    if isinstance(x, np.ndarray):
+        if x.size == 0:
+            return None
+        return ("numpy", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.numel() == 0:
+            return None
+        return (
+            "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
+            tuple(x.shape), x.stride(), x.dtype,
+        )
+    return None
+
+
+class _Collector:
+    """Gathers the tensors to store while the JSON skeleton of each object is built."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, Any] = {}
+        self._keys: set[str] = set()
+        self._first: dict[tuple[Any, ...], str] = {}
+
+    def tensor(self, key: str, value: Any) -> dict[str, Any]:
+        if key in self._keys:
+            raise ValueError(
+                f"two values map to the checkpoint key {key!r}; a dict key containing "
+                f"{SEPARATOR!r} collides with a nested one. Rename one of them"
+            )
+        self._keys.add(key)
+        enc: dict[str, Any] = {"x": key, "k": _tensor_kind(value)}
+        ident = _identity(value)
+        if ident is not None:
+            first = self._first.setdefault(ident, key)
+            if first != key:
+                enc["alias"] = first  # tied: the data is stored once, under `first`
+                return enc
+        self.tensors[key] = value
+        return enc
+
+
+def _encode(node: Any, key: str, col: _Collector) -> dict[str, Any]:
+    """The JSON skeleton of `node`; tensors are replaced by references to checkpoint keys."""
+    if _is_tensor(node):
+        return col.tensor(key, node)
+    if node is None or isinstance(node, (bool, int, str)):
+        return {"v": node}
+    if isinstance(node, float):
+        return {"f": repr(node)}  # exact, and also for inf / nan (which JSON lacks)
+    if isinstance(node, Mapping):
+        items = []
+        for k, v in node.items():
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise TypeError(f"{key!r}: key {k!r} is not a str or int; cannot checkpoint it")
+            items.append([k, _encode(v, f"{key}{SEPARATOR}{k}", col)])
+        return {"d": items}
+    if isinstance(node, (list, tuple)):
+        tag = "t" if isinstance(node, tuple) else "l"
+        return {tag: [_encode(v, f"{key}{SEPARATOR}{i}", col) for i, v in enumerate(node)]}
+    raise TypeError(
+        f"{key!r}: cannot checkpoint a {type(node).__name__}; state may hold tensors, dicts, "
+        "lists, tuples, None, bool, int, float and str"
+    )
+
+
+# --- restoring: JSON skeleton + reader -> values, in place --------------------------------------
+
+
+def _torch_np_dtype(dt: Any) -> np.dtype:
+    import torch
+
+    special = {
+        torch.bfloat16: ml_dtypes.bfloat16,
+        getattr(torch, "float8_e4m3fn", None): ml_dtypes.float8_e4m3fn,
+        getattr(torch, "float8_e5m2", None): ml_dtypes.float8_e5m2,
+    }
+    if dt in special:
+        return np.dtype(special[dt])
+    return torch.empty(0, dtype=dt).numpy().dtype
+
+
+def _dtype_of(x: Any) -> np.dtype:
+    if isinstance(x, (np.ndarray, np.generic)):
+        dt = x.dtype
+        return dt.newbyteorder("<") if dt.byteorder == ">" else dt
+    if _tensor_kind(x) == "torch":
+        return _torch_np_dtype(x.dtype)
+    return np.dtype(x.dtype)
+
+
+def _to_torch(array: np.ndarray) -> Any:
+    """A torch tensor sharing `array`'s memory (bfloat16 / float8 through an integer carrier)."""
+    import torch
+
+    torch_dtype = {
+        np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+        np.dtype(ml_dtypes.float8_e4m3fn): getattr(torch, "float8_e4m3fn", None),
+        np.dtype(ml_dtypes.float8_e5m2): getattr(torch, "float8_e5m2", None),
+    }.get(array.dtype)
+    if torch_dtype is None:
+        return torch.from_numpy(array)
+    carrier = np.int16 if array.dtype.itemsize == 2 else np.uint8
+    return torch.from_numpy(array.view(carrier)).view(torch_dtype)
+
+
+def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:
+    """A new object of `kind` holding a copy of the stored `array` (which may be a map view)."""
+    if kind == "torch":
+        t = _to_torch(np.array(array))
+        device = getattr(like, "device", None)
+        return t if device is None or device.type == "cpu" else t.to(device)
+    if kind == "scalar":
+        return array[()]
+    if kind == "jax":
+        jax = importlib.import_module("jax")  # optional; present if the state held JAX arrays
+        sharding = getattr(like, "sharding", None)
+        return jax.device_put(np.array(array), sharding) if sharding is not None else (
+            jax.numpy.asarray(np.array(array))
+        )
+    return np.array(array)
+
+
+def _copy_into(target: Any, stored: np.ndarray) -> None:
+    if isinstance(target, np.ndarray):
+        np.copyto(target, stored, casting="equiv")
+        return
+    if target.device.type == "cpu" and not (target.is_conj() or target.is_neg()):
+        np.copyto(to_host(target)[0], stored, casting="no")  # a view of the tensor's memory
+        return
+    import torch
+
+    with torch.no_grad():
+        target.copy_(_to_torch(np.ascontiguousarray(stored)))
+
+
+class _Restorer:
+    """One pass over the skeletons: a dry pass validates everything, the real one copies."""
+
+    def __init__(self, reader: CheckpointReader, dry: bool) -> None:
+        self.reader = reader
+        self.dry = dry
+        self.restored: list[str] = []
+        self.missing: list[str] = []
+        self.used: set[str] = set()
+        self.changed = False  # a value was replaced or created, not copied in place
+
+    def value(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
+        if "x" in enc:
+            return self.tensor(enc, current, key, create)
+        if "d" in enc:
+            return self.mapping(enc["d"], current, key, create)
+        if "l" in enc or "t" in enc:
+            return self.sequence(enc, current, key, create)
+        if current is _MISSING and not create:
+            return _MISSING
+        value = float(enc["f"]) if "f" in enc else enc["v"]
+        if not (type(current) is type(value) and (current == value or value != value)):
+            self.changed = True
+        return value
+
+    def mapping(self, items: list[Any], current: Any, key: str, create: bool) -> Any:
+        if current is _MISSING and not create:
+            return _MISSING
+        if not isinstance(current, Mapping):
+            create = True  # a new container: everything in it is new
+        mutable = isinstance(current, MutableMapping)
+        cur = current if isinstance(current, Mapping) else {}
+        target: Any = current if mutable else {}
+        stored = set()
+        for k, sub in items:
+            stored.add(k)
+            child = cur.get(k, _MISSING)
+            new = self.value(sub, child, f"{key}{SEPARATOR}{k}", create)
+            if new is not _MISSING and not self.dry and (child is not new or not mutable):
+                target[k] = new
+        for k, v in cur.items():
+            if k not in stored:
+                self.note_missing(v, f"{key}{SEPARATOR}{k}")
+                if not mutable and not self.dry:
+                    target[k] = v
+        if not mutable:
+            self.changed = True
+        return target
+
+    def sequence(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
+        items = enc["l"] if "l" in enc else enc["t"]
+        if current is _MISSING and not create:
+            return _MISSING
+        if not isinstance(current, (list, tuple)):
+            create = True
+        cur = current if isinstance(current, (list, tuple)) else ()
+        out = []
+        for i, sub in enumerate(items):
+            child = cur[i] if i < len(cur) else _MISSING
+            new = self.value(sub, child, f"{key}{SEPARATOR}{i}", create)
+            if new is not _MISSING:
+                out.append(new)
+            elif child is not _MISSING:
+                out.append(child)
+        for i in range(len(items), len(cur)):
+            self.note_missing(cur[i], f"{key}{SEPARATOR}{i}")
+        if "l" in enc and isinstance(current, list) and len(current) == len(out):
+            if not self.dry:
+                current[:] = out
+            return current
+        self.changed = True
+        return tuple(out) if "t" in enc else out
+
+    def note_missing(self, value: Any, key: str) -> None:
+        col = _Collector()
+        _encode_quiet(value, key, col)
+        self.missing.extend(col.tensors)
+
+    def tensor(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
+        src = enc.get("alias", enc["x"])
+        if src not in self.reader:
+            if current is not _MISSING:
+                self.note_missing(current, key)
+            return current
+        if current is _MISSING and not create:
+            return _MISSING
+        self.used.add(src)
+        info = self.reader.info(src)
+        self.restored.append(key)
+        where = f"{key!r}" if src == key else f"{key!r} (tied to {src!r})"
+        if current is _MISSING or not _is_tensor(current):
+            self.changed = True
+            if self.dry:
+                return current
+            return _new_value(self.reader.get(src), enc.get("k", "numpy"), None)
+        found_shape, found_dtype = tuple(current.shape), _dtype_of(current)
+        if found_shape != tuple(info.shape) or found_dtype != info.dtype:
+            raise RestoreMismatchError(
+                f"cannot restore {where} from {self.reader.path}: the checkpoint has shape "
+                f"{list(info.shape)} dtype {info.dtype}, the object has shape "
+                f"{list(found_shape)} dtype {found_dtype}"
+            )
+        kind = _tensor_kind(current)
+        if kind in ("scalar", "jax"):  # immutable: replaced by a new value of the same kind
+            self.changed = True
+            return current if self.dry else _new_value(self.reader.get(src), kind, current)
+        if kind == "numpy" and not current.flags.writeable:
+            raise RestoreMismatchError(
+                f"cannot restore {where} in place: the numpy array is read-only"
+            )
+        if not self.dry:
+            _copy_into(current, self.reader.get(src))
+        return current
+
+
+def _encode_quiet(value: Any, key: str, col: _Collector) -> None:
+    """Collect the tensor keys under `value`, ignoring what cannot be checkpointed."""
+    try:
+        _encode(value, key, col)
+    except (TypeError, ValueError):
+        pass
+
+
+@dataclasses.dataclass
+class CheckpointLoadStatus:
+    """What a restore matched, returned by `Checkpoint.read` / `Checkpoint.restore`.
+
+    `missing_keys`: tensors of the tracked objects that the checkpoint lacks (left unchanged).
+    `unexpected_keys`: checkpoint tensors no tracked object took.
+    """
+
+    path: str | None
+    restored_keys: list[str]
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError unless every value on both sides was matched."""
+        problems = []
+        if self.missing_keys:
+            problems.append(_listing("objects' values missing from the checkpoint",
+                                     self.missing_keys))
+        if self.unexpected_keys:
+            problems.append(_listing("checkpoint values no object took", self.unexpected_keys))
+        if self.path is None:
+            problems.append("nothing was restored (restore(None))")
+        if problems:
+            raise IncompleteRestoreError(
+                f"restore from {self.path} was not complete: " + "; ".join(problems)
+            )
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError unless every tracked value was restored."""
+        if self.missing_keys:
+            raise IncompleteRestoreError(
+                f"restore from {self.path}: "
+                + _listing("objects' values missing from the checkpoint", self.missing_keys)
+            )
+        return self
+
+    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError if nothing at all was restored."""
+        if not self.restored_keys:
+            raise IncompleteRestoreError(f"restore from {self.path} matched no value at all")
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Accept a partial restore (TensorFlow's spelling; shardkit never warns about it)."""
+        return self
+
+
+def _listing(what: str, keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return f"{len(keys)} {what}: {shown}{more}"
+
+
+# --- Checkpoint ---------------------------------------------------------------------------------
+
+
+def _check_options(options: CheckpointOptions | None) -> CheckpointOptions:
+    if options is None:
+        return CheckpointOptions()
+    if not isinstance(options, CheckpointOptions):
+        raise TypeError(f"options must be a CheckpointOptions, got {type(options).__name__}")
+    return options
+
+
+class Checkpoint:
+    """Saves and restores named objects; TensorFlow's ``tf.train.Checkpoint`` for any framework.
+
+    ``Checkpoint(model=model, optimizer=opt, data={"epoch": 0, "rng": rng_state})``. Objects are
+    reachable as attributes (``ckpt.model``). `save` writes ``<prefix>-<save_counter>``, `write`
+    writes exactly the path given; both return a `SaveHandle` (the path). `restore` / `read` copy
+    the stored values into the existing arrays and tensors in place.
+
+    Optimizers: restoring fills the optimizer's existing state tensors in place and then calls
+    ``load_state_dict`` with them and the stored hyperparameters. State the optimizer has not
+    created yet (no step taken) cannot be filled in place; it is created from the checkpoint and
+    handed to ``load_state_dict``. Any other object with ``state_dict()`` / ``load_state_dict()``
+    is restored the same way. JAX arrays, numpy scalars and Python values are immutable: they are
+    replaced inside their containers (a top-level JAX array: ``ckpt.<name>`` is the new one).
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        kinds = {}
+        for name, obj in objects.items():
+            if name == SAVE_COUNTER:
+                raise ValueError(f"{SAVE_COUNTER!r} is reserved for the checkpoint's save counter")
+            if SEPARATOR in name:
+                raise ValueError(f"object name {name!r} must not contain {SEPARATOR!r}")
+            kinds[name] = _object_kind(name, obj)
+        self._objects: dict[str, Any] = dict(objects)
+        self._kinds = kinds
+        self._save_counter = 0
+        self._pool = HostBufferPool()
+        self._writer = AsyncWriter()
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects")
+        if objects is not None and name in objects:
+            return objects[name]
+        raise AttributeError(f"Checkpoint has no object or attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(self._objects)}; save_counter={self._save_counter})"
+
+    @property
+    def save_counter(self) -> int:
+        """How many times `save` (or a manager) numbered a checkpoint; saved and restored."""
+        return self._save_counter
+
+    # -- writing
+
+    def save(self, file_prefix: str | os.PathLike[str],
+             options: CheckpointOptions | None = None) -> SaveHandle:
+        """Increment `save_counter` and write ``<file_prefix>-<save_counter>``."""
+        self._writer.wait()
+        self._save_counter += 1
+        return self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", options)
+
+    def write(self, file_prefix: str | os.PathLike[str],
+              options: CheckpointOptions | None = None) -> SaveHandle:
+        """Write the checkpoint at exactly `file_prefix` (replacing one already there)."""
+        return self._write(os.fspath(file_prefix), options)
+
+    def sync(self) -> None:
+        """Wait for a pending async save; raise its error if it failed."""
+        self._writer.wait()
+
+    wait_until_finished = sync
+
+    def _write(self, path: str, options: CheckpointOptions | None,
+               after_commit: Callable[[str], None] | None = None) -> SaveHandle:
+        opts = _check_options(options)
+        self._writer.wait()
+        tensors, metadata = self._collect()
+        if not opts.enable_async:
+            info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True)
+            if after_commit is not None:
+                after_commit(info.path)
+            return SaveHandle(info.path)
+        snapshot = self._pool.snapshot(tensors.items())
+        del tensors  # the write must not see later changes
+        write_opts = dataclasses.replace(opts, enable_async=False)
+        target = os.path.abspath(path)
+
+        def job() -> None:
+            info = api.save(target, snapshot, options=write_opts, metadata=metadata,
+                            overwrite=True)
+            if after_commit is not None:
+                after_commit(info.path)
+
+        return self._writer.submit(target, job)
+
+    def _current(self, name: str) -> Any:
+        obj = self._objects[name]
+        return obj if self._kinds[name] in ("array", "tree") else obj.state_dict()
+
+    def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        col = _Collector()
+        objects = {}
+        for name, kind in self._kinds.items():
+            objects[name] = {"kind": kind, "tree": _encode(self._current(name), name, col)}
+        col.tensor(SAVE_COUNTER, np.array(self._save_counter, np.int64))
+        metadata = {METADATA_KEY: {"version": LAYOUT_VERSION, "objects": objects}}
+        return col.tensors, metadata
+
+    # -- reading
+
+    def read(self, save_path: str | os.PathLike[str],
+             options: CheckpointOptions | None = None) -> CheckpointLoadStatus:
+        """Restore every tracked object from `save_path`, in place; returns the match status.
+
+        Shapes and dtypes are checked for every value before anything is changed
+        (RestoreMismatchError names the key). The save counter is restored too.
+        """
+        _check_options(options)
+        self._writer.wait()
+        path = str(os.fspath(save_path))
+        with open_checkpoint(path) as reader:
+            layout = reader.metadata.get(METADATA_KEY)
+            stored = _stored_objects(layout, path)
+            plans = []
+            for name, kind in self._kinds.items():
+                current = self._current(name)
+                enc = stored.get(name, {}).get("tree")
+                if enc is None:  # not saved by a Checkpoint: match tensors by key
+                    enc = _encode(current, name, _Collector())
+                plans.append((name, kind, current, enc, kind in ("optimizer", "stateful")))
+            for name, _, current, enc, create in plans:
+                _Restorer(reader, dry=True).value(enc, current, name, create)
+            restorer = _Restorer(reader, dry=False)
+            for name, kind, current, enc, create in plans:
+                restorer.changed = False
+                new = restorer.value(enc, current, name, create)
+                self._apply(name, kind, current, new, restorer.changed, path)
+            if SAVE_COUNTER in reader:
+                restorer.used.add(SAVE_COUNTER)
+                self._save_counter = int(reader.get(SAVE_COUNTER))
+            unexpected = [k for k in reader.keys() if k not in restorer.used]
+        return CheckpointLoadStatus(path, restorer.restored, restorer.missing, unexpected)
+
+    def restore(self, save_path: str | os.PathLike[str] | None,
+                options: CheckpointOptions | None = None) -> CheckpointLoadStatus:
+        """`read`, and TensorFlow's ``restore(None)``: restore nothing (all values missing)."""
+        if save_path is None:
+            self._writer.wait()
+            col = _Collector()
+            for name in self._objects:
+                _encode_quiet(self._current(name), name, col)
+            return CheckpointLoadStatus(None, [], list(col.tensors), [])
+        return self.read(save_path, options)
+
+    def _apply(self, name: str, kind: str, current: Any, new: Any, changed: bool,
+               path: str) -> None:
+        obj = self._objects[name]
+        if kind in ("array", "tree"):
+            if new is not _MISSING and new is not current:
+                self._objects[name] = new
+            return
+        if kind == "module" and not changed:
+            return  # every tensor was copied into the module's own memory
+        try:
+            obj.load_state_dict(new)
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            raise RestoreMismatchError(
+                f"cannot restore {name!r} from {path}: its load_state_dict rejected the "
+                f"stored state: {e}"
+            ) from e
+
+
+def _stored_objects(layout: Any, path: str) -> dict[str, Any]:
+    if layout is None:
+        return {}
+    if not isinstance(layout, dict) or not isinstance(layout.get("objects"), dict):
+        raise RestoreMismatchError(
+            f"{path}: user metadata {METADATA_KEY!r} is not a Checkpoint layout"
+        )
+    version = layout.get("version")
+    if not isinstance(version, int) or version > LAYOUT_VERSION:
+        raise RestoreMismatchError(
+            f"{path}: Checkpoint layout version {version!r} is newer than this shardkit reads "
+            f"({LAYOUT_VERSION}); upgrade shardkit"
+        )
+    return layout["objects"]
+
+
+# --- CheckpointManager --------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Numbered checkpoints in one directory, the newest `max_to_keep` kept (TensorFlow's API).
+
+    Checkpoints are ``<directory>/<checkpoint_name>-<number>``. Everything the manager reports
+    (`checkpoints`, `latest_checkpoint`) is read from the directory: only committed checkpoints
+    (directories holding ``index.json``, which a save writes last) count, so a crash can never
+    leave the manager pointing at a half-written one. Old checkpoints are deleted only after the
+    new one is committed (durable, with the default options), and only directories that match
+    this manager's naming exactly.
+
+    ``keep_checkpoint_every_n_hours``: of the checkpoints older than the newest `max_to_keep`,
+    the oldest is kept, and every one saved at least that many hours after the previous kept
+    one (by the modification time of its ``index.json``). Those are not in `checkpoints`.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_name: str = "ckpt",
+        step_counter: Any = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], Any] | None = None,
+    ) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        hours = keep_checkpoint_every_n_hours
+        if hours is not None and (
+            isinstance(hours, bool) or not isinstance(hours, (int, float))
+            or not math.isfinite(hours) or hours <= 0
+        ):
+            raise ValueError(
+                f"keep_checkpoint_every_n_hours must be a positive number, got {hours!r}"
+            )
+        if not isinstance(checkpoint_name, str) or not checkpoint_name or (
+            checkpoint_name.startswith(".") or os.sep in checkpoint_name
+            or (os.altsep and os.altsep in checkpoint_name)
+        ):
+            raise ValueError(
+                f"checkpoint_name must be a plain file name not starting with '.', got "
+                f"{checkpoint_name!r}"
+            )
+        if checkpoint_interval is not None:
+            if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
+                    or checkpoint_interval < 1:
+                raise ValueError(
+                    f"checkpoint_interval must be a positive int, got {checkpoint_interval!r}"
+                )
+            if step_counter is None:
+                raise ValueError("checkpoint_interval needs a step_counter to count steps")
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable, got {init_fn!r}")
+        self._checkpoint = checkpoint
+        self._directory = os.path.abspath(os.fspath(directory))
+        self._max_to_keep = max_to_keep
+        self._keep_seconds = None if hours is None else hours * 3600.0
+        self._name = checkpoint_name
+        self._pattern = re.compile(re.escape(checkpoint_name) + r"-(0|[1-9][0-9]*)")
+        self._step_counter = step_counter
+        self._interval = checkpoint_interval
+        self._init_fn = init_fn
+        self._last_step: int | None = None
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        return self._interval
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Paths of the managed committed checkpoints, oldest first (at most `max_to_keep`)."""
+        paths = [p for _, p in self._committed()]
+        return paths if self._max_to_keep is None else paths[-self._max_to_keep :]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The committed checkpoint with the highest number, or None."""
+        committed = self._committed()
+        return committed[-1][1] if committed else None
+
+    def _committed(self) -> list[tuple[int, str]]:
+        try:
+            names = os.listdir(self._directory)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            m = self._pattern.fullmatch(name)
+            path = os.path.join(self._directory, name)
+            if m and os.path.isfile(os.path.join(path, INDEX_NAME)):
+                found.append((int(m.group(1)), path))
+        found.sort()
+        return found
+
+    def _step(self) -> int:
+        value = self._step_counter
+        if callable(value) and not _is_tensor(value):
+            value = value()
+        return int(value)
+
+    def save(self, checkpoint_number: int | None = None, check_interval: bool = True,
+             options: CheckpointOptions | None = None) -> SaveHandle | None:
+        """Save ``<checkpoint_name>-<number>`` and delete checkpoints beyond `max_to_keep`.
+
+        The number is `checkpoint_number`, else the checkpoint's incremented save counter. With
+        `checkpoint_interval`, returns None without saving unless the step counter advanced by
+        at least that many steps since the last save (``check_interval=False`` forces a save).
+        With ``options.enable_async`` the write and the deletions run in the background.
+        """
+        self._checkpoint.sync()
+        step = self._step() if self._step_counter is not None else None
+        if self._interval is not None and check_interval and self._last_step is not None:
+            assert step is not None
+            if step < self._last_step + self._interval:
+                return None
+        if checkpoint_number is not None:
+            if isinstance(checkpoint_number, (bool, float)):
+                raise TypeError(f"checkpoint_number must be an int, got {checkpoint_number!r}")
+            number = operator.index(checkpoint_number)
+            if number < 0:
+                raise ValueError(f"checkpoint_number must be >= 0, got {number}")
+        self._checkpoint._save_counter += 1
+        if checkpoint_number is None:
+            number = self._checkpoint.save_counter
+        path = os.path.join(self._directory, f"{self._name}-{number}")
+        handle = self._checkpoint._write(path, options, after_commit=self._sweep)
+        if self._interval is not None:
+            self._last_step = step
+        return handle
+
+    def sync(self) -> None:
+        """Wait for a pending async save (and its deletions); raise its error."""
+        self._checkpoint.sync()
+
+    wait_until_finished = sync
+
+    def restore_or_initialize(self) -> str | None:
+        """Restore the latest checkpoint and return its path; else call `init_fn`, return None."""
+        latest = self.latest_checkpoint
+        if latest is None:
+            if self._init_fn is not None:
+                self._init_fn()
+            return None
+        self._checkpoint.restore(latest)
+        if self._step_counter is not None:
+            self._last_step = self._step()
+        return latest
+
+    def _sweep(self, new_path: str) -> None:
+        """Delete committed checkpoints older than the newest `max_to_keep` (not `new_path`)."""
+        if self._max_to_keep is None:
+            return
+        committed = self._committed()
+        newest = {p for _, p in committed[-self._max_to_keep :]}
+        newest.add(os.path.abspath(new_path))
+        last_kept: float | None = None
+        for _, path in committed:
+            if path in newest:
+                continue
+            if self._keep_seconds is not None:
+                stamp = _commit_time(path)
+                if last_kept is None or stamp >= last_kept + self._keep_seconds:
+                    last_kept = stamp
+                    continue
+            _delete_checkpoint(path)
+
+
+def _commit_time(path: str) -> float:
+    try:
+        return os.stat(os.path.join(path, INDEX_NAME)).st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+def _delete_checkpoint(path: str) -> None:
+    """Remove a checkpoint: renamed away in one step first, so no half-deleted one is visible."""
+    parent, name = os.path.split(path)
+    trash = tempfile.mkdtemp(prefix=f".{name}{TMP_MARK}", dir=parent)
+    try:
+        os.rename(path, trash)  # replaces the empty trash directory
+    except FileNotFoundError:
+        os.rmdir(trash)  # someone else deleted it
+        return
+    # A crash from here on leaves a hidden temp directory that the next save cleans up.
+    shutil.rmtree(trash, ignore_errors=True)
+    if os.path.lexists(trash):
+        raise ShardkitError(f"could not delete old checkpoint {path} (moved to {trash})")
+
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointLoadStatus",
+    "CheckpointManager",
+    "CheckpointOptions",
+    "SaveHandle",
+]
