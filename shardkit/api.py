@@ -1,0 +1,260 @@
+"""The functional front door: ``save`` (and, from the reader, ``load``, ``open``, ``restore_into``).
+
+    info = shardkit.save("ckpt", {"model": {"w": w, "b": b}}, overwrite=True)
+    state = shardkit.load("ckpt")
+
+`save` flattens the state, runs the sharding callback once per device task, validates its shards
+before writing a byte, writes the shard files in parallel into a hidden temp directory and
+publishes it atomically (shardkit.commit). A failed save leaves any earlier checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import commit
+from . import format as fmt
+from .callback import Shard, ShardingCallback, shard_tensors
+from .options import CheckpointOptions, check_threads
+from .reader import load, restore_into
+from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
+from .tensors import ShardableTensor, _gc_paused, shardable_tensors
+from .writer import default_threads, write_shards
+
+SINGLE_SHARD_BELOW = 64 * 1024 * 1024
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB")
+
+
+@dataclass(frozen=True, slots=True)
+class SaveInfo:
+    """What a save wrote: the checkpoint `path`, its `files` (shards, then index.json), their
+    total size in `bytes`, and the wall time in `seconds`."""
+
+    path: str
+    files: tuple[str, ...]
+    bytes: int
+    seconds: float
+
+
+class DefaultShardingPolicy(ShardingCallback):
+    """shardkit's default: one shard for small states, else near-equal shards, one per thread.
+
+    A state under 64 MiB goes into one shard (a second file costs more than it saves). A larger
+    state is cut, in the order given and between whole tensors, into ``max(threads,
+    ceil(total / max_shard_size))`` shards of near-equal size: the writer writes separate files
+    in parallel (about twice one file's speed on two cores), and shards stay under HuggingFace's
+    5 GB default. Tensors are never split, so every tensor stays readable by any safetensors or
+    HuggingFace tool through ``weight_map``; a tensor larger than the cap gets its own shard.
+    """
+
+    def __init__(self, threads: int | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+        check_threads(threads)
+        if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int):
+            raise TypeError(f"max_shard_size must be an int, got {max_shard_size!r}")
+        if max_shard_size < 1:
+            raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+        self.threads = threads or default_threads()
+        self.max_shard_size = max_shard_size
+
+    @property
+    def description(self) -> str:
+        return (
+            f"shardkit default: near-equal shards, one per writer thread (threads={self.threads}"
+            f", max_shard_size={self.max_shard_size}, one shard below {SINGLE_SHARD_BELOW} bytes)"
+        )
+
+    def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
+        sizes = [t.nbytes for t in shardable_tensors]
+        total = sum(sizes)
+        if total < SINGLE_SHARD_BELOW:
+            count = 1
+        else:
+            count = max(self.threads, math.ceil(total / self.max_shard_size))
+        count = max(1, min(count, len(sizes)))
+        shards: list[Shard] = []
+        current: Shard = {}
+        filled = done = 0
+        for t, size in zip(shardable_tensors, sizes):
+            if current and (
+                filled + size > self.max_shard_size
+                # cut when this tensor's midpoint passes the next equal-share boundary
+                or (len(shards) < count - 1 and done + size / 2 > (len(shards) + 1) * total / count)
+            ):
+                shards.append(current)
+                current, filled = {}, 0
+            current.setdefault(t.checkpoint_key, {})[t.slice_spec] = t.tensor
+            filled += size
+            done += size
+        if current:
+            shards.append(current)
+        return shards
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    sharding_callback: ShardingCallback | None = None,
+    threads: int | None = None,
+    durable: bool = True,
+    checksum: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    compression: str | None = None,
+    level: int | None = None,
+    shuffle: bool = True,
+    chunk_size: int | str = "4MiB",
+    options: CheckpointOptions | None = None,
+) -> SaveInfo:
+    """Save `state` (nested dicts / lists of arrays) as a sharded checkpoint directory at `path`.
+
+    - `sharding_callback`: decides the shards; None uses `DefaultShardingPolicy`. It runs once
+      per device task, and its shards are validated before any byte is written
+      (ShardingValidationError otherwise).
+    - `threads`: writer threads (default: one per core, at most 8).
+    - `durable`: fsync files and directories before returning (survives power loss).
+    - `checksum`: store an xxh3-64 checksum of every tensor slice, checked by ``verify``.
+    - `metadata`: a JSON-serialisable dict stored in ``index.json`` as ``user_metadata``.
+    - `overwrite`: replace an existing checkpoint at `path` atomically; without it an existing
+      path raises CheckpointExistsError. A path that is not a shardkit checkpoint is never
+      replaced.
+    - `progress`: show a tqdm progress bar in bytes.
+    - `compression`: None for raw safetensors shards (the default: restore is a memory map),
+      ``"zstd"`` for compressed ``.skz`` shards, with `level`, `shuffle` and `chunk_size` (see
+      `CheckpointOptions`).
+    - `options`: a `CheckpointOptions`, TensorFlow's spelling of the same settings. A keyword
+      left at its default takes the value from `options`; a keyword set to another value that
+      disagrees with `options` is an error.
+
+    Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
+    and no temp directory behind.
+    """
+    started = time.perf_counter()
+    opts = _resolve_options(
+        options,
+        experimental_sharding_callback=sharding_callback,
+        threads=threads,
+        durable=durable,
+        checksum=checksum,
+        compression=compression,
+        level=level,
+        shuffle=shuffle,
+        chunk_size=chunk_size,
+    )
+    if opts.enable_async:
+        raise ValueError(
+            "enable_async=True: the functional save() is synchronous; run it in your own "
+            "thread, or use a checkpoint manager"
+        )
+    for name, value in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    user_metadata = _check_metadata(metadata)
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"state must be a mapping (e.g. a dict of arrays), got {type(state).__name__}"
+        )
+    commit.check_target(path, overwrite)  # fail fast, before the callback runs
+    with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
+        return _save(path, state, opts, user_metadata, overwrite, progress, started)
+
+
+def _save(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    opts: CheckpointOptions,
+    user_metadata: dict[str, Any],
+    overwrite: bool,
+    progress: bool,
+    started: float,
+) -> SaveInfo:
+    tensors = shardable_tensors(state)
+    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
+    task_shards = shard_tensors(callback, tensors)
+    description = callback.description
+
+    with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
+        index = write_shards(
+            staging.path,
+            task_shards,
+            tensors,
+            description=description,
+            threads=opts.threads,
+            durable=opts.durable,
+            checksum=opts.checksum,
+            user_metadata=user_metadata,
+            progress=progress,
+            compression=opts.compression,
+            level=opts.level,
+            shuffle=opts.shuffle,
+            chunk_size=opts.chunk_size,
+        )
+        index_bytes = fmt.encode_index(index)
+        staging.commit(index_bytes)
+    target = str(staging.target)
+    opts.run_write_callbacks(target)
+    files = (*(s.file for s in index.shards), fmt.INDEX_FILE)
+    total = sum(s.bytes for s in index.shards) + len(index_bytes)
+    return SaveInfo(target, files, total, time.perf_counter() - started)
+
+
+_KEYWORD_DEFAULTS = {
+    "experimental_sharding_callback": None,
+    "threads": None,
+    "durable": True,
+    "checksum": True,
+    "compression": None,
+    "level": None,
+    "shuffle": True,
+    "chunk_size": "4MiB",
+}
+_KEYWORD_NAMES = {"experimental_sharding_callback": "sharding_callback"}
+
+
+def _resolve_options(options: CheckpointOptions | None, **given: Any) -> CheckpointOptions:
+    """The options of a save: `options` if given, else built from the keywords.
+
+    A keyword left at its default defers to `options`; one set to another value must agree.
+    """
+    if options is None:
+        return CheckpointOptions(**given)
+    if not isinstance(options, CheckpointOptions):
+        raise TypeError(f"options must be a CheckpointOptions, got {type(options).__name__}")
+    for field_name, value in given.items():
+        default = _KEYWORD_DEFAULTS[field_name]
+        in_options = getattr(options, field_name)
+        if value is not default and value != default and value != in_options:
+            raise ValueError(
+                f"save(..., {_KEYWORD_NAMES.get(field_name, field_name)}={value!r}) conflicts "
+                f"with options.{field_name}={in_options!r}; set it in one place only"
+            )
+    return options
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    data = dict(metadata)
+    try:
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"metadata must be JSON-serialisable (str keys; str, numbers, bools, None, lists, "
+            f"dicts; no NaN): {e}"
+        ) from None
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"metadata keys must be str, got {bad[0]!r}")
+    return data
+
+
+__all__ = ["DefaultShardingPolicy", "SaveInfo", "load", "open", "restore_into", "save"]

@@ -1,0 +1,384 @@
+"""Atomic publication of a checkpoint directory.
+
+A save writes everything into a hidden sibling temp directory ``.<name>.shardkit-tmp-<random>``,
+``index.json`` last, and publishes it with one rename; with ``durable=True`` every file, the temp
+directory and, after the rename, the parent directory are fsynced. A reader therefore sees the
+old complete checkpoint, the new complete one, or nothing; never a partial one.
+
+Replacing an existing checkpoint (``overwrite=True``) keeps that promise: on Linux the two
+directories are swapped in one ``renameat2(RENAME_EXCHANGE)`` and the old one (now under the temp
+name) is deleted afterwards. Where the exchange is unsupported, the fallback renames the old
+checkpoint aside to ``.<name>.shardkit-old-<random>``, renames the new one in, and deletes the old.
+A crash between those two renames leaves the path missing but both checkpoints complete on disk;
+`recover` (called by every save, callable by readers) renames the old one back.
+
+Concurrency: every temp directory is locked with ``flock`` on its own directory fd for as long as
+its save runs. Stale-directory cleanup only removes directories whose lock it can take without
+waiting, so it never deletes the work of a save running in another process; a save whose fresh
+temp directory was removed by a cleaner in the instant before it took the lock notices (the inode
+behind its fd is gone) and starts again with a new name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Final
+
+from .errors import CheckpointExistsError, ShardkitError
+
+INDEX_NAME: Final = "index.json"
+TMP_MARK: Final = ".shardkit-tmp-"
+OLD_MARK: Final = ".shardkit-old-"
+
+_RENAME_NOREPLACE: Final = 1
+_RENAME_EXCHANGE: Final = 2
+_AT_FDCWD: Final = -100
+# renameat2 syscall numbers, for a libc without the wrapper (glibc < 2.28).
+_SYS_RENAMEAT2: Final = {"x86_64": 316, "aarch64": 276, "i686": 353, "ppc64le": 357}
+
+
+_FORMAT_FIELD = re.compile(rb'^\s*\{\s*"format"\s*:\s*"shardkit"\s*[,}]')
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True if `path` is a directory holding a shardkit ``index.json``.
+
+    shardkit writes ``"format": "shardkit"`` as the first field, so normally only the start of
+    the file is read (an index of a million tensors is not parsed just to be replaced); an index
+    whose fields were reordered is parsed in full.
+    """
+    try:
+        with open(Path(path) / INDEX_NAME, "rb") as f:
+            head = f.read(4096)
+            if _FORMAT_FIELD.match(head):
+                return True
+            doc = json.loads(head + f.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == "shardkit"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so that the names in it (renames, new files) are durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Staging:
+    """A locked temp directory that becomes the checkpoint at `target` on `commit`.
+
+    Use as a context manager: leaving the block with an exception (or without committing)
+    removes the temp directory, so a failed save leaves no trace and any earlier checkpoint at
+    `target` untouched.
+    """
+
+    def __init__(self, target: Path, *, overwrite: bool, durable: bool) -> None:
+        self.target = target
+        self.overwrite = overwrite
+        self.durable = durable
+        self.committed = False
+        self._lock_fd: int | None
+        self.path, self._lock_fd = _make_locked_tmp(target)
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.committed:
+            self.abort()
+
+    def abort(self) -> None:
+        """Remove the temp directory and release its lock. Idempotent."""
+        if self._lock_fd is not None:
+            try:
+                _remove_tree(self.path)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def commit(self, index_bytes: bytes) -> None:
+        """Write ``index.json`` last and publish the temp directory at `target`."""
+        if self._lock_fd is None:
+            raise ShardkitError(f"cannot commit {self.target}: the save was already aborted")
+        index = self.path / INDEX_NAME
+        fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, index_bytes)
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.durable:
+            os.fsync(self._lock_fd)  # the directory's entries
+        old = _publish(self.path, self.target, overwrite=self.overwrite)
+        self.committed = True
+        os.close(self._lock_fd)
+        self._lock_fd = None
+        if self.durable:
+            fsync_dir(self.target.parent)
+        if old is not None:
+            _remove_tree(old)
+
+
+def stage(path: str | os.PathLike[str], *, overwrite: bool, durable: bool) -> Staging:
+    """Check that a checkpoint may be written at `path` and open its temp directory.
+
+    Raises CheckpointExistsError if `path` exists and `overwrite` is False, or if it exists and
+    is not a shardkit checkpoint (shardkit never deletes data it did not write). Also recovers
+    from an interrupted fallback overwrite and removes stale temp directories of crashed saves
+    in the same parent directory.
+    """
+    target = Path(os.path.abspath(os.fspath(path)))
+    if not target.name or target.name in (".", ".."):
+        raise ShardkitError(f"cannot save a checkpoint at {str(path)!r}: not a directory name")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover(target)
+    check_target(target, overwrite)
+    cleanup_stale(target.parent)
+    return Staging(target, overwrite=overwrite, durable=durable)
+
+
+def check_target(path: str | os.PathLike[str], overwrite: bool) -> None:
+    """Raise CheckpointExistsError unless a checkpoint may be written at `path`."""
+    target = Path(os.path.abspath(os.fspath(path)))
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{target} already exists; pass overwrite=True to replace the checkpoint there"
+        )
+    if target.is_symlink() or not target.is_dir():
+        raise CheckpointExistsError(
+            f"{target} exists and is not a checkpoint directory (it is a file or a symlink); "
+            "shardkit only replaces checkpoints it wrote. Remove it or choose another path"
+        )
+    if not is_checkpoint(target) and _scan(target):
+        raise CheckpointExistsError(
+            f"{target} exists, is not empty and holds no shardkit {INDEX_NAME}; refusing to "
+            "replace it even with overwrite=True, so as never to delete data that is not a "
+            "checkpoint. Remove it or choose another path"
+        )
+
+
+def recover(path: str | os.PathLike[str]) -> bool:
+    """Finish an interrupted fallback overwrite: if `path` is missing but an old checkpoint was
+    set aside under ``.<name>.shardkit-old-<random>``, rename it back. True if it did.
+    """
+    target = Path(os.path.abspath(os.fspath(path)))
+    if os.path.lexists(target) or not target.parent.is_dir():
+        return False
+    prefix = f".{target.name}{OLD_MARK}"
+    for entry in _scan(target.parent):
+        if entry.name.startswith(prefix) and is_checkpoint(entry.path):
+            try:
+                os.rename(entry.path, target)
+            except OSError:
+                continue  # another process recovered it first
+            return True
+    return False
+
+
+_STALE = re.compile(r"^\..+(\.shardkit-tmp-|\.shardkit-old-)[A-Za-z0-9_]+$")
+
+
+def cleanup_stale(parent: str | os.PathLike[str]) -> list[str]:
+    """Remove temp directories of crashed saves in `parent`; returns the names removed.
+
+    Only directories named by shardkit (``.<name>.shardkit-tmp-*`` / ``-old-*``) whose lock is
+    free are removed. A set-aside old checkpoint (``-old-``) is kept while its checkpoint path is
+    missing, because `recover` still needs it.
+    """
+    removed = []
+    for entry in _scan(Path(parent)):
+        name = entry.name
+        if not _STALE.match(name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        if OLD_MARK in name:
+            original = name[1 : name.rindex(OLD_MARK)]
+            if not os.path.lexists(os.path.join(parent, original)):
+                continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a running save holds it
+            _remove_tree(Path(entry.path))
+            removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _scan(parent: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(parent) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _new_dir(parent: Path, prefix: str) -> Path:
+    """A new directory ``<prefix><random>`` with the mode a plain mkdir gives (umask honoured;
+    tempfile.mkdtemp would make it 0700, and the rename would publish that mode)."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(6)}"
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            continue
+        return path
+    raise ShardkitError(f"could not create a directory named {prefix}* in {parent}")
+
+
+def _make_locked_tmp(target: Path) -> tuple[Path, int]:
+    for _ in range(100):
+        path = _new_dir(target.parent, f".{target.name}{TMP_MARK}")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A concurrent cleanup may have taken the lock first and removed the directory.
+            alive = os.fstat(fd).st_nlink > 0 and _same_inode(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if alive:
+            return path, fd
+        os.close(fd)
+    raise ShardkitError(f"could not create a temp directory next to {target}")
+
+
+def _same_inode(path: Path, fd: int) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that tolerates entries vanishing under it (a concurrent cleanup)."""
+
+    def tolerate_missing(func: object, p: str, exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            raise exc
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=tolerate_missing)
+    else:
+        shutil.rmtree(path, onerror=lambda f, p, info: tolerate_missing(f, p, info[1]))
+
+
+def _publish(tmp: Path, target: Path, *, overwrite: bool) -> Path | None:
+    """Move `tmp` to `target`. Returns where the replaced old checkpoint now is, if any."""
+    if _renameat2(tmp, target, _RENAME_NOREPLACE):
+        return None
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{target} was created by someone else while this save ran; pass overwrite=True "
+            "to replace it"
+        )
+    check_target(target, overwrite=True)
+    if _renameat2(tmp, target, _RENAME_EXCHANGE):
+        return tmp  # the old checkpoint now lives under the temp name
+    return _publish_fallback(tmp, target)
+
+
+def _publish_fallback(tmp: Path, target: Path) -> Path:
+    old = _new_dir(target.parent, f".{target.name}{OLD_MARK}")
+    os.rename(target, old)  # old is an empty dir: rename replaces it
+    # If we crash here, `recover` renames `old` back; the new checkpoint stays in `tmp`.
+    os.rename(tmp, target)
+    return old
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; True if it renamed (or exchanged).
+
+    False if `dst` exists (NOREPLACE) or if the call or flag is unsupported (EXCHANGE). Without
+    renameat2, NOREPLACE degrades to a plain rename when `dst` is absent.
+    """
+    try:
+        rc, err = _call_renameat2(os.fsencode(src), os.fsencode(dst), flags)
+    except _Unsupported:
+        rc, err = -1, errno.ENOSYS
+    if rc == 0:
+        return True
+    if err == errno.EEXIST or (flags == _RENAME_NOREPLACE and err == errno.ENOTEMPTY):
+        return False
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        if flags == _RENAME_NOREPLACE:
+            if os.path.lexists(dst):
+                return False
+            os.rename(src, dst)  # not atomic against a concurrent creator; best effort
+            return True
+        return False
+    raise OSError(err, f"renaming {src} to {dst}: {os.strerror(err)}")
+
+
+def _load_renameat2():  # type: ignore[no-untyped-def]
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+    number = _SYS_RENAMEAT2.get(platform.machine()) if platform.system() == "Linux" else None
+    if number is None:
+        return None
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+
+    def via_syscall(olddir, old, newdir, new, flags):  # type: ignore[no-untyped-def]
+        return syscall(
+            ctypes.c_long(number),
+            ctypes.c_int(olddir),
+            ctypes.c_char_p(old),
+            ctypes.c_int(newdir),
+            ctypes.c_char_p(new),
+            ctypes.c_uint(flags),
+        )
+
+    return via_syscall
+
+
+_renameat2_fn = _load_renameat2()
+
+
+def _call_renameat2(src: bytes, dst: bytes, flags: int) -> tuple[int, int]:
+    if _renameat2_fn is None:
+        raise _Unsupported
+    rc = _renameat2_fn(_AT_FDCWD, src, _AT_FDCWD, dst, flags)
+    return (0, 0) if rc == 0 else (-1, ctypes.get_errno())

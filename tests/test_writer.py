@@ -1,0 +1,559 @@
+"""save(): shard files byte for byte, through shardkit's reader and through safetensors itself."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import xxhash
+from safetensors import safe_open
+
+from shardkit import api, writer
+from shardkit.callback import ShardingCallback
+from shardkit.dtypes import SAFETENSORS_NAMES, numpy_dtype
+from shardkit.errors import CheckpointExistsError, ShardingValidationError
+from shardkit.options import CheckpointOptions
+from shardkit.reader import load
+from shardkit.slices import format_slice_spec
+
+SAFETENSORS_NUMPY = {n for n in SAFETENSORS_NAMES if not n.startswith("F8_")}
+
+
+def _random(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(rng.bytes(n), dtype=np.uint8).view(dtype).reshape(shape).copy()
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Byte-for-byte (NaN payloads included), same dtype and shape."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
+
+
+def _raw_entries(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Parse a safetensors file by hand: entry -> (dtype, shape, bytes)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    assert (8 + n) % 8 == 0
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__")
+    body = data[8 + n :]
+    spans = sorted(e["data_offsets"] for e in header.values())
+    pos = 0
+    for begin, end in spans:  # contiguous, no holes, covering the region exactly
+        assert begin == pos
+        pos = end
+    assert pos == len(body)
+    return {k: (e["dtype"], e["shape"], body[slice(*e["data_offsets"])]) for k, e in header.items()}
+
+
+def _check_checkpoint(path: Path, flat: dict[str, np.ndarray]) -> dict:
+    """Every tensor round-trips through shardkit's reader (verified) and through safetensors."""
+    index = json.loads((path / "index.json").read_text())
+    loaded = load(path, verify=True)
+    assert list(loaded) == list(flat)
+    for key, value in flat.items():
+        assert _same(loaded[key], value), key
+    tensors = index["shardkit"]["tensors"]
+    assert list(tensors) == list(flat)
+    for shard_no, shard in enumerate(index["shardkit"]["shards"]):
+        file = path / shard["file"]
+        assert shard["bytes"] == file.stat().st_size
+        assert shard["codec"] == "raw"
+        raw = _raw_entries(file)
+        with safe_open(str(file), framework="np") as f:
+            assert f.metadata() == {"format": "shardkit"}
+            assert sorted(f.keys()) == sorted(raw)
+            for entry, (dtype_name, shape, data) in raw.items():
+                key, _, spec = entry.partition(":")
+                info = tensors[key]
+                (slice_info,) = [s for s in info["slices"] if s["entry"] == entry]
+                assert slice_info["shard"] == shard_no and slice_info["spec"] == spec
+                assert slice_info["xxh3"] == xxhash.xxh3_64_hexdigest(data)
+                original = flat[key]
+                if spec:
+                    region = tuple(
+                        slice(int(o), int(o) + int(n))
+                        for o, n in (r.split(",") for r in spec.split(" ")[-1].split(":"))
+                    )
+                    original = original[region]
+                assert _same(np.frombuffer(data, numpy_dtype(dtype_name)).reshape(shape),
+                             original)
+                sl = f.get_slice(entry)
+                assert (sl.get_dtype(), sl.get_shape()) == (info["dtype"], list(original.shape))
+                if dtype_name in SAFETENSORS_NUMPY:
+                    assert _same(f.get_tensor(entry), original), entry
+    return index
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def test_every_dtype_and_odd_shape_round_trips(tmp_path, rng):
+    flat = {}
+    for name in SAFETENSORS_NAMES:
+        dt = numpy_dtype(name)
+        flat[f"{name}/matrix"] = _random(rng, dt, (3, 5))
+        flat[f"{name}/scalar"] = _random(rng, dt, ())
+        flat[f"{name}/empty"] = _random(rng, dt, (0, 4))
+    base = _random(rng, np.dtype(np.float32), (6, 8))
+    flat["layout/strided"] = base[::2, 1::3]
+    flat["layout/fortran"] = np.asfortranarray(_random(rng, np.dtype(np.int32), (4, 7)))
+    flat["layout/transposed_bf16"] = _random(rng, np.dtype(ml_dtypes.bfloat16), (5, 3)).T
+    flat["layout/negative_stride"] = _random(rng, np.dtype(np.int16), (9,))[::-1]
+    state: dict = {}
+    for key, value in flat.items():
+        group, leaf = key.split("/")
+        state.setdefault(group, {})[leaf] = value
+    info = api.save(tmp_path / "ckpt", state, durable=False)
+    assert info.files == ("shard-00000-of-00001.safetensors", "index.json")
+    assert info.bytes == sum((tmp_path / "ckpt" / f).stat().st_size for f in info.files)
+    assert info.seconds > 0
+    _check_checkpoint(tmp_path / "ckpt", flat)
+
+
+def test_index_records_order_devices_metadata_and_callback(tmp_path, rng):
+    flat = {"z": _random(rng, np.dtype(np.float32), (4,)),
+            "a": _random(rng, np.dtype(np.int8), (3,))}
+    api.save(tmp_path / "ckpt", flat, metadata={"step": 7, "tags": ["x"]}, durable=False)
+    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    assert index["format"] == "shardkit" and index["format_version"] == "1.0"
+    assert index["metadata"] == {"total_size": 19}
+    assert index["weight_map"] == {"z": "shard-00000-of-00001.safetensors",
+                                   "a": "shard-00000-of-00001.safetensors"}
+    sk = index["shardkit"]
+    assert list(sk["tensors"]) == ["z", "a"]
+    assert sk["user_metadata"] == {"step": 7, "tags": ["x"]}
+    assert sk["callback"] == api.DefaultShardingPolicy().description
+    assert sk["tensors"]["z"]["device"] == "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+def test_checksum_false_stores_null(tmp_path, rng):
+    api.save(tmp_path / "ckpt", {"x": _random(rng, np.dtype(np.float64), (10,))},
+             checksum=False, durable=False)
+    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    assert index["shardkit"]["tensors"]["x"]["slices"][0]["xxh3"] is None
+
+
+class _SplitRows(ShardingCallback):
+    """Splits every 2-d tensor into row blocks of `rows`, one shard per block (views)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    @property
+    def description(self) -> str:
+        return f"split rows by {self.rows}"
+
+    def __call__(self, shardable_tensors):
+        shards = []
+        for t in shardable_tensors:
+            if t.tensor.ndim != 2 or t.tensor.shape[0] == 0:
+                shards.append({t.checkpoint_key: {"": t.tensor}})
+                continue
+            n, m = t.tensor.shape
+            for start in range(0, n, self.rows):
+                length = min(self.rows, n - start)
+                spec = format_slice_spec((n, m), (start, 0), (length, m))
+                shards.append({t.checkpoint_key: {spec: t.tensor[start : start + length]}})
+        return shards
+
+
+def test_split_tensors_round_trip(tmp_path, rng):
+    flat = {
+        "w": _random(rng, np.dtype(np.float32), (10, 3)),
+        "v": _random(rng, np.dtype(ml_dtypes.bfloat16), (5, 2)),
+        "s": _random(rng, np.dtype(np.int64), ()),
+    }
+    api.save(tmp_path / "ckpt", flat, sharding_callback=_SplitRows(4), durable=False)
+    index = _check_checkpoint(tmp_path / "ckpt", flat)
+    w = index["shardkit"]["tensors"]["w"]
+    assert [s["spec"] for s in w["slices"]] == ["10 3 0,4:0,3", "10 3 4,4:0,3", "10 3 8,2:0,3"]
+    assert w["shape"] == [10, 3]
+    assert "w" not in index["weight_map"] and "s" in index["weight_map"]
+    assert len(index["shardkit"]["shards"]) == 3 + 2 + 1
+    assert index["shardkit"]["callback"] == "split rows by 4"
+
+
+def _policies():
+    policies = pytest.importorskip("shardkit.policies", reason="shardkit.policies not built yet")
+    return [
+        policies.ShardByTaskPolicy(),
+        policies.MaxShardSizePolicy(700),
+        policies.MaxShardSizePolicy("2KiB"),
+        policies.AllInOnePolicy(),
+        policies.BinPackPolicy(1500),
+        policies.BalancedPolicy(3),
+    ]
+
+
+def test_every_builtin_policy_round_trips(tmp_path, rng):
+    flat = {f"layer{i}/w": _random(rng, np.dtype(np.float32), (int(rng.integers(1, 20)), 13))
+            for i in range(12)}
+    flat["big"] = _random(rng, np.dtype(np.float16), (40, 30))  # larger than some max sizes
+    flat["scalar"] = _random(rng, np.dtype(np.uint8), ())
+    flat["empty"] = _random(rng, np.dtype(np.int32), (0,))
+    for i, policy in enumerate(_policies()):
+        path = tmp_path / f"ckpt{i}"
+        api.save(path, flat, sharding_callback=policy, durable=False)
+        index = _check_checkpoint(path, flat)
+        assert index["shardkit"]["callback"] == policy.description
+
+
+def test_many_small_tensors_are_gathered(tmp_path, rng, monkeypatch):
+    flat = {f"t{i:05d}": _random(rng, np.dtype(np.float32), (int(rng.integers(0, 40)),))
+            for i in range(3000)}
+    calls = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(
+        os, "pwrite", lambda fd, b, o: calls.append(len(b)) or real_pwrite(fd, b, o)
+    )
+    api.save(tmp_path / "ckpt", flat, durable=False, threads=1)
+    assert len(calls) == 2  # the header, then one gathered buffer (< 4 MiB of data)
+    _check_checkpoint(tmp_path / "ckpt", flat)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, monkeypatch, threads):
+    flat = {f"k{i}": _random(rng, np.dtype(np.float32), (int(rng.integers(0, 3000)),))
+            for i in range(60)}
+    flat["nc"] = _random(rng, np.dtype(np.float64), (50, 40))[:, ::3]
+    api.save(tmp_path / "ref", flat, durable=False, threads=1,
+             sharding_callback=_OneShard())
+    # Small buffers and regions: many gathers, large-entry chunks, one shard cut into regions.
+    monkeypatch.setattr(writer, "GATHER_BUFFER", 4096)
+    monkeypatch.setattr(writer, "SMALL_ENTRY", 1024)
+    monkeypatch.setattr(writer, "HASH_CHUNK", 1000)
+    monkeypatch.setattr(writer, "RAW_CHUNK", 1000)
+    monkeypatch.setattr(writer, "MIN_REGION", 8000)
+    for checksum in (True, False):
+        path = tmp_path / f"t{threads}{checksum}"
+        api.save(path, flat, durable=True, threads=threads, checksum=checksum,
+                 sharding_callback=_OneShard())
+        name = "shard-00000-of-00001.safetensors"
+        assert (path / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+        ref_index = (tmp_path / "ref" / "index.json").read_text()
+        if checksum:
+            assert (path / "index.json").read_text() == ref_index
+    _check_checkpoint(tmp_path / f"t{threads}True", flat)
+
+
+class _OneShard(ShardingCallback):
+    @property
+    def description(self) -> str:
+        return "one shard"
+
+    def __call__(self, shardable_tensors):
+        return [{t.checkpoint_key: {t.slice_spec: t.tensor} for t in shardable_tensors}]
+
+
+def test_regions_split_a_big_shard_between_threads(monkeypatch):
+    monkeypatch.setattr(writer, "MIN_REGION", 100)
+    entries = [writer._Entry(f"k{i}", "", np.zeros(0), 8 + 100 * i, 100) for i in range(10)]
+    plan = writer._ShardPlan(Path("x"), "x", 0, b"12345678", entries, [], 1008)
+    regions = writer._regions([plan], threads=2)
+    assert [len(r.entries) for r in regions] == [5, 5]
+    assert [r.with_header for r in regions] == [True, False]
+    assert plan.pending == 2
+    assert regions[1].entries[0].offset == 508
+
+
+def test_few_large_tensors_several_shards(tmp_path, rng):
+    flat = {f"big{i}": _random(rng, np.dtype(np.float32), (300, 1000)) for i in range(4)}
+    policy = api.DefaultShardingPolicy(threads=2)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(api, "SINGLE_SHARD_BELOW", 0)
+    try:
+        api.save(tmp_path / "ckpt", flat, sharding_callback=policy, durable=False, threads=2)
+    finally:
+        monkey.undo()
+    index = _check_checkpoint(tmp_path / "ckpt", flat)
+    assert [s["file"] for s in index["shardkit"]["shards"]] == [
+        "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+
+
+def test_default_policy_balances_and_caps(monkeypatch, rng):
+    from shardkit.tensors import shardable_tensors
+
+    sizes = [100, 100, 100, 100, 100, 500]
+    state = {f"t{i}": np.zeros(n, np.uint8) for i, n in enumerate(sizes)}
+    tensors = shardable_tensors(state)
+    assert len(api.DefaultShardingPolicy(threads=4)(tensors)) == 1  # small state: one shard
+    monkeypatch.setattr(api, "SINGLE_SHARD_BELOW", 0)
+    shards = api.DefaultShardingPolicy(threads=2)(tensors)
+    assert [list(s) for s in shards] == [["t0", "t1", "t2", "t3", "t4"], ["t5"]]
+    shards = api.DefaultShardingPolicy(threads=1, max_shard_size=250)(tensors)
+    assert [list(s) for s in shards] == [["t0", "t1"], ["t2", "t3"], ["t4"], ["t5"]]
+    assert all(s[k][""] is state[k] for s in shards for k in s)  # no copies
+    with pytest.raises(ValueError, match="max_shard_size must be positive"):
+        api.DefaultShardingPolicy(max_shard_size=0)
+    with pytest.raises(TypeError, match="threads must be a positive int"):
+        api.DefaultShardingPolicy(threads=1.5)  # type: ignore[arg-type]
+
+
+class _Dropper(ShardingCallback):
+    @property
+    def description(self) -> str:
+        return "drops the last tensor"
+
+    def __call__(self, shardable_tensors):
+        return [{t.checkpoint_key: {"": t.tensor} for t in shardable_tensors[:-1]}]
+
+
+def test_rule_breaking_callback_writes_nothing(tmp_path, rng, monkeypatch):
+    first = {"a": _random(rng, np.dtype(np.float32), (4,))}
+    api.save(tmp_path / "ckpt", first, durable=False)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    monkeypatch.setattr(os, "open", _forbidden_open(os.open, tmp_path))
+    state = {"a": first["a"] + 1, "b": first["a"]}
+    with pytest.raises(ShardingValidationError, match="drops the last tensor"):
+        api.save(tmp_path / "ckpt", state, sharding_callback=_Dropper(), overwrite=True)
+    with pytest.raises(ShardingValidationError, match="drops the last tensor"):
+        api.save(tmp_path / "new", state, sharding_callback=_Dropper())
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+
+
+def _forbidden_open(real_open, root: Path):
+    def guarded(path, flags, *args, **kwargs):
+        if str(path).startswith(str(root)) and flags & os.O_CREAT:
+            raise AssertionError(f"a file was created before validation: {path}")
+        return real_open(path, flags, *args, **kwargs)
+
+    return guarded
+
+
+def test_existing_path_without_overwrite(tmp_path, rng):
+    api.save(tmp_path / "ckpt", {"a": np.zeros(2)}, durable=False)
+    with pytest.raises(CheckpointExistsError, match="already exists; pass overwrite=True"):
+        api.save(tmp_path / "ckpt", {"a": np.ones(2)}, durable=False)
+    info = api.save(tmp_path / "ckpt", {"a": np.ones(2)}, durable=False, overwrite=True)
+    assert _same(load(info.path)["a"], np.ones(2))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("fail_after", [0, 1, 5])
+def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch, fail_after):
+    earlier = {"w": _random(rng, np.dtype(np.float32), (1000,))}
+    api.save(tmp_path / "ckpt", earlier, durable=False)
+    monkeypatch.setattr(writer, "HASH_CHUNK", 4096)
+    monkeypatch.setattr(writer, "SMALL_ENTRY", 1024)
+    real_pwrite = os.pwrite
+    count = [0]
+
+    def pwrite(fd, data, offset):
+        count[0] += 1
+        if count[0] > fail_after:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    big = {f"w{i}": _random(rng, np.dtype(np.float32), (40000,)) for i in range(4)}
+    with pytest.raises(OSError, match=r"writing shard file: No space left on device") as err:
+        api.save(tmp_path / "ckpt", big, overwrite=True, threads=2)
+    assert err.value.errno == errno.ENOSPC
+    assert re.search(r"shard-0000\d-of-0000\d\.safetensors$", err.value.filename)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _same(load(tmp_path / "ckpt", verify=True)["w"], earlier["w"])
+
+
+def test_progress_bar(tmp_path, rng, capsys):
+    api.save(tmp_path / "ckpt", {"a": _random(rng, np.dtype(np.float32), (1000,))},
+             progress=True, durable=False)
+    err = capsys.readouterr().err
+    assert "saving" in err and "100%" in err
+
+
+def test_options_and_conflicts(tmp_path, rng):
+    seen = []
+    opts = CheckpointOptions(
+        experimental_sharding_callback=_SplitRows(2),
+        experimental_write_callbacks=[lambda path: seen.append(path), lambda: seen.append("x")],
+        durable=False,
+    )
+    info = api.save(tmp_path / "ckpt", {"m": np.zeros((3, 2))}, options=opts)
+    assert seen == [info.path, "x"]
+    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    assert index["shardkit"]["callback"] == "split rows by 2"
+    # Keywords at their defaults defer to options; a differing keyword that disagrees is an error.
+    api.save(tmp_path / "ok", {"m": np.zeros(2)}, durable=False, options=CheckpointOptions(
+        durable=False))
+    with pytest.raises(ValueError, match=r"save\(\.\.\., durable=False\) conflicts with "
+                       r"options\.durable=True"):
+        api.save(tmp_path / "bad", {"m": np.zeros(2)}, durable=False, options=CheckpointOptions())
+    with pytest.raises(ValueError, match=r"threads=2\) conflicts with options\.threads=1"):
+        api.save(tmp_path / "bad", {"m": np.zeros(2)}, threads=2,
+                 options=CheckpointOptions(threads=1))
+    with pytest.raises(ValueError, match=r"sharding_callback=.*conflicts"):
+        api.save(tmp_path / "bad", {"m": np.zeros(2)}, sharding_callback=_OneShard(),
+                 options=CheckpointOptions(experimental_sharding_callback=_SplitRows(1)))
+    with pytest.raises(ValueError, match="functional save\\(\\) is synchronous"):
+        api.save(tmp_path / "bad", {"m": np.zeros(2)}, options=CheckpointOptions(
+            enable_async=True))
+    with pytest.raises(TypeError, match="options must be a CheckpointOptions, got dict"):
+        api.save(tmp_path / "bad", {"m": np.zeros(2)}, options={"durable": False})
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"experimental_sharding_callback": "by-task"}, TypeError, "must be a shardkit"),
+        ({"durable": 1}, TypeError, "durable must be True or False, got 1"),
+        ({"threads": 0}, ValueError, "threads must be at least 1, got 0"),
+        ({"threads": True}, TypeError, "threads must be a positive int or None"),
+        ({"compression": "lz4"}, ValueError, "compression must be None or one of 'zstd'"),
+        ({"level": 3}, ValueError, "level=3 needs compression"),
+        ({"compression": "zstd", "level": 99}, ValueError,
+         r"zstd level must be in -7\.\.-1 or 1\.\.22"),
+        ({"compression": "zstd", "level": 0}, ValueError, r"got 0"),
+        ({"shuffle": False}, ValueError, "shuffle=False needs compression"),
+        ({"compression": "zstd", "chunk_size": "3"}, ValueError,
+         "chunk_size must be a multiple of 8"),
+        ({"experimental_io_device": "/device:GPU:0"}, ValueError, "device type GPU cannot do I/O"),
+        ({"experimental_write_callbacks": print}, TypeError, "a list of callables, not one"),
+        ({"experimental_write_callbacks": [1]}, TypeError, r"\[0\] is not callable"),
+        ({"experimental_write_callbacks": [lambda a, b: 0]}, TypeError, "takes 2 required"),
+    ],
+)
+def test_bad_options(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        CheckpointOptions(**kwargs)
+
+
+def test_io_device_cpu_is_accepted():
+    assert CheckpointOptions(experimental_io_device="/job:localhost/device:CPU:0")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"metadata": {"x": object()}}, TypeError, "metadata must be JSON-serialisable"),
+        ({"metadata": {"x": float("nan")}}, TypeError, "no NaN"),
+        ({"metadata": {1: 2}}, TypeError, "metadata keys must be str, got 1"),
+        ({"metadata": [1]}, TypeError, "metadata must be a dict, got list"),
+        ({"overwrite": "yes"}, TypeError, "overwrite must be True or False"),
+    ],
+)
+def test_bad_save_arguments_write_nothing(tmp_path, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        api.save(tmp_path / "ckpt", {"a": np.zeros(2)}, **kwargs)
+    assert os.listdir(tmp_path) == []
+
+
+def test_state_must_be_a_mapping(tmp_path):
+    with pytest.raises(TypeError, match="state must be a mapping"):
+        api.save(tmp_path / "ckpt", [np.zeros(2)])  # type: ignore[arg-type]
+
+
+def test_torch_tensors_are_saved_without_conversion_by_the_caller(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is optional")
+    state = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.ones(3)}
+    api.save(tmp_path / "ckpt", state, durable=False)
+    out = load(tmp_path / "ckpt")
+    assert out["w"].dtype == ml_dtypes.bfloat16
+    assert out["w"].astype(np.float32).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert out["b"].tolist() == [1, 1, 1]
+
+
+def test_empty_state_and_zero_size_only(tmp_path):
+    info = api.save(tmp_path / "none", {}, durable=False)
+    assert info.files == ("index.json",)
+    assert load(tmp_path / "none") == {}
+    flat = {"a": np.zeros((0, 2)), "b": np.zeros((3, 0), dtype=np.int8)}
+    api.save(tmp_path / "zero", flat, durable=False)
+    _check_checkpoint(tmp_path / "zero", flat)
+
+
+def test_tasks_get_their_own_shards_numbered_globally(tmp_path, rng):
+    from shardkit import commit
+    from shardkit import format as fmt
+    from shardkit.callback import shard_tensors
+    from shardkit.tensors import shardable_tensors
+
+    flat = {f"t{i}": _random(rng, np.dtype(np.float32), (i + 1,)) for i in range(6)}
+    tensors = shardable_tensors(
+        flat, device=lambda key: f"/job:worker/task:{int(key[1:]) % 2}/device:CPU:0"
+    )
+    policy = api.DefaultShardingPolicy(threads=2)
+    task_shards = shard_tensors(policy, tensors)
+    with commit.stage(tmp_path / "ckpt", overwrite=False, durable=False) as staging:
+        index = writer.write_shards(staging.path, task_shards, tensors,
+                                    description=policy.description, threads=2, durable=False)
+        staging.commit(fmt.encode_index(index))
+    assert [(s.file, s.task) for s in index.shards] == [
+        ("shard-00000-of-00002.safetensors", 0), ("shard-00001-of-00002.safetensors", 1)]
+    assert index.tensors["t3"].device == "/job:worker/task:1/device:CPU:0"
+    assert index.tensors["t3"].slices[0].shard == 1
+    loaded = load(tmp_path / "ckpt", verify=True)
+    assert all(_same(loaded[k], v) for k, v in flat.items())
+
+
+def test_fsync_failure_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch):
+    earlier = {"w": _random(rng, np.dtype(np.float32), (100,))}
+    api.save(tmp_path / "ckpt", earlier, durable=False)
+
+    def fsync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match=r"syncing shard file: Input/output error") as err:
+        api.save(tmp_path / "ckpt", {"w": earlier["w"] + 1}, overwrite=True, durable=True)
+    assert err.value.errno == errno.EIO
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _same(load(tmp_path / "ckpt", verify=True)["w"], earlier["w"])
+
+
+def test_zstd_shards_round_trip(tmp_path, rng):
+    flat = {
+        "w": np.repeat(_random(rng, np.dtype(np.float32), (50, 1)), 40, axis=1),  # compressible
+        "bf": _random(rng, np.dtype(ml_dtypes.bfloat16), (7, 3)),
+        "nc": _random(rng, np.dtype(np.int64), (10, 10))[::3, 1::2],
+        "s": _random(rng, np.dtype(np.uint8), ()),
+        "e": _random(rng, np.dtype(np.float16), (0, 2)),
+    }
+    opts = CheckpointOptions(compression="zstd", level=3, durable=False,
+                             experimental_sharding_callback=_SplitRows(20))
+    info = api.save(tmp_path / "ckpt", flat, options=opts)
+    assert all(f.endswith(".skz") for f in info.files[:-1])
+    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    shards = index["shardkit"]["shards"]
+    assert {s["codec"] for s in shards} == {"zstd"}
+    assert [s["bytes"] for s in shards] == [(tmp_path / "ckpt" / s["file"]).stat().st_size
+                                            for s in shards]
+    assert sum(s["bytes"] for s in shards) < sum(a.nbytes for a in flat.values())
+    loaded = load(tmp_path / "ckpt", verify=True)
+    assert all(_same(loaded[k], v) for k, v in flat.items())
+    w = index["shardkit"]["tensors"]["w"]["slices"]
+    whole = np.ascontiguousarray(flat["w"])
+    assert [s["xxh3"] for s in w] == [
+        xxhash.xxh3_64_hexdigest(whole[i : i + 20].tobytes()) for i in (0, 20, 40)]
+
+
+def test_compression_keywords_and_options_agree(tmp_path, rng):
+    flat = {"w": np.zeros((64, 64), np.float32)}
+    info = api.save(tmp_path / "kw", flat, compression="zstd", level=5, shuffle=False,
+                    chunk_size="64KiB", durable=False)
+    assert info.files[0].endswith(".skz")
+    assert _same(load(tmp_path / "kw", verify=True)["w"], flat["w"])
+    opts = CheckpointOptions(compression="zstd", level=5, durable=False)
+    api.save(tmp_path / "same", flat, compression="zstd", options=opts, durable=False)
+    with pytest.raises(ValueError, match=r"level=7\) conflicts with options\.level=5"):
+        api.save(tmp_path / "bad", flat, level=7, options=opts)
+    with pytest.raises(ValueError, match="level=3 needs compression"):
+        api.save(tmp_path / "bad", flat, level=3)
+    assert sorted(os.listdir(tmp_path)) == ["kw", "same"]
