@@ -238,11 +238,14 @@ def test_python_dash_m_shardkit_error_has_no_traceback():
 
 def test_plan_llm_1b_uses_little_memory():
     # The 4.1 GiB model is planned with all policies without touching its memory.
+    # VmHWM, not getrusage: ru_maxrss survives exec, so a child of a big pytest process would
+    # report the parent's peak.
     code = (
-        "import resource, sys\n"
+        "import re, sys\n"
         "from shardkit.cli import main\n"
         "rc = main(['plan', '--model', 'llm-1b'])\n"
-        "print('peak-rss-kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "status = open('/proc/self/status').read()\n"
+        "print('peak-rss-kib', re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"
         "sys.exit(rc)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(shardkit.__file__).parents[1])}
