@@ -327,6 +327,51 @@ class CheckpointReader:
         finally:
             self._end_read()
 
+    def _get_many(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        """`get` of each key; whole tensors stored in compressed shards are read in one batch,
+        so that every chunk is decoded once and the chunks are decoded in parallel."""
+        self._begin_read()
+        try:
+            out: dict[str, np.ndarray] = {}
+            jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
+            for key in keys:
+                t = self._tensor(key)
+                src, entry = self._entry(key, t.slices[0])
+                if len(t.slices) > 1 or not hasattr(src, "read_tasks"):
+                    out[key] = self._get(key)
+                    continue
+                out[key] = a = np.empty(t.shape, numpy_dtype(t.dtype))
+                if entry.nbytes:
+                    jobs.append((src, entry, 0, entry.nbytes, _bytes_of(a)))
+            self._read_jobs(jobs)
+            return out
+        finally:
+            self._end_read()
+
+    def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
+        """Decode whole tensors stored in compressed shards straight into their target arrays
+        (C-contiguous, writable, the stored dtype), in one parallel batch; returns those keys.
+        The other keys are left to `get` (a raw shard is a map: nothing to decode)."""
+        self._begin_read()
+        try:
+            done: set[str] = set()
+            jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
+            for key, target in targets:
+                t = self._tensor(key)
+                if (len(t.slices) > 1 or not target.flags.c_contiguous
+                        or not target.flags.writeable or target.dtype != numpy_dtype(t.dtype)):
+                    continue
+                src, entry = self._entry(key, t.slices[0])
+                if not hasattr(src, "read_tasks"):
+                    continue
+                if entry.nbytes:
+                    jobs.append((src, entry, 0, entry.nbytes, _bytes_of(target)))
+                done.add(key)
+            self._read_jobs(jobs)
+            return done
+        finally:
+            self._end_read()
+
     def _get(self, key: str) -> np.ndarray:
         t = self._tensor(key)
         dtype = numpy_dtype(t.dtype)
@@ -419,7 +464,9 @@ class CheckpointReader:
     def _verify(self, keys: Sequence[str] | None) -> int:
         if keys is None:
             for i in range(len(self.index.shards)):
-                self._source(i)
+                src = self._source(i)
+                if hasattr(src, "verify_frames"):  # compressed: every frame, even unlisted bytes
+                    src.verify_frames(self._get_pool())
             keys = self.keys()
         checked = 0
         for key in keys:
@@ -558,7 +605,25 @@ class CheckpointReader:
 
     def _read_jobs(self, jobs: Sequence[tuple[ShardSource, EntryLayout, int, int, memoryview]]
                    ) -> None:
-        """Run reads, cut into pieces at each source's granularity, on the pool when large."""
+        """Run reads, cut into pieces at each source's granularity, on the pool when large.
+
+        Reads from a source with ``read_tasks`` (compressed shards) go to it in one batch per
+        source, which turns them into one task per chunk (each chunk is decoded once); the tasks
+        of all sources run together on the pool.
+        """
+        batches: dict[int, tuple[Any, list[tuple[EntryLayout, int, int, memoryview]]]] = {}
+        plain = []
+        for job in jobs:
+            if hasattr(job[0], "read_tasks"):
+                batches.setdefault(id(job[0]), (job[0], []))[1].append(job[1:])
+            else:
+                plain.append(job)
+        if batches:
+            from .compression import run_tasks
+
+            tasks = [t for src, batch in batches.values() for t in src.read_tasks(batch)]
+            run_tasks(tasks, self._get_pool() if len(tasks) > 1 else None)
+        jobs = plain
         if not jobs:
             return
         total = sum(end - begin for _, _, begin, end, _ in jobs)
@@ -802,7 +867,7 @@ def load(
             reader._tensor(key)  # fail on a missing key before reading anything
         if verify:
             reader.verify(wanted)
-        return {key: reader.get(key) for key in wanted}
+        return reader._get_many(wanted)
 
 
 def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
@@ -833,7 +898,12 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             plans.append((key, target, writeback))
         if verify:
             reader.verify([key for key, _, _ in plans])
+        direct = reader._read_direct([(key, target) for key, target, _ in plans])
         for key, target, writeback in plans:
+            if key in direct:
+                if writeback is not None:
+                    _torch_copy_back(writeback, target)
+                continue
             stored = reader.get(key)
             if target.dtype.byteorder == ">":
                 np.copyto(target, stored, casting="equiv")

@@ -1,0 +1,856 @@
+"""Compressed (.skz) shards: header, chunk planning, parallel zstd compression and decompression.
+
+A .skz shard holds the same logical data region as a raw shard (same entry table, same offsets),
+cut into fixed-size chunks; each chunk is byte-shuffled piece by piece (each entry's part of the
+chunk by the entry's item size) and stored as one independent zstd frame with its content size
+and checksum, or stored raw when compressing does not shrink it. File layout (little-endian)::
+
+    0        8        magic b"SKZSHRD1"
+    8        8        u64 chunk size C (a multiple of 8)
+    16       8        u64 data size D (bytes of the logical data region)
+    24       8        u64 frame count F = ceil(D / C)
+    32       8        u64 flags; bit 0: chunks are shuffled
+    40       8 + N    a safetensors header (u64 N, JSON entry table padded so 48 + N % 8 == 0)
+    T=48+N   32 * F   frame table, per frame: u64 file offset, u32 stored size, u32 raw size,
+                      u32 kind (0 raw, 1 zstd), u32 reserved (0), u64 xxh3-64 of the stored bytes
+    T+32F    8        u64 xxh3-64 of bytes [0, T + 32F)
+    T+32F+8  ...      the frames back to back, in chunk order; the file ends with the last one
+
+The frame count is known before compressing, so the table has a fixed size: the writer streams
+the frames as they come out of the compressor threads and writes the table last (``pwrite`` at
+its reserved place). Item sizes are powers of two up to 8 and entries start aligned to their item
+size, so a chunk boundary (a multiple of 8) always splits an entry between whole items.
+"""
+
+from __future__ import annotations
+
+import mmap as _mmap
+import os
+import struct
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final
+
+import numpy as np
+import xxhash
+import zstandard
+
+from ._kernels import _shuffle
+from .dtypes import itemsize as dtype_itemsize
+from .errors import (
+    CheckpointFormatError,
+    ChecksumError,
+    CorruptHeaderError,
+    MissingShardError,
+    PolicyError,
+    TruncatedShardError,
+)
+from .format import (
+    HEADER_ALIGNMENT,
+    EntryLayout,
+    ShardInfo,
+    decode_safetensors_header,
+    encode_safetensors_header,
+    header_length,
+)
+from .policies import parse_size
+
+MAGIC: Final = b"SKZSHRD1"
+FLAG_SHUFFLE: Final = 1
+KIND_RAW: Final = 0
+KIND_ZSTD: Final = 1
+PREAMBLE: Final = struct.Struct("<8sQQQQ")  # magic, chunk size, data size, frames, flags
+FRAME_DTYPE: Final = np.dtype(
+    [("offset", "<u8"), ("stored", "<u4"), ("raw", "<u4"), ("kind", "<u4"),
+     ("reserved", "<u4"), ("xxh3", "<u8")]
+)
+_U64: Final = struct.Struct("<Q")
+
+DEFAULT_CHUNK_SIZE: Final = 4 * 1024 * 1024
+MIN_CHUNK_SIZE: Final = 64
+MAX_CHUNK_SIZE: Final = 1024 * 1024 * 1024  # frame sizes are u32
+# Measured by bench/bench_compression.py on trained weights (levels 1..9): level 1 gives both
+# the best ratio (bf16 1.450 vs at most 1.427 for levels 2..9; f32 1.201 vs at most 1.195) and
+# the fastest compression, so it is the default.
+DEFAULT_LEVEL: Final = 1
+ZSTD_LEVELS: Final = range(-7, 23)
+INFLIGHT_PER_THREAD: Final = 2  # chunks being gathered/compressed/written per thread
+KEEP_BUFFERS: Final = 8  # chunk buffers kept between saves (first touch of memory is slow)
+CACHE_CHUNKS: Final = 4  # decompressed chunks kept for read_into calls that share a chunk
+
+
+# --- options ------------------------------------------------------------------------------------
+
+def parse_chunk_size(chunk_size: int | str) -> int:
+    """Chunk size in bytes from an int or a string such as ``"4MiB"`` / ``"512KiB"``.
+
+    Must be a multiple of 8 in ``MIN_CHUNK_SIZE..MAX_CHUNK_SIZE``.
+    """
+    if not isinstance(chunk_size, (int, str)) or isinstance(chunk_size, bool):
+        raise TypeError(f"chunk_size must be an int or a size string like '4MiB', "
+                        f"got {chunk_size!r}")
+    try:
+        size = parse_size(chunk_size, "chunk_size")
+    except PolicyError as e:  # the same rules as policy sizes, reported as a plain ValueError
+        raise ValueError(str(e)) from None
+    if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE or size % 8:
+        raise ValueError(f"chunk_size must be a multiple of 8 between {MIN_CHUNK_SIZE} and "
+                         f"{MAX_CHUNK_SIZE} bytes, got {chunk_size!r} ({size} bytes)")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class ZstdOptions:
+    """Validated compression settings of one save."""
+
+    level: int = DEFAULT_LEVEL
+    shuffle: bool = True
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+
+def resolve_compression(
+    compression: str | None,
+    level: int | None = None,
+    shuffle: bool = True,
+    chunk_size: int | str = "4MiB",
+) -> ZstdOptions | None:
+    """Check save()'s compression arguments; None means raw (safetensors) shards."""
+    if not isinstance(shuffle, bool):
+        raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+    if compression is None:
+        if level is not None:
+            raise ValueError(f"level={level!r} needs compression='zstd'; raw shards have no level")
+        return None
+    if compression != "zstd":
+        raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+    if level is None:
+        level = DEFAULT_LEVEL
+    elif isinstance(level, bool) or not isinstance(level, int):
+        raise TypeError(f"level must be an int or None, got {level!r}")
+    elif level not in ZSTD_LEVELS or level == 0:
+        raise ValueError(f"zstd level must be in {ZSTD_LEVELS.start}..-1 or 1.."
+                         f"{ZSTD_LEVELS.stop - 1}, got {level}")
+    return ZstdOptions(level, shuffle, parse_chunk_size(chunk_size))
+
+
+# --- header -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SkzHeader:
+    """A decoded, validated .skz header."""
+
+    chunk_size: int
+    data_size: int
+    shuffle: bool
+    entries: dict[str, EntryLayout]
+    metadata: dict[str, str]
+    frames: np.ndarray  # FRAME_DTYPE, one row per chunk
+    data_start: int  # file offset of the first frame
+
+    @property
+    def header_size(self) -> int:
+        return self.data_start
+
+
+def frame_count(data_size: int, chunk_size: int) -> int:
+    return -(-data_size // chunk_size)
+
+
+def encode_skz_header(
+    layouts: Sequence[EntryLayout],
+    chunk_size: int,
+    shuffle: bool,
+    frames: np.ndarray | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> bytes:
+    """The header bytes (everything before the first frame); `frames` None = zeroed table."""
+    data_size = max((e.end for e in layouts), default=0)
+    n = frame_count(data_size, chunk_size)
+    table = np.zeros(n, FRAME_DTYPE) if frames is None else np.asarray(frames, FRAME_DTYPE)
+    if len(table) != n:
+        raise ValueError(f"{len(table)} frames given, {n} chunks of {chunk_size} in {data_size}")
+    meta = {"codec": "zstd", **(metadata or {})}
+    head = (PREAMBLE.pack(MAGIC, chunk_size, data_size, n, FLAG_SHUFFLE if shuffle else 0)
+            + encode_safetensors_header(layouts, meta) + table.tobytes())
+    return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def decode_skz_header(buf: bytes | bytearray | memoryview, file_size: int,
+                      path: str) -> SkzHeader:
+    """Parse and validate a .skz header from the first bytes of the file (all of the header).
+
+    Checks the magic, sizes, the header checksum, the entry table (entries tile the data region),
+    and that the frames are back to back from the end of the header to the end of the file, each
+    holding one chunk (raw sizes C, C, ..., the rest), with a known kind.
+    """
+    buf = memoryview(buf)
+    if file_size < PREAMBLE.size or len(buf) < PREAMBLE.size:
+        raise TruncatedShardError(f"{path}: file is {file_size} bytes, shorter than the "
+                                  f"{PREAMBLE.size}-byte .skz preamble")
+    magic, chunk, size, n, flags = PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptHeaderError(f"{path}: not a .skz shard: magic is {bytes(magic)!r}, "
+                                 f"expected {MAGIC!r}")
+    if not MIN_CHUNK_SIZE <= chunk <= MAX_CHUNK_SIZE or chunk % 8:
+        raise CorruptHeaderError(f"{path}: chunk size {chunk} is not a multiple of 8 in "
+                                 f"{MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE}")
+    if n != frame_count(size, chunk):
+        raise CorruptHeaderError(f"{path}: {n} frames recorded, but a data region of {size} bytes "
+                                 f"in chunks of {chunk} needs {frame_count(size, chunk)}")
+    if flags & ~FLAG_SHUFFLE:
+        raise CorruptHeaderError(f"{path}: unknown flag bits {flags:#x} in the .skz preamble")
+    n_len = header_length(buf[PREAMBLE.size :], file_size - PREAMBLE.size, path)
+    table_at = PREAMBLE.size + 8 + n_len
+    end = table_at + n * FRAME_DTYPE.itemsize
+    if end + 8 > file_size:
+        raise TruncatedShardError(f"{path}: header with {n} frames needs {end + 8} bytes, file "
+                                  f"has {file_size}")
+    if len(buf) < end + 8:
+        raise TruncatedShardError(f"{path}: got {len(buf)} header bytes, need {end + 8}")
+    (recorded,) = _U64.unpack_from(buf, end)
+    found = xxhash.xxh3_64_intdigest(buf[:end])
+    if found != recorded:
+        raise ChecksumError(f"{path}: .skz header checksum mismatch (header records "
+                            f"{recorded:016x}, its bytes hash to {found:016x}): corrupt header")
+    entries, metadata, _ = decode_safetensors_header(
+        buf[PREAMBLE.size : table_at], 8 + n_len + size, path
+    )
+    if (table_at - PREAMBLE.size) % HEADER_ALIGNMENT:
+        raise CorruptHeaderError(f"{path}: entry table is not padded to a multiple of 8")
+    frames = np.frombuffer(buf[table_at:end], FRAME_DTYPE).copy()
+    data_start = end + 8
+    _check_frames(frames, chunk, size, data_start, file_size, path)
+    return SkzHeader(chunk, size, bool(flags & FLAG_SHUFFLE), entries, metadata, frames,
+                     data_start)
+
+
+def _check_frames(frames: np.ndarray, chunk: int, size: int, data_start: int, file_size: int,
+                  path: str) -> None:
+    n = len(frames)
+    raw = frames["raw"].astype(np.int64)
+    stored = frames["stored"].astype(np.int64)
+    offset = frames["offset"].astype(np.int64)  # u64 above 2**63 wraps negative: caught below
+    expected_raw = np.full(n, chunk, np.int64)
+    if n:
+        expected_raw[-1] = size - (n - 1) * chunk
+    bad = np.flatnonzero(raw != expected_raw)
+    if bad.size:
+        i = int(bad[0])
+        raise CorruptHeaderError(f"{path}: frame {i} records {raw[i]} raw bytes, expected "
+                                 f"{expected_raw[i]} (frames' raw sizes must add up to the "
+                                 f"{size}-byte data region)")
+    bad = np.flatnonzero((frames["kind"] > KIND_ZSTD) | (frames["reserved"] != 0))
+    if bad.size:
+        i = int(bad[0])
+        raise CorruptHeaderError(f"{path}: frame {i} has unknown kind {frames['kind'][i]} "
+                                 f"(reserved {frames['reserved'][i]}); expected 0 raw or 1 zstd")
+    kind = frames["kind"]
+    bad = np.flatnonzero(((kind == KIND_RAW) & (stored != raw))
+                         | ((kind == KIND_ZSTD) & ((stored == 0) | (stored >= raw))))
+    if bad.size:
+        i = int(bad[0])
+        raise CorruptHeaderError(f"{path}: frame {i} stores {stored[i]} bytes for {raw[i]} raw "
+                                 f"bytes, impossible for a {'zstd' if kind[i] else 'raw'} frame")
+    expected_off = data_start + np.concatenate(([0], np.cumsum(stored)[:-1])) if n else offset
+    bad = np.flatnonzero(offset != expected_off)
+    if bad.size:
+        i = int(bad[0])
+        raise CorruptHeaderError(f"{path}: frame {i} starts at byte {offset[i]}, expected "
+                                 f"{expected_off[i]} (frames are back to back and in order "
+                                 "after the header)")
+    end = data_start + int(stored.sum())
+    if end > file_size:
+        raise TruncatedShardError(f"{path}: frames end at byte {end}, past the end of the file "
+                                  f"({file_size} bytes)")
+    if end < file_size:
+        raise CorruptHeaderError(f"{path}: {file_size - end} bytes after the last frame "
+                                 f"(frames end at {end}, file has {file_size})")
+
+
+def read_skz_header(fd: int, file_size: int, path: str) -> SkzHeader:
+    """Read and decode the header of an open .skz file: preamble, entry table, frame table."""
+    first = os.pread(fd, PREAMBLE.size + 8, 0)
+    if len(first) < PREAMBLE.size + 8:
+        raise TruncatedShardError(f"{path}: file is {file_size} bytes, shorter than the "
+                                  f"{PREAMBLE.size + 8}-byte .skz preamble")
+    magic, _, _, n, _ = PREAMBLE.unpack_from(first, 0)
+    if magic != MAGIC:
+        raise CorruptHeaderError(f"{path}: not a .skz shard: magic is {bytes(magic)!r}, "
+                                 f"expected {MAGIC!r}")
+    n_len = header_length(first[PREAMBLE.size :], file_size - PREAMBLE.size, path)
+    want = PREAMBLE.size + 8 + n_len + n * FRAME_DTYPE.itemsize + 8
+    if want > file_size:
+        raise TruncatedShardError(f"{path}: header with {n} frames needs {want} bytes, file "
+                                  f"has {file_size}")
+    buf = bytearray(want)
+    view = memoryview(buf)
+    got = 0
+    while got < want:
+        k = os.preadv(fd, [view[got:]], got)
+        if k == 0:
+            raise TruncatedShardError(f"{path}: header cut short at byte {got} of {want}")
+        got += k
+    return decode_skz_header(buf, file_size, path)
+
+
+# --- chunk planning -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """Pieces of the data region: each lies in one chunk and one entry, whole items only.
+
+    Entries are numbered in data-region order (`order`: their positions in the layouts given).
+    Chunk i's pieces are ``ptr[i]:ptr[i + 1]``.
+    """
+
+    chunk_size: int
+    data_size: int
+    order: np.ndarray  # entry number -> position in the input layouts
+    ptr: np.ndarray
+    entry: np.ndarray  # piece -> entry number
+    entry_offset: np.ndarray  # piece start within its entry
+    data_offset: np.ndarray  # piece start in the data region
+    length: np.ndarray
+    itemsize: np.ndarray  # the shuffle's item size (1 when not shuffling)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.ptr) - 1
+
+    def chunk_range(self, i: int) -> tuple[int, int]:
+        begin = i * self.chunk_size
+        return begin, min(begin + self.chunk_size, self.data_size)
+
+    def chunks_covering(self, begin: int, end: int) -> range:
+        if end <= begin:
+            return range(0)
+        return range(begin // self.chunk_size, -(-end // self.chunk_size))
+
+
+def plan_chunks(layouts: Sequence[EntryLayout], chunk_size: int, shuffle: bool,
+                path: str = "<shard>") -> ChunkPlan:
+    """Cut the data region of `layouts` (which tile it) into chunk pieces, vectorised."""
+    n = len(layouts)
+    begins = np.fromiter((e.begin for e in layouts), np.int64, n)
+    ends = np.fromiter((e.end for e in layouts), np.int64, n)
+    sizes = (np.fromiter((dtype_itemsize(e.dtype_name) for e in layouts), np.int64, n)
+             if shuffle else np.ones(n, np.int64))
+    order = np.lexsort((ends, begins))
+    begins, ends, sizes = begins[order], ends[order], sizes[order]
+    data_size = int(ends.max()) if n else 0
+    nonempty = np.flatnonzero(ends > begins)
+    starts = np.union1d(begins[nonempty], np.arange(0, data_size, chunk_size, dtype=np.int64))
+    stops = np.append(starts[1:], np.int64(data_size)) if starts.size else starts
+    entry = nonempty[np.searchsorted(begins[nonempty], starts, "right") - 1]
+    entry_offset = starts - begins[entry]
+    length = stops - starts
+    piece_size = sizes[entry]
+    if np.any(stops > ends[entry]) or np.any(starts < begins[entry]):
+        raise ValueError(f"{path}: entries do not tile the data region [0, {data_size})")
+    bad = np.flatnonzero((entry_offset % piece_size) | (length % piece_size))
+    if bad.size:
+        e = layouts[int(order[entry[bad[0]]])]
+        raise ValueError(f"{path}: chunk size {chunk_size} splits entry {e.name!r} "
+                         f"({e.dtype_name}, bytes [{e.begin}, {e.end})) inside an item")
+    chunk = starts // chunk_size
+    ptr = np.searchsorted(chunk, np.arange(frame_count(data_size, chunk_size) + 1), "left")
+    return ChunkPlan(chunk_size, data_size, order, ptr.astype(np.int64), entry, entry_offset,
+                     starts, length, piece_size)
+
+
+# --- compression --------------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor (python-zstandard objects must never be shared by threads)."""
+    c = getattr(_local, "cctx", None)
+    if c is None or _local.level != level:
+        c = _local.cctx = zstandard.ZstdCompressor(
+            level=level, write_checksum=True, write_content_size=True
+        )
+        _local.level = level
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+class _BufferPool:
+    """Chunk buffers reused across saves: fresh memory costs a page fault per page on first use,
+    which at 4 MiB per chunk is a large share of a fast compression level's time."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        with self._lock:
+            for k in range(len(self._free) - 1, -1, -1):
+                if len(self._free[k]) == size:
+                    return self._free.pop(k)
+        return np.empty(size, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self._keep:
+                del self._free[0]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_buffers = _BufferPool(KEEP_BUFFERS)
+
+
+def release_buffers() -> None:
+    """Free the chunk buffers kept for later saves."""
+    _buffers.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class SkzWriteStats:
+    """What `write_zstd_shard` wrote."""
+
+    file_size: int
+    header_size: int
+    data_size: int
+    frames: int
+    raw_frames: int  # chunks stored raw because compressing them did not shrink them
+    xxh3: tuple[str | None, ...] = ()  # per entry, in the order of the layouts given
+
+    @property
+    def ratio(self) -> float:
+        stored = self.file_size - self.header_size
+        return self.data_size / stored if stored else 1.0
+
+
+def _byte_view(a: Any, nbytes: int, name: str) -> Any:
+    if isinstance(a, np.ndarray):
+        a = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        n = a.nbytes
+    else:
+        n = memoryview(a).nbytes
+    if n != nbytes:
+        raise ValueError(f"entry {name!r}: array has {n} bytes, its layout needs {nbytes}")
+    return a
+
+
+def write_zstd_shard(
+    fd: int,
+    path: str,
+    layouts: Sequence[EntryLayout],
+    arrays: Sequence[Any],
+    *,
+    level: int | None = None,
+    shuffle: bool = True,
+    chunk_size: int | str = DEFAULT_CHUNK_SIZE,
+    threads: int = 2,
+    metadata: Mapping[str, str] | None = None,
+    checksum: bool = False,
+) -> SkzWriteStats:
+    """Write a whole .skz shard to `fd` (from offset 0; no fsync) and return what was written.
+
+    `arrays[i]` holds the bytes of `layouts[i]` (C-contiguous). Chunks are gathered+shuffled and
+    compressed on `threads` threads (each with its own compressor; the GIL is released by the
+    kernel and by zstd) while this thread writes finished frames in order; at most
+    ``INFLIGHT_PER_THREAD * threads`` chunks are in flight. With `checksum`, the xxh3-64 of each
+    entry's bytes (for index.json) is computed on the same threads, by the task of the chunk
+    that holds the entry's last byte, and returned in ``stats.xxh3``.
+    """
+    opts = resolve_compression("zstd", level, shuffle, chunk_size)
+    assert opts is not None
+    if len(arrays) != len(layouts):
+        raise ValueError(f"{len(arrays)} arrays for {len(layouts)} entries")
+    plan = plan_chunks(layouts, opts.chunk_size, opts.shuffle, path)
+    sources = [_byte_view(arrays[int(i)], layouts[int(i)].nbytes, layouts[int(i)].name)
+               for i in plan.order]
+    sorted_layouts = [layouts[int(i)] for i in plan.order]
+    header = encode_skz_header(sorted_layouts, opts.chunk_size, opts.shuffle, None, metadata)
+    _pwrite_all(fd, header, 0, path)
+    n = plan.n_chunks
+    frames = np.zeros(n, FRAME_DTYPE)
+    window = max(1, INFLIGHT_PER_THREAD * threads)
+    buf_size = min(opts.chunk_size, plan.data_size)
+    digests: list[str | None] = [None] * len(layouts)
+    hash_ptr = np.zeros(n + 1, np.int64)
+    hash_order = np.zeros(0, np.int64)
+    if checksum:
+        ends = np.fromiter((e.end for e in sorted_layouts), np.int64, len(layouts))
+        sizes = np.fromiter((e.nbytes for e in sorted_layouts), np.int64, len(layouts))
+        for k in np.flatnonzero(sizes == 0):
+            digests[int(plan.order[k])] = xxhash.xxh3_64_hexdigest(b"")
+        nonempty = np.flatnonzero(sizes > 0)
+        last_chunk = (ends[nonempty] - 1) // opts.chunk_size
+        hash_order = nonempty[np.argsort(last_chunk, kind="stable")]
+        hash_ptr = np.searchsorted(np.sort(last_chunk), np.arange(n + 1), "left")
+
+    def work(i: int) -> tuple[Any, int, int, np.ndarray | None]:
+        lo, hi = int(plan.ptr[i]), int(plan.ptr[i + 1])
+        c0, c1 = plan.chunk_range(i)
+        e0 = int(plan.entry[lo])
+        buf = _buffers.take(buf_size)
+        out = buf[: c1 - c0]
+        _shuffle.gather_shuffle(
+            sources[e0 : int(plan.entry[hi - 1]) + 1], plan.entry[lo:hi] - e0,
+            plan.entry_offset[lo:hi], plan.length[lo:hi], plan.itemsize[lo:hi], out,
+            plan.data_offset[lo:hi] - c0,
+        )
+        for k in hash_order[hash_ptr[i] : hash_ptr[i + 1]]:
+            digests[int(plan.order[k])] = xxhash.xxh3_64_hexdigest(sources[int(k)])
+        packed = _compressor(opts.level).compress(out.data)
+        if len(packed) < len(out):
+            _buffers.give(buf)
+            return packed, KIND_ZSTD, xxhash.xxh3_64_intdigest(packed), None
+        return out, KIND_RAW, xxhash.xxh3_64_intdigest(out.data), buf
+
+    pos = len(header)
+    raw_frames = 0
+    pool = ThreadPoolExecutor(max(1, threads), "shardkit-zstd")
+    pending: deque[Future[tuple[Any, int, int, np.ndarray | None]]] = deque()
+    submitted = 0
+    try:
+        for i in range(n):
+            while submitted < n and len(pending) < window:
+                pending.append(pool.submit(work, submitted))
+                submitted += 1
+            stored, kind, digest, buf = pending.popleft().result()
+            _pwrite_all(fd, stored, pos, path)
+            if buf is not None:
+                _buffers.give(buf)
+                raw_frames += 1
+            frames[i] = (pos, len(stored), plan.chunk_range(i)[1] - plan.chunk_range(i)[0],
+                         kind, 0, digest)
+            pos += len(stored)
+    except BaseException:
+        for f in pending:
+            f.cancel()
+        wait(pending)  # nothing of this shard runs on after an error
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    _pwrite_all(fd, encode_skz_header(sorted_layouts, opts.chunk_size, opts.shuffle, frames,
+                                      metadata), 0, path)
+    return SkzWriteStats(pos, len(header), plan.data_size, n, raw_frames,
+                         tuple(digests) if checksum else ())
+
+
+def _pwrite_all(fd: int, data: Any, offset: int, path: str) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as e:
+            raise OSError(e.errno, f"{path}: writing {len(view)} bytes at {offset}: "
+                                   f"{e.strerror}") from None
+
+
+# --- decompression ------------------------------------------------------------------------------
+
+_count_lock = threading.Lock()
+_frames_decompressed = 0
+
+
+def frames_decompressed() -> int:
+    """How many frames (chunks) this process has decoded from .skz shards so far."""
+    return _frames_decompressed
+
+
+def _count_frame() -> None:
+    global _frames_decompressed
+    with _count_lock:
+        _frames_decompressed += 1
+
+
+class SkzShard:
+    """An open .skz shard: decompresses the chunks a read needs, in parallel when asked.
+
+    Duck-types the reader's ``ShardSource``: `entries`, `read_into`, `view` (always None: the
+    bytes are compressed), `read_granularity` (the chunk size), `close`. `read_many` decodes
+    every chunk of a set of ranges once and scatters it to all of them; `verify_frames` checks
+    every frame. A frame whose bytes do not match its checksum raises ChecksumError naming the
+    shard file, the frame and the entries stored in it.
+    """
+
+    def __init__(self, path: str, info: ShardInfo | None = None, *, mmap: bool = True) -> None:
+        self.path = path
+        self.info = info
+        self._map: _mmap.mmap | None = None
+        try:
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise MissingShardError(f"{path}: shard file is missing from the checkpoint") from None
+        except OSError as e:
+            raise CheckpointFormatError(f"{path}: cannot open shard file: {e.strerror}") from None
+        try:
+            size = os.fstat(self._fd).st_size
+            if info is not None and size != info.bytes:
+                cls = TruncatedShardError if size < info.bytes else CheckpointFormatError
+                raise cls(f"{path}: shard file has {size} bytes, the index records {info.bytes}")
+            self.header = read_skz_header(self._fd, size, path)
+            self.entries = self.header.entries
+            self.metadata = self.header.metadata
+            try:
+                self.plan = plan_chunks(list(self.entries.values()), self.header.chunk_size,
+                                        self.header.shuffle, path)
+            except ValueError as e:  # entries not aligned to their item size (3.3)
+                raise CorruptHeaderError(str(e)) from None
+            self._names = [n for n in self.entries]
+            if mmap:
+                self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        if self._map is not None:
+            os.close(self._fd)
+            self._fd = -1
+        self.read_granularity = self.header.chunk_size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[int, Any] = OrderedDict()
+
+    # -- ShardSource
+
+    def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
+        return None
+
+    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: Any) -> None:
+        """Bytes ``[begin, end)`` of `entry` into `dest`; both ends must be whole items."""
+        self._check_range(entry, begin, end)
+        a, b = entry.begin + begin, entry.begin + end
+        out = _writable_bytes(dest, b - a)
+        for i in self.plan.chunks_covering(a, b):
+            self._scatter(i, self._chunk(i, entry.name), [(a, b, out, entry.name)])
+
+    def read_many(self, requests: Sequence[tuple[EntryLayout, int, int, Any]],
+                  pool: Executor | None = None) -> None:
+        """Several `read_into` at once: each chunk is decoded once, chunks on `pool` threads."""
+        run_tasks(self.read_tasks(requests), pool)
+
+    def read_tasks(self, requests: Sequence[tuple[EntryLayout, int, int, Any]]
+                   ) -> list[Callable[[], None]]:
+        """The work of `read_many` as independent tasks, one per chunk, to run on any threads
+        (a reader reading from several shards runs all their tasks on one pool)."""
+        spans: list[tuple[int, int, Any, str]] = []
+        for entry, begin, end, dest in requests:
+            self._check_range(entry, begin, end)
+            spans.append((entry.begin + begin, entry.begin + end,
+                          _writable_bytes(dest, end - begin), entry.name))
+        spans.sort(key=lambda s: s[0])
+        if any(spans[k + 1][0] < spans[k][1] for k in range(len(spans) - 1)):
+            # overlapping requests (rare): each on its own, through the chunk cache
+            return [partial(self.read_into, *r) for r in requests]
+        by_chunk: dict[int, list[tuple[int, int, Any, str]]] = {}
+        for s in spans:
+            for i in self.plan.chunks_covering(s[0], s[1]):
+                by_chunk.setdefault(i, []).append(s)
+        if len(by_chunk) == 1:  # a small read: share the chunk with the reads that follow
+            (i, group), = by_chunk.items()
+            return [partial(self._cached_scatter, i, group)]
+        # no caching: each decoded chunk is freed (and its memory reused) at once
+        return [partial(self._decode_scatter, i, by_chunk[i]) for i in sorted(by_chunk)]
+
+    def _cached_scatter(self, i: int, group: list[tuple[int, int, Any, str]]) -> None:
+        self._scatter(i, self._chunk(i, group[0][3]), group)
+
+    def _decode_scatter(self, i: int, group: list[tuple[int, int, Any, str]]) -> None:
+        self._scatter(i, self._decode(i, group[0][3]), group)
+
+    def verify_frames(self, pool: Executor | None = None) -> int:
+        """Check every frame's checksum and decode it (zstd checks its content checksum)."""
+        _run_all(lambda i: self._decode(i, check_hash=True), range(self.plan.n_chunks), pool)
+        return self.plan.n_chunks
+
+    def close(self) -> None:
+        with self._lock:
+            self._cache.clear()
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a chunk view is still alive; the map goes with its last view
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SkzShard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals
+
+    def _check_range(self, entry: EntryLayout, begin: int, end: int) -> None:
+        size = dtype_itemsize(entry.dtype_name) if self.header.shuffle else 1
+        if not 0 <= begin <= end <= entry.nbytes or begin % size or end % size:
+            raise ValueError(f"{self.path}: cannot read bytes [{begin}, {end}) of entry "
+                             f"{entry.name!r} ({entry.nbytes} bytes of {size}-byte items)")
+
+    def _what(self, i: int) -> str:
+        lo, hi = int(self.plan.ptr[i]), int(self.plan.ptr[i + 1])
+        nums = sorted({int(e) for e in self.plan.entry[lo:hi]})
+        names = [repr(self._names[int(self.plan.order[e])]) for e in nums[:3]]
+        more = f" and {len(nums) - 3} more" if len(nums) > 3 else ""
+        return f"entr{'y' if len(nums) == 1 else 'ies'} {', '.join(names)}{more}"
+
+    def _stored(self, offset: int, n: int) -> Any:
+        if self._map is not None:
+            return memoryview(self._map)[offset : offset + n]
+        if self._fd < 0:
+            raise CheckpointFormatError(f"{self.path}: shard is closed")
+        data = os.pread(self._fd, n, offset)
+        if len(data) != n:
+            raise TruncatedShardError(f"{self.path}: frame at byte {offset} cut short")
+        return data
+
+    def _decode(self, i: int, reading: str | None = None, check_hash: bool = False) -> Any:
+        """Chunk i's (shuffled) bytes. A raw frame is checked against its xxh3 in the frame
+        table; a zstd frame by zstd's own content size and checksum (and the table's xxh3 too
+        when `check_hash`: it costs a few percent of a fast level's decompression time)."""
+        f = self.header.frames[i]
+        offset, stored, raw = int(f["offset"]), int(f["stored"]), int(f["raw"])
+        data = self._stored(offset, stored)
+        if (check_hash or f["kind"] == KIND_RAW) and (
+                found := xxhash.xxh3_64_intdigest(data)) != int(f["xxh3"]):
+            raise self._corrupt(i, reading, f"its {stored} stored bytes hash to {found:016x}, "
+                                f"the header records {int(f['xxh3']):016x}")
+        if f["kind"] == KIND_RAW:
+            _count_frame()
+            return data
+        try:
+            size = zstandard.frame_content_size(data)
+            if size != raw:
+                raise self._corrupt(i, reading, f"zstd frame declares {size} bytes, "
+                                    f"expected {raw}")
+            out = _decompressor().decompress(data, max_output_size=raw)
+        except zstandard.ZstdError as e:
+            raise self._corrupt(i, reading, f"zstd cannot decode it ({e})") from None
+        if len(out) != raw:
+            raise self._corrupt(i, reading, f"decoded {len(out)} bytes, expected {raw}")
+        _count_frame()
+        return out
+
+    def _corrupt(self, i: int, reading: str | None, why: str) -> ChecksumError:
+        c0, c1 = self.plan.chunk_range(i)
+        what = f"; reading entry {reading!r}" if reading is not None else ""
+        return ChecksumError(f"{self.path}: frame {i} (data bytes [{c0}, {c1}) holding "
+                             f"{self._what(i)}{what}) is corrupt: {why}")
+
+    def _chunk(self, i: int, reading: str) -> Any:
+        """`_decode` through a small cache shared by threads (one decode per chunk at a time)."""
+        while True:
+            with self._lock:
+                hit = self._cache.get(i)
+                if hit is None:
+                    event = self._cache[i] = threading.Event()
+                    break
+                if not isinstance(hit, threading.Event):
+                    self._cache.move_to_end(i)
+                    return hit
+            hit.wait()  # another thread is decoding it; retry (it may have failed)
+        try:
+            data = self._decode(i, reading)
+        except BaseException:
+            with self._lock:
+                del self._cache[i]
+            event.set()
+            raise
+        with self._lock:
+            self._cache[i] = data
+            done = [k for k, v in self._cache.items() if not isinstance(v, threading.Event)]
+            for k in done[: max(0, len(done) - CACHE_CHUNKS)]:
+                del self._cache[k]
+        event.set()
+        return data
+
+    def _scatter(self, i: int, chunk: Any, spans: Sequence[tuple[int, int, Any, str]]) -> None:
+        """Unshuffle the parts of chunk i that spans (data begin, end, dest, entry name) want.
+
+        `spans` are sorted by begin and do not overlap. Vectorised: the chunk's pieces and the
+        spans cut the chunk into intervals, each inside one piece and at most one span.
+        """
+        plan = self.plan
+        lo, hi = int(plan.ptr[i]), int(plan.ptr[i + 1])
+        c0, c1 = plan.chunk_range(i)
+        p_start = plan.data_offset[lo:hi]
+        s_begin = np.fromiter((s[0] for s in spans), np.int64, len(spans))
+        s_end = np.fromiter((s[1] for s in spans), np.int64, len(spans))
+        cuts = np.unique(np.concatenate((p_start, np.clip(s_begin, c0, c1),
+                                         np.clip(s_end, c0, c1), [c1])))
+        x, y = cuts[:-1], cuts[1:]
+        span = np.searchsorted(s_begin, x, "right") - 1
+        keep = (span >= 0) & (x < s_end[np.maximum(span, 0)])
+        x, y, span = x[keep], y[keep], span[keep]
+        if not len(x):
+            return
+        piece = np.searchsorted(p_start, x, "right") - 1 + lo
+        size = plan.itemsize[piece]
+        start = plan.data_offset[piece]
+        used, local = np.unique(span, return_inverse=True)  # dests: only the spans used here
+        _shuffle.unshuffle_scatter(
+            chunk, start - c0, plan.length[piece] // size, size, (x - start) // size,
+            (y - x) // size, [spans[int(k)][2] for k in used], local.astype(np.int64),
+            x - s_begin[span],
+        )
+
+
+def _writable_bytes(dest: Any, n: int) -> Any:
+    if isinstance(dest, np.ndarray):
+        if not dest.flags.c_contiguous or not dest.flags.writeable:
+            raise ValueError("destination must be a writable C-contiguous array")
+        dest = dest.reshape(-1).view(np.uint8)
+        size = dest.nbytes
+    else:
+        size = memoryview(dest).nbytes
+    if size < n:
+        raise ValueError(f"destination has {size} bytes, {n} are needed")
+    return dest
+
+
+def _run_all(fn: Any, items: Sequence[int], pool: Executor | None) -> None:
+    run_tasks([partial(fn, i) for i in items], pool)
+
+
+def run_tasks(tasks: Sequence[Callable[[], None]], pool: Executor | None) -> None:
+    """Run `tasks` on `pool` (inline when there is no pool or a single task); the first error
+    is raised after the tasks not yet started are cancelled."""
+    if pool is None or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    futures = [pool.submit(task) for task in tasks]
+    try:
+        for f in futures:
+            f.result()
+    finally:
+        for f in futures:
+            f.cancel()
+
+
+def open_zstd_shard(path: str, info: ShardInfo, *, mmap: bool = True) -> SkzShard:
+    """The reader's opener for codec ``"zstd"``."""
+    return SkzShard(path, info, mmap=mmap)
+
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE", "DEFAULT_LEVEL", "FRAME_DTYPE", "MAGIC", "ChunkPlan", "SkzHeader",
+    "SkzShard", "SkzWriteStats", "ZstdOptions", "decode_skz_header", "encode_skz_header",
+    "frame_count", "frames_decompressed", "open_zstd_shard", "parse_chunk_size", "plan_chunks",
+    "read_skz_header", "resolve_compression", "write_zstd_shard",
+]
