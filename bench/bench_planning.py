@@ -17,7 +17,9 @@ import shardkit.policies as policies
 from shardkit._kernels import _packing, _sizes
 from shardkit._reference import _packing as ref_packing
 from shardkit._reference import _sizes as ref_sizes
+from shardkit.callback import validate_shards
 from shardkit.policies import BalancedPolicy, BinPackPolicy, MaxShardSizePolicy
+from shardkit.tensors import shardable_tensors
 
 MiB = 2**20
 KERNELS = {
@@ -127,3 +129,20 @@ def test_policy(benchmark, planning, kind, n, impl):
 @pytest.mark.parametrize("kind", ["bin-pack", "balanced"])
 def test_policy_native_1m(benchmark, planning, kind):
     _run_policy(benchmark, planning, kind, 1_000_000, "native")
+
+
+def test_build_shardable_tensors_1m(benchmark, planning):
+    """Target: building 1,000,000 ShardableTensors from a nested state takes < 2 s."""
+    arrays = [t.tensor for t in planning.tensors(1_000_000)]
+    state = {f"layer{i}": {"w": a} for i, a in enumerate(arrays)}
+    result = benchmark.pedantic(shardable_tensors, (state,), rounds=3, iterations=1)
+    assert len(result) == 1_000_000
+    planning.record(benchmark, "build ShardableTensors", 1_000_000, "native")
+
+
+def test_validate_shards_1m(benchmark, planning):
+    """Target: validate_shards on 1,000,000 entries takes < 2 s (linear, not pairwise)."""
+    ts = planning.tensors(1_000_000)
+    shards = BinPackPolicy(256 * MiB)(ts)
+    benchmark.pedantic(validate_shards, (shards, ts, "bench"), rounds=3, iterations=1)
+    planning.record(benchmark, "validate_shards", 1_000_000, "native")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -70,30 +71,50 @@ class DefaultShardingPolicy(ShardingCallback):
         )
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
-        sizes = [t.nbytes for t in shardable_tensors]
+        tensors = list(shardable_tensors)
+        arrays = list(map(_tensor_of, tensors))
+        sizes = list(map(_nbytes_of, arrays))
         total = sum(sizes)
         if total < SINGLE_SHARD_BELOW:
             count = 1
         else:
             count = max(self.threads, math.ceil(total / self.max_shard_size))
         count = max(1, min(count, len(sizes)))
-        shards: list[Shard] = []
-        current: Shard = {}
+        # where each shard starts: the loop only does arithmetic, the dicts are built in bulk
+        starts = [0]
         filled = done = 0
-        for t, size in zip(shardable_tensors, sizes):
-            if current and (
+        for i, size in enumerate(sizes):
+            if i > starts[-1] and (
                 filled + size > self.max_shard_size
                 # cut when this tensor's midpoint passes the next equal-share boundary
-                or (len(shards) < count - 1 and done + size / 2 > (len(shards) + 1) * total / count)
+                or (len(starts) < count and done + size / 2 > len(starts) * total / count)
             ):
-                shards.append(current)
-                current, filled = {}, 0
-            current.setdefault(t.checkpoint_key, {})[t.slice_spec] = t.tensor
+                starts.append(i)
+                filled = 0
             filled += size
             done += size
-        if current:
-            shards.append(current)
+        keys = list(map(_key_of, tensors))
+        specs = list(map(_spec_of, tensors))
+        bounds = list(zip(starts, [*starts[1:], len(tensors)]))
+        if len(set(keys)) == len(keys):  # no key split over several inputs: one dict each
+            return [
+                dict(zip(keys[a:b], [{s: x} for s, x in zip(specs[a:b], arrays[a:b])]))
+                for a, b in bounds if b > a
+            ]
+        shards: list[Shard] = []
+        for a, b in bounds:
+            current: Shard = {}
+            for key, spec, array in zip(keys[a:b], specs[a:b], arrays[a:b]):
+                current.setdefault(key, {})[spec] = array
+            if current:
+                shards.append(current)
         return shards
+
+
+_tensor_of = operator.attrgetter("tensor")
+_nbytes_of = operator.attrgetter("nbytes")
+_key_of = operator.attrgetter("checkpoint_key")
+_spec_of = operator.attrgetter("slice_spec")
 
 
 def save(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import abc
+import operator
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any
+from itertools import accumulate, chain, repeat
+from typing import Any, cast
 
 import numpy as np
 
@@ -113,7 +115,53 @@ def validate_shards(
     entry, a sort per split tensor.
     """
     with _gc_paused():
-        _validate(shards, shardable_tensors, description)
+        if not _all_whole_as_given(shards, shardable_tensors):
+            _validate(shards, shardable_tensors, description)
+
+
+def _all_whole_as_given(shards: Sequence[Any], shardable_tensors: Sequence[ShardableTensor]
+                        ) -> bool:
+    """True if `shards` are plain dicts that hand back every input (all whole tensors, distinct
+    keys) exactly once, as the very array it was given, each shard from one task.
+
+    That is the common case, which `_validate` accepts on its own fast path; this checks it in
+    bulk with C-level maps. False means "not sure": `_validate` then decides.
+    """
+    n = len(shardable_tensors)
+    if not all(type(s) is dict for s in shards):
+        return False
+    keys = list(chain.from_iterable(shards))
+    if len(keys) != n or len(set(keys)) != n:
+        return False
+    if not n:
+        return True
+    by_key = dict(zip(map(_key_of, shardable_tensors), shardable_tensors))
+    if len(by_key) != n or set(map(_spec_of, shardable_tensors)) != {""}:
+        return False
+    inner = list(chain.from_iterable(map(dict.values, shards)))
+    if set(map(type, inner)) != {dict} or set(map(len, inner)) != {1}:
+        return False
+    if set(chain.from_iterable(inner)) != {""}:
+        return False
+    originals = list(map(by_key.get, keys))
+    if any(map(operator.is_, originals, repeat(None))):
+        return False
+    values = map(operator.itemgetter(""), inner)
+    if not all(map(operator.is_, values, map(_tensor_of, originals))):
+        return False
+    tasks = [task or 0 for task in map(_device_task_of, originals)]
+    if len(set(tasks)) > 1:  # all one task is the usual case; else one task per shard
+        ends = list(accumulate(map(len, shards)))
+        for begin, end in zip([0, *ends[:-1]], ends):
+            if len(set(tasks[begin:end])) > 1:
+                return False
+    return True
+
+
+_key_of = operator.attrgetter("checkpoint_key")
+_spec_of = operator.attrgetter("slice_spec")
+_tensor_of = operator.attrgetter("tensor")
+_device_task_of = operator.attrgetter("device.task")
 
 
 def _validate(
@@ -297,6 +345,11 @@ def shard_tensors(
                 f"  expected: a list of mappings checkpoint_key -> slice_spec -> tensor\n"
                 f"  found: {type(shards).__name__}"
             )
+        with _gc_paused():
+            as_given = _all_whole_as_given(shards, group)
+        if as_given:  # plain dicts of the very arrays given: nothing to unwrap or copy
+            out.extend((task, cast(dict[str, dict[str, Any]], shard)) for shard in shards if shard)
+            continue
         validate_shards(shards, group, description)
         for shard in shards:
             if shard:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, chain, compress, repeat
+from json.encoder import encode_basestring
 from typing import Any, BinaryIO, Final
 
 import numpy as np
@@ -31,6 +34,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
+from .tensors import _columns_constructor, _gc_paused
 
 FORMAT_NAME: Final = "shardkit"
 FORMAT_VERSION: Final = "1.0"
@@ -47,7 +51,6 @@ METADATA_KEY: Final = "__metadata__"
 _ITEMSIZE: Final[dict[str, int]] = {name: itemsize(name) for name in SAFETENSORS_NAMES}
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
 _LEN = struct.Struct("<Q")
-_xxh3_ok = _XXH3_RE.fullmatch
 
 
 def shard_file_name(index: int, count: int, codec: str = "raw") -> str:
@@ -89,31 +92,67 @@ class EntryLayout:
         return self.end - self.begin
 
 
+_new_entry_layouts = _columns_constructor(EntryLayout)
+
+
 def layout_entries(entries: Sequence[tuple[str, np.dtype, Sequence[int]]]) -> list[EntryLayout]:
     """Order `entries` (name, dtype, shape) by descending item size, stably, with offsets.
 
     Offsets are contiguous from 0. Item sizes are powers of two, so every entry starts at a
     multiple of its own item size (and the data region itself starts at a multiple of 8).
     """
-    items = []
-    for i, (name, dtype, shape) in enumerate(entries):
-        dt = np.dtype(dtype)
-        dims = tuple(int(d) for d in shape)
-        if any(d < 0 for d in dims):
-            raise ValueError(f"entry {name!r}: negative dimension in shape {list(dims)}")
-        items.append((i, str(name), safetensors_name(dt), dims, dt.itemsize))
-    items.sort(key=lambda t: -t[4])  # list.sort is stable
-    out: list[EntryLayout] = []
-    pos = 0
-    seen: set[str] = set()
-    for i, name, dtype_name, dims, size in items:
-        if name in seen:
-            raise ValueError(f"entry name {name!r} appears twice in one shard")
-        seen.add(name)
-        n = math.prod(dims) * size
-        out.append(EntryLayout(name, dtype_name, dims, pos, pos + n, i))
-        pos += n
-    return out
+    return _new_entry_layouts(*_layout_columns(entries))
+
+
+_Columns = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int], Sequence[int]]
+
+
+def _layout_columns(entries: Sequence[tuple[str, np.dtype, Sequence[int]]]) -> _Columns:
+    """`layout_entries` as columns: names, dtype names, shapes, begins, ends, input positions."""
+    if not entries:
+        return [], [], [], [], [], []
+    # Column-wise, so that the per-entry work runs in C (map/sorted/accumulate).
+    names = list(map(str, map(_first, entries)))
+    raw_dtypes = list(map(_second, entries))
+    raw_shapes = list(map(_third, entries))
+    kinds: dict[Any, tuple[str, int]] = {}
+    for raw in set(raw_dtypes):
+        dt = np.dtype(raw)
+        kinds[raw] = (safetensors_name(dt), dt.itemsize)
+    dtype_names = [kinds[raw][0] for raw in raw_dtypes] if len(kinds) > 1 else (
+        [next(iter(kinds.values()))[0]] * len(names))
+    sizes = [kinds[raw][1] for raw in raw_dtypes] if len(kinds) > 1 else (
+        [next(iter(kinds.values()))[1]] * len(names))
+    if set(map(type, raw_shapes)) == {tuple} and set(
+        map(type, chain.from_iterable(raw_shapes))
+    ) <= _INT_ONLY:
+        shapes = raw_shapes  # e.g. ndarray.shape: already tuples of ints
+    else:
+        shapes = [tuple(map(int, s)) for s in raw_shapes]
+    if min(chain.from_iterable(shapes), default=0) < 0:
+        name, dims = next((n, d) for n, d in zip(names, shapes) if any(x < 0 for x in d))
+        raise ValueError(f"entry {name!r}: negative dimension in shape {list(dims)}")
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise ValueError(f"entry name {name!r} appears twice in one shard")
+            seen.add(name)
+    nbytes = list(map(operator.mul, map(math.prod, shapes), sizes))
+    if len(set(sizes)) == 1:  # one item size: the order is the input order
+        order: Sequence[int] = range(len(names))
+    else:
+        order = sorted(range(len(names)), key=[-z for z in sizes].__getitem__)  # stable
+        names, dtype_names, shapes, nbytes = (
+            [column[i] for i in order] for column in (names, dtype_names, shapes, nbytes)
+        )
+    ends = list(accumulate(nbytes))
+    return names, dtype_names, shapes, [0, *ends[:-1]], ends, order
+
+
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+_third = operator.itemgetter(2)
 
 
 def data_size(layouts: Sequence[EntryLayout]) -> int:
@@ -134,24 +173,42 @@ def encode_safetensors_header(
         if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(f"shard metadata must map str to str, got {k!r}: {v!r}")
         meta[k] = v
-    header: dict[str, Any] = {METADATA_KEY: meta}
-    for e in layouts:
-        if e.name == METADATA_KEY or e.name in header:
-            raise ValueError(f"entry name {e.name!r} is reserved or appears twice")
-        header[e.name] = {"dtype": e.dtype_name, "shape": list(e.shape),
-                          "data_offsets": [e.begin, e.end]}
+    names = [e.name for e in layouts]
+    if METADATA_KEY in names or len(set(names)) != len(names):
+        seen = {METADATA_KEY}
+        for name in names:
+            if name in seen:
+                raise ValueError(f"entry name {name!r} is reserved or appears twice")
+            seen.add(name)
     try:
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text = _header_text(names, [e.dtype_name for e in layouts], [e.shape for e in layouts],
+                            [e.begin for e in layouts], [e.end for e in layouts], meta)
     except UnicodeEncodeError as err:
         raise ValueError(f"an entry name cannot be encoded as UTF-8: {err}") from None
-    pad = -(len(text) + 8) % HEADER_ALIGNMENT
-    text += b" " * pad
     if len(text) > MAX_HEADER_BYTES:
         raise ValueError(
             f"shard header would be {len(text)} bytes, over the {MAX_HEADER_BYTES}-byte limit; "
             "use more, smaller shards"
         )
     return _LEN.pack(len(text)) + text
+
+
+def _header_text(
+    names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+    begins: Sequence[int], ends: Sequence[int], meta: Mapping[str, str],
+) -> bytes:
+    """The space-padded JSON header, byte-identical to ``json.dumps(header, separators=(",",
+    ":"), ensure_ascii=False)``, built from pieces: dtype names need no escaping, dims and
+    offsets are ints. UnicodeEncodeError for a name that is not valid UTF-8 text."""
+    parts = [f'{{"{METADATA_KEY}":{json.dumps(meta, separators=(",", ":"), ensure_ascii=False)}']
+    parts += [
+        f'{name}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{begin},{end}]}}'
+        for name, dtype, dims, begin, end in zip(
+            map(encode_basestring, names), dtype_names, _int_lists(list(shapes)), begins, ends
+        )
+    ]
+    text = (",".join(parts) + "}").encode("utf-8")
+    return text + b" " * (-(len(text) + 8) % HEADER_ALIGNMENT)
 
 
 def header_length(prefix: bytes | bytearray | memoryview, file_size: int, path: str) -> int:
@@ -174,22 +231,48 @@ def header_length(prefix: bytes | bytearray | memoryview, file_size: int, path: 
     return n
 
 
-def _no_duplicates(what: str, path: str) -> Any:
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):
-            seen: set[str] = set()
-            for k, _ in pairs:
-                if k in seen:
-                    raise _Duplicate(f"{path}: {what} has the key {k!r} twice")
-                seen.add(k)
-        return out
+def _loads_pairs(text: str) -> Any:
+    """json.loads, but every JSON object becomes a tuple of its (key, value) pairs.
 
-    return hook
+    Duplicate keys must be detected, and a Python object_pairs_hook costs ~1 us per object. With
+    the C-level `tuple` as hook, objects stay distinguishable from arrays (lists) and the decoders
+    below turn them into dicts (`_object`, `_plain`), checking for duplicates as they go; the hot
+    per-tensor / per-entry objects are matched against their fixed key sequence instead.
+    """
+    return json.loads(text, object_pairs_hook=tuple)
 
 
-class _Duplicate(Exception):
-    pass
+def _object(pairs: tuple[tuple[str, Any], ...], what: str, path: str, error: type) -> dict:
+    """A dict of the (key, value) `pairs` of one JSON object; `error` on a repeated key."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise error(f"{path}: {what} has the key {k!r} twice")
+            seen.add(k)
+    return out
+
+
+def _plain(x: Any, what: str, path: str, error: type) -> Any:
+    """`x` from `_loads_pairs` with every nested object turned into a dict (duplicates checked)."""
+    t = type(x)
+    if t is tuple:
+        d = _object(x, what, path, error)
+        for k, v in d.items():
+            if type(v) is tuple or type(v) is list:
+                d[k] = _plain(v, what, path, error)
+        return d
+    if t is list:
+        return [_plain(v, what, path, error) if type(v) in _CONTAINERS else v for v in x]
+    return x
+
+
+_CONTAINERS: Final = frozenset({tuple, list})
+
+
+class _Slow(Exception):
+    """Internal: input the fast path does not handle; the fully checked path decides."""
 
 
 def _is_int(x: Any) -> bool:
@@ -197,11 +280,6 @@ def _is_int(x: Any) -> bool:
 
 
 _INT_ONLY: Final = frozenset({int})
-
-
-def _dims(x: Any) -> bool:
-    """True for a list of non-negative ints (not bools). Runs in C for the common case."""
-    return type(x) is list and (not x or (set(map(type, x)) <= _INT_ONLY and min(x) >= 0))
 
 
 def decode_safetensors_header(
@@ -213,47 +291,109 @@ def decode_safetensors_header(
     prefix, JSON, every entry's dtype / shape / data_offsets, that entries tile the data region
     ``[0, file_size - data_start)`` exactly (no overlap, no hole, nothing out of range).
     """
+    with _gc_paused():  # one GC pass at the end instead of many during the decode
+        return _decode_safetensors_header(buf, file_size, path)
+
+
+def _decode_safetensors_header(
+    buf: bytes | bytearray | memoryview, file_size: int, path: str
+) -> tuple[dict[str, EntryLayout], dict[str, str], int]:
     n = header_length(buf, file_size, path)
     if len(buf) < 8 + n:
         raise TruncatedShardError(f"{path}: got {len(buf)} bytes, the header needs {8 + n}")
     raw = bytes(buf[8 : 8 + n])
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates("header", path))
-    except _Duplicate as e:
-        raise CorruptHeaderError(str(e)) from None
+        pairs = _loads_pairs(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise CorruptHeaderError(f"{path}: header is not UTF-8 ({e})") from None
     except json.JSONDecodeError as e:
         raise CorruptHeaderError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
+    except RecursionError:
+        raise CorruptHeaderError(f"{path}: header JSON is nested too deeply") from None
+    if type(pairs) is not tuple:
         raise CorruptHeaderError(
-            f"{path}: header must be a JSON object, found {type(header).__name__}"
+            f"{path}: header must be a JSON object, found {type(pairs).__name__}"
         )
+    header = _object(pairs, "header", path, CorruptHeaderError)
     data_start = 8 + n
     region = file_size - data_start
-    metadata = header.pop(METADATA_KEY, {})
+    try:
+        metadata = _plain(header.pop(METADATA_KEY, ()), "header", path, CorruptHeaderError)
+    except RecursionError:
+        raise CorruptHeaderError(f"{path}: {METADATA_KEY} is nested too deeply") from None
     if not isinstance(metadata, dict) or not all(
         isinstance(v, str) for v in metadata.values()
     ):
         raise CorruptHeaderError(f"{path}: {METADATA_KEY} must map str to str, got {metadata!r}")
-    entries: dict[str, EntryLayout] = {}
-    for i, (name, value) in enumerate(header.items()):
-        entries[name] = _decode_entry(name, value, i, path)
-    _check_tiling(entries, region, path)
+    try:
+        entries = _decode_entries_fast(header, region)
+    except _Slow:
+        entries = {}
+        for i, (name, value) in enumerate(header.items()):
+            value = _plain(value, "header", path, CorruptHeaderError)
+            entries[name] = _decode_entry_checked(name, value, i, path)
+        _check_tiling(entries, region, path)
     return entries, metadata, data_start
 
 
-def _decode_entry(name: str, e: Any, i: int, path: str) -> EntryLayout:
-    if type(e) is dict:  # fast path for a valid entry; anything odd goes the slow, precise way
-        dtype: Any = e.get("dtype")
-        shape: Any = e.get("shape")
-        offs: Any = e.get("data_offsets")
-        size = _ITEMSIZE.get(dtype) if type(dtype) is str else None
-        if size is not None and _dims(shape) and _dims(offs) and len(offs) == 2:
-            begin, end = offs
-            if begin <= end and end - begin == math.prod(shape) * size:
-                return EntryLayout(name, dtype, tuple(shape), begin, end, i)
-    return _decode_entry_checked(name, e, i, path)
+_ENTRY_KEYS: Final = ("dtype", "shape", "data_offsets")
+
+
+def _decode_entries_fast(header: dict[str, Any], region: int) -> dict[str, EntryLayout]:
+    """Decode the entries of a header whose every entry is well formed and laid out correctly.
+
+    Column-wise, checks in bulk (C loops and numpy); raises _Slow on anything unusual, and the
+    per-entry checked path then decides (and words the error). Each entry must be a JSON object
+    with exactly the keys dtype, shape, data_offsets in that order (as every writer of the format
+    emits them), so it cannot hold a duplicate key.
+    """
+    if not header:
+        if region:
+            raise _Slow
+        return {}
+    names = list(header)
+    values = list(header.values())
+    try:
+        if set(map(type, values)) != {tuple}:
+            raise _Slow
+        # each object value is a tuple of (key, value) pairs (see _loads_pairs)
+        k1, dtypes, k2, shapes, k3, offsets = zip(
+            *[(a, dt, b, sh, c, of) for (a, dt), (b, sh), (c, of) in values]
+        )
+        if set(zip(k1, k2, k3)) != {_ENTRY_KEYS} or not set(dtypes) <= _ITEMSIZE.keys():
+            raise _Slow
+        if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+            raise _Slow
+        if set(map(len, offsets)) != {2}:
+            raise _Slow
+        dims = list(chain.from_iterable(shapes))
+        if not set(map(type, dims)) <= _INT_ONLY or min(dims, default=0) < 0:
+            raise _Slow
+        begins, ends = zip(*offsets)
+        if not set(map(type, begins)) | set(map(type, ends)) <= _INT_ONLY or min(begins) < 0:
+            raise _Slow
+        sizes = list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtypes)))
+        if list(map(operator.sub, ends, begins)) != sizes:
+            raise _Slow
+        b = np.array(begins, dtype=np.int64)
+        e = np.array(ends, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise _Slow from None
+    # Tiling: sorted by (begin, end), the non-empty entries must chain from 0 to the end of the
+    # region; an empty entry may sit at any boundary between them (as _check_tiling accepts).
+    order = np.lexsort((e, b))
+    b, e = b[order], e[order]
+    full = e > b
+    fb, fe = b[full], e[full]
+    bounds = np.concatenate(([0], fe))
+    if fb.size:
+        ok = fb[0] == 0 and fe[-1] == region and np.array_equal(fb[1:], fe[:-1])
+    else:
+        ok = region == 0
+    if not ok or not np.isin(b[~full], bounds).all():
+        raise _Slow
+    layouts = _new_entry_layouts(names, dtypes, map(tuple, shapes), begins, ends, range(len(names)))
+    return dict(zip(names, layouts))
 
 
 def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
@@ -333,6 +473,46 @@ def read_safetensors_header(
     return decode_safetensors_header(prefix + body, file_size, path)
 
 
+def read_expected_safetensors_header(
+    f: BinaryIO | int, file_size: int, path: str,
+    expected: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+) -> tuple[dict[str, EntryLayout], dict[str, str], int, bool]:
+    """`read_safetensors_header`, plus whether the header is exactly what the writer makes of
+    `expected` (entry name, dtype, shape, in shard input order) with no extra metadata.
+
+    When it is, nothing needs parsing: the bytes equal the canonical encoding of a layout that
+    is valid by construction (unique names, contiguous entries), so the result is the one
+    `decode_safetensors_header` would return, and every entry is known to have the expected
+    dtype and shape. Otherwise the header is decoded and checked as usual (flag False).
+    """
+    prefix = _pread(f, 8, 0)
+    n = header_length(prefix, file_size, path)
+    body = _pread(f, n, 8)
+    if len(body) < n:
+        raise TruncatedShardError(f"{path}: header cut short: read {len(body)} of {n} bytes")
+    with _gc_paused():
+        found = _match_header(body, file_size - 8 - n, expected)
+    if found is not None:
+        return found, {"format": FORMAT_NAME}, 8 + n, True
+    return (*decode_safetensors_header(prefix + body, file_size, path), False)
+
+
+def _match_header(
+    body: bytes, region: int, expected: Sequence[tuple[str, np.dtype, tuple[int, ...]]]
+) -> dict[str, EntryLayout] | None:
+    try:
+        names, dtype_names, shapes, begins, ends, _ = _layout_columns(expected)
+        if METADATA_KEY in names or region != (ends[-1] if ends else 0):
+            return None
+        text = _header_text(names, dtype_names, shapes, begins, ends, {"format": FORMAT_NAME})
+    except (ValueError, TypeError, UnicodeEncodeError):  # duplicates, bad names: decode instead
+        return None
+    if text != body:
+        return None
+    layouts = _new_entry_layouts(names, dtype_names, shapes, begins, ends, range(len(names)))
+    return dict(zip(names, layouts))
+
+
 def _pread(f: BinaryIO | int, n: int, offset: int) -> bytes:
     fd = f if isinstance(f, int) else f.fileno()
     chunks = []
@@ -388,6 +568,10 @@ class TensorInfo:
         return len(self.slices) > 1
 
 
+_new_slice_infos = _columns_constructor(SliceInfo)
+_new_tensor_infos = _columns_constructor(TensorInfo)
+
+
 @dataclass(slots=True)
 class CheckpointIndex:
     """The content of index.json. `tensors` keeps the order the tensors were saved in."""
@@ -402,45 +586,102 @@ class CheckpointIndex:
 def encode_index(index: CheckpointIndex) -> bytes:
     """index.json bytes (compact UTF-8 JSON and a newline), with the HuggingFace-style
     metadata.total_size and weight_map (tensors stored whole, in an entry named after their key).
+
+    The bytes equal ``json.dumps(doc, separators=(",", ":"), ensure_ascii=False)`` of the
+    document described in docs/FORMAT.md; whole tensors (the bulk of a big checkpoint) are
+    formatted column-wise from a template, which is ~10x faster than the json encoder.
     """
     shards = index.shards
-    # only tensors stored whole under their own key, which is what HF-style tools look up
-    weight_map = {
-        key: shards[t.slices[0].shard].file
-        for key, t in index.tensors.items()
-        if len(t.slices) == 1 and t.slices[0].entry == key
-    }
-    doc = {
-        "format": FORMAT_NAME,
-        "format_version": index.version,
-        "metadata": {"total_size": sum(t.nbytes for t in index.tensors.values())},
-        "weight_map": weight_map,
-        "shardkit": {
-            "callback": index.callback,
-            "shards": [
-                {"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes}
-                for s in shards
-            ],
-            "tensors": {
-                key: {
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "device": t.device,
-                    "slices": [
-                        {"spec": s.spec, "shard": s.shard, "entry": s.entry, "xxh3": s.xxh3}
-                        for s in t.slices
-                    ],
-                }
-                for key, t in index.tensors.items()
-            },
-            "user_metadata": index.user_metadata,
-        },
-    }
-    try:  # compact: with indent, json falls back to its pure-Python encoder (20x slower)
-        text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    keys = list(index.tensors)
+    infos = list(index.tensors.values())
+    try:
+        user_metadata = _dumps(index.user_metadata)
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint metadata is not JSON-serialisable: {e}") from None
+    total = sum(map(operator.mul, map(math.prod, map(_shape_of, infos)),
+                    map(_ITEMSIZE.__getitem__, map(_dtype_of, infos))))
+    encoded_keys = list(map(encode_basestring, keys))
+    pieces = _whole_tensor_pieces(encoded_keys, infos)
+    for i, t in enumerate(infos):
+        if len(t.slices) != 1 or t.slices[0].spec != WHOLE:
+            pieces[i] = f"{encoded_keys[i]}:{_dumps(_tensor_doc(t))}"
+    # only tensors stored whole under their own key, which is what HF-style tools look up
+    files = [encode_basestring(s.file) for s in shards]
+    single = [len(t.slices) == 1 for t in infos]
+    firsts = [t.slices[0] for t in infos]
+    own_entry = map(operator.eq, map(operator.attrgetter("entry"), firsts), keys)
+    in_map = list(map(operator.and_, single, own_entry))
+    weight_map = ",".join(map("".join, zip(
+        compress(encoded_keys, in_map),
+        repeat(":"),
+        map(files.__getitem__, map(operator.attrgetter("shard"), compress(firsts, in_map))),
+    )))
+    shard_list = _dumps([
+        {"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes} for s in shards
+    ])
+    text = (
+        f'{{"format":{_dumps(FORMAT_NAME)},"format_version":{_dumps(index.version)},'
+        f'"metadata":{{"total_size":{total}}},"weight_map":{{{weight_map}}},'
+        f'"shardkit":{{"callback":{_dumps(index.callback)},"shards":{shard_list},'
+        f'"tensors":{{{",".join(pieces)}}},"user_metadata":{user_metadata}}}}}'
+    )
     return text.encode("utf-8") + b"\n"
+
+
+_shape_of = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _dumps(value: Any) -> str:
+    # compact: with indent, json falls back to its pure-Python encoder (20x slower)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _whole_tensor_pieces(encoded_keys: list[str], infos: list[TensorInfo]) -> list[str]:
+    """``"key":{...}`` for each tensor as if whole (split ones are redone by the caller)."""
+    device_of = operator.attrgetter("device")
+    devices = {d: encode_basestring(d) for d in set(map(device_of, infos))}
+    first = [t.slices[0] for t in infos]
+    hashes = ["null" if x is None else encode_basestring(x) for x in map(_xxh3_of, first)]
+    return [
+        f'{k}:{{"dtype":"{dt}","shape":[{shape}],"device":{dev},'
+        f'"slices":[{{"spec":"","shard":{shard},"entry":{entry},"xxh3":{h}}}]}}'
+        for k, dt, shape, dev, shard, entry, h in zip(
+            encoded_keys,
+            map(_dtype_of, infos),
+            _int_lists(list(map(_shape_of, infos))),
+            map(devices.__getitem__, map(device_of, infos)),
+            map(operator.attrgetter("shard"), first),
+            map(encode_basestring, map(operator.attrgetter("entry"), first)),
+            hashes,
+        )
+    ]
+
+
+def _int_lists(shapes: list[tuple[int, ...]]) -> list[str]:
+    """``"2,3"`` for each shape: one C-level json.dumps, split (ints hold no brackets)."""
+    if not shapes:
+        return []
+    try:
+        text = json.dumps(shapes, separators=(",", ":"))
+    except TypeError:  # numpy integers in a shape
+        return [",".join(map(str, map(int, s))) for s in shapes]
+    return text[2:-2].split("],[")
+
+
+_xxh3_of = operator.attrgetter("xxh3")
+
+
+def _tensor_doc(t: TensorInfo) -> dict[str, Any]:
+    return {
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "device": t.device,
+        "slices": [
+            {"spec": s.spec, "shard": s.shard, "entry": s.entry, "xxh3": s.xxh3}
+            for s in t.slices
+        ],
+    }
 
 
 def parse_version(version: Any, path: str) -> tuple[int, int]:
@@ -485,18 +726,25 @@ def check_shard_file_name(name: Any, path: str) -> str:
 def decode_index(data: bytes, path: str) -> CheckpointIndex:
     """Parse and validate index.json; every error is a CorruptIndexError (or subclass)
     naming `path` and the field, except newer majors: UnsupportedVersionError."""
+    with _gc_paused():  # one GC pass at the end instead of many during the decode
+        return _decode_index(data, path)
+
+
+def _decode_index(data: bytes, path: str) -> CheckpointIndex:
     try:
-        doc = json.loads(
-            bytes(data).decode("utf-8"), object_pairs_hook=_no_duplicates("index.json", path)
-        )
-    except _Duplicate as e:
-        raise CorruptIndexError(str(e)) from None
+        raw = _loads_pairs(bytes(data).decode("utf-8"))
     except UnicodeDecodeError as e:
         raise CorruptIndexError(f"{path}: not UTF-8 ({e})") from None
     except json.JSONDecodeError as e:
         raise CorruptIndexError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise CorruptIndexError(f"{path}: must be a JSON object, found {type(doc).__name__}")
+    except RecursionError:
+        raise CorruptIndexError(f"{path}: JSON is nested too deeply") from None
+    if type(raw) is not tuple:
+        raise CorruptIndexError(f"{path}: must be a JSON object, found {type(raw).__name__}")
+    try:
+        doc = _index_objects(raw, path)
+    except RecursionError:
+        raise CorruptIndexError(f"{path}: JSON is nested too deeply") from None
     if doc.get("format") != FORMAT_NAME:
         raise CorruptIndexError(
             f"{path}: \"format\" must be {FORMAT_NAME!r}, found {doc.get('format')!r} "
@@ -527,19 +775,19 @@ def decode_index(data: bytes, path: str) -> CheckpointIndex:
         nbytes = _nonneg_int(s, "bytes", path, where)
         shards.append(ShardInfo(file, task, codec, nbytes))
     raw_tensors = _field(sk, "tensors", dict, path, "shardkit.")
-    tensors = {
-        key: _decode_tensor(key, t, len(shards), path) for key, t in raw_tensors.items()
-    }
-    owner: dict[tuple[int, str], str] = {}
-    for key, t in tensors.items():
-        for s in t.slices:
-            if (s.shard, s.entry) in owner:
-                other = owner[(s.shard, s.entry)]
-                raise CorruptIndexError(
-                    f"{path}: entry {s.entry!r} of shard {shards[s.shard].file!r} is claimed by "
-                    f"more than one slice (tensors {other!r} and {key!r})"
-                )
-            owner[(s.shard, s.entry)] = key
+    tensors = _decode_tensors(raw_tensors, len(shards), path)
+    claims = [(s.shard, s.entry) for t in tensors.values() for s in t.slices]
+    if len(set(claims)) != len(claims):
+        owner: dict[tuple[int, str], str] = {}
+        for key, t in tensors.items():
+            for s in t.slices:
+                if (s.shard, s.entry) in owner:
+                    other = owner[(s.shard, s.entry)]
+                    raise CorruptIndexError(
+                        f"{path}: entry {s.entry!r} of shard {shards[s.shard].file!r} is claimed "
+                        f"by more than one slice (tensors {other!r} and {key!r})"
+                    )
+                owner[(s.shard, s.entry)] = key
     return CheckpointIndex(callback, shards, tensors, user_metadata, version)
 
 
@@ -561,28 +809,102 @@ def _nonneg_int(d: dict[str, Any], name: str, path: str, where: str) -> int:
     return int(v)
 
 
-def _decode_tensor(key: str, t: Any, n_shards: int, path: str) -> TensorInfo:
-    if type(t) is dict:  # fast path for a valid whole tensor; the rest goes the checked way
-        dtype: Any = t.get("dtype")
-        shape: Any = t.get("shape")
-        device: Any = t.get("device")
-        slices: Any = t.get("slices")
+def _index_objects(raw: tuple[tuple[str, Any], ...], path: str) -> dict[str, Any]:
+    """The index document from `_loads_pairs` as dicts, duplicates checked everywhere, except
+    that the values of ``shardkit.tensors`` stay pairs for `_decode_tensors`."""
+    what, err = "index.json", CorruptIndexError
+    doc = _object(raw, what, path, err)
+    for k, v in doc.items():
+        if k == "shardkit" and type(v) is tuple:
+            sk = doc[k] = _object(v, what, path, err)
+            for name, value in sk.items():
+                if name == "tensors" and type(value) is tuple:
+                    sk[name] = _object(value, what, path, err)
+                else:
+                    sk[name] = _plain(value, what, path, err)
+        else:
+            doc[k] = _plain(v, what, path, err)
+    return doc
+
+
+_TENSOR_KEYS: Final = ("dtype", "shape", "device", "slices", "spec", "shard", "entry", "xxh3")
+_HEX_RUN: Final = re.compile(r"[0-9a-f]*")
+
+
+def _decode_tensors(raw: dict[str, Any], n_shards: int, path: str) -> dict[str, TensorInfo]:
+    """Decode ``shardkit.tensors`` (values as pairs, see `_index_objects`), in order.
+
+    Whole tensors in the writer's exact key order take the fast path: unpacked in one loop,
+    validated column-wise in bulk. Everything else (split tensors, other key orders, anything
+    invalid) goes through `_decode_tensor_checked`, which owns the error messages.
+    """
+    fast, slow = _partition(raw)
+    out: dict[str, TensorInfo] = {}
+    if fast:
+        keys, dtypes, shapes, devices, shards, entries, xxh3s = fast
+        if _valid_whole_tensors(dtypes, shapes, devices, shards, entries, xxh3s, n_shards):
+            slice_infos = _new_slice_infos(repeat(WHOLE, len(keys)), shards, entries, xxh3s)
+            slices = map(list, zip(slice_infos))  # [[slice], ...]
+            out = dict(zip(keys, _new_tensor_infos(dtypes, map(tuple, shapes), devices, slices)))
+        else:
+            slow = list(raw)
+    if slow:
+        for key in slow:
+            value = _plain(raw[key], "index.json", path, CorruptIndexError)
+            out[key] = _decode_tensor_checked(key, value, n_shards, path)
+        out = {key: out[key] for key in raw}  # back into index order
+    return out
+
+
+def _partition(raw: dict[str, Any]) -> tuple[tuple[Sequence[Any], ...] | None, list[str]]:
+    """Columns (keys, dtypes, shapes, devices, shards, entries, xxh3s) of the whole tensors in
+    the writer's exact key order (values not checked yet), and the keys of all other tensors."""
+    fast = []
+    slow: list[str] = []
+    for key, t in raw.items():
+        try:
+            (k1, dtype), (k2, shape), (k3, device), (k4, (s,)) = t
+            (j1, spec), (j2, shard), (j3, entry), (j4, xxh3) = s
+        except (TypeError, ValueError):
+            slow.append(key)
+            continue
         if (
-            type(dtype) is str
-            and dtype in _ITEMSIZE
-            and _dims(shape)
-            and type(device) is str
-            and type(slices) is list
-            and len(slices) == 1
-            and type(s := slices[0]) is dict
-            and s.get("spec") == WHOLE
-            and type(shard := s.get("shard")) is int
-            and 0 <= shard < n_shards
-            and type(entry := s.get("entry")) is str
-            and ((xxh3 := s.get("xxh3")) is None or (type(xxh3) is str and _xxh3_ok(xxh3)))
+            type(t) is tuple  # a JSON object, not an array of arrays
+            and type(s) is tuple
+            and (k1, k2, k3, k4, j1, j2, j3, j4) == _TENSOR_KEYS
+            and spec == WHOLE
         ):
-            return TensorInfo(dtype, tuple(shape), device, [SliceInfo(WHOLE, shard, entry, xxh3)])
-    return _decode_tensor_checked(key, t, n_shards, path)
+            fast.append((key, dtype, shape, device, shard, entry, xxh3))
+        else:
+            slow.append(key)
+    return (tuple(zip(*fast)) if fast else None), slow
+
+
+def _valid_whole_tensors(
+    dtypes: Sequence[Any], shapes: Sequence[Any], devices: Sequence[Any], shards: Sequence[Any],
+    entries: Sequence[Any], xxh3s: Sequence[Any], n_shards: int,
+) -> bool:
+    """Bulk form of `_decode_tensor_checked`'s checks for whole tensors (C-level loops)."""
+    try:
+        if not set(dtypes) <= _ITEMSIZE.keys():
+            return False
+    except TypeError:  # an unhashable dtype value
+        return False
+    if set(map(type, shapes)) != {list}:
+        return False
+    dims = list(chain.from_iterable(shapes))
+    if not set(map(type, dims)) <= _INT_ONLY or min(dims, default=0) < 0:
+        return False
+    if set(map(type, devices)) != {str} or set(map(type, entries)) != {str}:
+        return False
+    if set(map(type, shards)) != {int} or min(shards) < 0 or max(shards) >= n_shards:
+        return False
+    hashes = [x for x in xxh3s if x is not None]
+    return not hashes or (
+        set(map(type, hashes)) == {str}
+        and set(map(len, hashes)) == {16}
+        and _HEX_RUN.fullmatch("".join(hashes)) is not None
+    )
 
 
 def _decode_tensor_checked(key: str, t: Any, n_shards: int, path: str) -> TensorInfo:

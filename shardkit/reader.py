@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import math
 import mmap as _mmap
+import operator
 import os
 import sys
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import import_module
+from itertools import groupby, repeat
 from typing import Any
 
 import numpy as np
@@ -54,10 +56,11 @@ from .format import (
     SliceInfo,
     TensorInfo,
     decode_index,
+    read_expected_safetensors_header,
     read_safetensors_header,
 )
 from .slices import SliceSpec, parse_slice_spec
-from .tensors import flatten, to_host
+from .tensors import _gc_paused, flatten, to_host
 
 READ_CHUNK = 8 * 1024 * 1024  # bytes per pread job; big enough that syscall cost vanishes
 _PARALLEL_MIN = 2 * READ_CHUNK
@@ -96,17 +99,27 @@ class ShardSource:
 class RawShard(ShardSource):
     """A raw (safetensors) shard, memory-mapped (`mmap=True`) or read with ``os.preadv``."""
 
-    def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True) -> None:
+    def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True,
+                 expected: Sequence[tuple[str, np.dtype, tuple[int, ...]]] | None = None) -> None:
+        """`expected`: the entries (name, dtype, shape, in shard input order) the index says
+        the shard holds; when the header is exactly the writer's encoding of them it is taken
+        without parsing and `matches_index` is True (see read_expected_safetensors_header)."""
         self.path = path
         self.info = info
+        self.matches_index = False
         self._map: _mmap.mmap | None = None
         self._fd = _open_shard_fd(path)
         try:
             size = os.fstat(self._fd).st_size
             check_shard_size(path, size, info)
-            self.entries, self.metadata, self.data_start = read_safetensors_header(
-                self._fd, size, path
-            )
+            if expected is None:
+                self.entries, self.metadata, self.data_start = read_safetensors_header(
+                    self._fd, size, path
+                )
+            else:
+                self.entries, self.metadata, self.data_start, self.matches_index = (
+                    read_expected_safetensors_header(self._fd, size, path, expected)
+                )
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
                 self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
         except BaseException:
@@ -123,6 +136,38 @@ class RawShard(ShardSource):
             return None
         start = self.data_start + entry.begin
         return memoryview(self._map)[start + begin : start + end]
+
+    def whole_views(
+        self, entries: Sequence[EntryLayout], dtypes: Sequence[np.dtype],
+        shapes: Sequence[tuple[int, ...]],
+    ) -> list[np.ndarray | None] | None:
+        """Read-only arrays over the map for whole `entries` (None without a map; None for an
+        entry not aligned to its item size, which `view` serves). One typed array over the data
+        region per dtype, sliced per entry: much cheaper than a buffer export per entry."""
+        if self._map is None:
+            return None
+        region = self._size - self.data_start
+        out: list[np.ndarray | None] = [None] * len(entries)
+        kinds = set(dtypes)
+        groups = ([(next(iter(kinds)), range(len(entries)))] if len(kinds) == 1 else
+                  [(d, [i for i, x in enumerate(dtypes) if x == d]) for d in kinds])
+        for dtype, idx in groups:
+            size = dtype.itemsize
+            base = np.frombuffer(self._map, dtype, region // size, self.data_start)
+            group = list(map(entries.__getitem__, idx))
+            begins = np.fromiter(map(_begin_of, group), np.int64, len(group))
+            ends = np.fromiter(map(_end_of, group), np.int64, len(group))
+            aligned = begins % size == 0
+            if not aligned.all():  # keep those for `view`
+                keep = np.flatnonzero(aligned).tolist()
+                idx = [idx[i] for i in keep]
+                begins, ends = begins[keep], ends[keep]
+            items = map(base.__getitem__, map(slice, (begins // size).tolist(),
+                                              (ends // size).tolist()))
+            views = map(np.ndarray.reshape, items, map(shapes.__getitem__, idx))
+            for i, view in zip(idx, views):
+                out[i] = view
+        return out
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
         start = self.data_start + entry.begin
@@ -266,7 +311,8 @@ class CheckpointReader:
         self._active = 0  # reads in flight; close() waits for them before releasing files
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
-        self._by_shard: list[list[tuple[str, int]]] | None = None
+        # per shard: keys stored whole under spec "", and (key, slice number) of the others
+        self._by_shard: list[tuple[list[str], list[tuple[str, int]]]] | None = None
         if verify:
             try:
                 self.verify()
@@ -328,25 +374,55 @@ class CheckpointReader:
             self._end_read()
 
     def _get_many(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
-        """`get` of each key; whole tensors stored in compressed shards are read in one batch,
-        so that every chunk is decoded once and the chunks are decoded in parallel."""
+        """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
+        pass per shard; whole tensors stored in compressed shards are read in one batch, so
+        that every chunk is decoded once and the chunks are decoded in parallel."""
         self._begin_read()
         try:
-            out: dict[str, np.ndarray] = {}
-            jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
-            for key in keys:
-                t = self._tensor(key)
-                src, entry = self._entry(key, t.slices[0])
-                if len(t.slices) > 1 or not hasattr(src, "read_tasks"):
-                    out[key] = self._get(key)
-                    continue
-                out[key] = a = np.empty(t.shape, numpy_dtype(t.dtype))
-                if entry.nbytes:
-                    jobs.append((src, entry, 0, entry.nbytes, _bytes_of(a)))
-            self._read_jobs(jobs)
-            return out
+            with _gc_paused():  # one GC pass at the end, not one per ~700 new arrays
+                return self._get_many_unlocked(keys)
         finally:
             self._end_read()
+
+    def _get_many_unlocked(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        keys = list(dict.fromkeys(keys))
+        try:
+            ts = list(map(self.index.tensors.__getitem__, keys))
+        except (KeyError, TypeError):
+            ts = list(map(self._tensor, keys))  # raises KeyNotFoundError, with a hint
+        self._check_open()
+        results: list[Any] = [None] * len(keys)
+        firsts = [t.slices[0] for t in ts]
+        shards = list(map(_shard_of, firsts))
+        whole = [i for i, t in enumerate(ts) if len(t.slices) == 1]
+        whole.sort(key=shards.__getitem__)  # stable: by shard, then in the order asked
+        dtypes = {name: numpy_dtype(name) for name in set(map(_dtype_of, ts))}
+        jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
+        for shard, group in groupby(whole, key=shards.__getitem__):
+            idx = list(group)
+            src = self._shard_for(keys[idx[0]], shard)
+            names = list(map(_entry_of, map(firsts.__getitem__, idx)))
+            entries = list(map(src.entries.__getitem__, names))  # checked on open
+            group_ts = list(map(ts.__getitem__, idx))
+            dts = list(map(dtypes.__getitem__, map(_dtype_of, group_ts)))
+            shapes = list(map(_shape_of, group_ts))
+            views = src.whole_views(entries, dts, shapes) if isinstance(src, RawShard) else None
+            if views is None:
+                views = [None] * len(idx)
+            for i, entry, dtype, shape, view in zip(idx, entries, dts, shapes, views):
+                if view is not None:
+                    results[i] = view
+                elif hasattr(src, "read_tasks"):
+                    results[i] = a = np.empty(shape, dtype)
+                    if entry.nbytes:
+                        jobs.append((src, entry, 0, entry.nbytes, _bytes_of(a)))
+                else:
+                    results[i] = self._whole_entry(src, entry, dtype, shape)
+        self._read_jobs(jobs)
+        for i, t in enumerate(ts):
+            if len(t.slices) > 1:
+                results[i] = self._get(keys[i])
+        return dict(zip(keys, results))
 
     def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
         """Decode whole tensors stored in compressed shards straight into their target arrays
@@ -537,14 +613,18 @@ class CheckpointReader:
         return specs
 
     def _entry(self, key: str, s: SliceInfo) -> tuple[ShardSource, EntryLayout]:
+        src = self._shard_for(key, s.shard)
+        return src, src.entries[s.entry]  # presence checked when the shard was opened
+
+    def _shard_for(self, key: str, shard: int) -> ShardSource:
+        """`_source`, with the key being read named in an error."""
         try:
-            src = self._source(s.shard)
+            return self._source(shard)
         except CheckpointFormatError as e:
             if f"key {key!r}" in str(e):
                 raise
             # same error class, plus the key the caller asked for
             raise type(e)(f"{e} (while reading key {key!r})") from None
-        return src, src.entries[s.entry]  # presence checked when the shard was opened
 
     def _source(self, i: int) -> ShardSource:
         src = self._sources.get(i)
@@ -556,24 +636,63 @@ class CheckpointReader:
             if src is None:
                 info = self.index.shards[i]
                 path = self._shard_paths[i]
-                src = _opener(info.codec, path)(path, info, mmap=self._mmap)
+                opener = _opener(info.codec, path)
+                if opener is RawShard:
+                    src = RawShard(path, info, mmap=self._mmap, expected=self._expected(i))
+                else:
+                    src = opener(path, info, mmap=self._mmap)
                 try:
-                    self._check_against_index(i, src)
+                    if not getattr(src, "matches_index", False):
+                        self._check_against_index(i, src)
                 except BaseException:
                     src.close()
                     raise
                 self._sources[i] = src
             return src
 
-    def _check_against_index(self, i: int, src: ShardSource) -> None:
+    def _expected(self, i: int) -> list[tuple[str, np.dtype, tuple[int, ...]]] | None:
+        """What the writer put in shard `i` if every tensor there is whole: (entry, dtype,
+        shape) in index order, which is the shard's input order for the built-in policies."""
+        whole, others = self._shard_lists()[i]
+        if others:
+            return None
+        ts = list(map(self.index.tensors.__getitem__, whole))
+        dtypes = {name: numpy_dtype(name) for name in set(map(_dtype_of, ts))}
+        return list(zip([t.slices[0].entry for t in ts],
+                        map(dtypes.__getitem__, map(_dtype_of, ts)), map(_shape_of, ts)))
+
+    def _shard_lists(self) -> list[tuple[list[str], list[tuple[str, int]]]]:
         if self._by_shard is None:
-            by_shard: list[list[tuple[str, int]]] = [[] for _ in self.index.shards]
+            by_shard: list[tuple[list[str], list[tuple[str, int]]]] = [
+                ([], []) for _ in self.index.shards
+            ]
             for key, t in self.index.tensors.items():
-                for j, s in enumerate(t.slices):
-                    by_shard[s.shard].append((key, j))
+                sl = t.slices
+                if len(sl) == 1 and sl[0].spec == "":
+                    by_shard[sl[0].shard][0].append(key)
+                else:
+                    for j, s in enumerate(sl):
+                        by_shard[s.shard][1].append((key, j))
             self._by_shard = by_shard
+        return self._by_shard
+
+    def _check_against_index(self, i: int, src: ShardSource) -> None:
+        """Every slice the index puts in shard `i` must be an entry of it, same dtype and shape.
+
+        Tensors stored whole under spec "" are compared column-wise (C-level maps); any
+        mismatch, and every other slice, goes through the per-slice check and its message.
+        """
+        whole, others = self._shard_lists()[i]
         tensors, entries = self.index.tensors, src.entries
-        for key, j in self._by_shard[i]:
+        ts = list(map(tensors.__getitem__, whole))
+        found = list(map(entries.get, [t.slices[0].entry for t in ts]))
+        if (
+            any(map(operator.is_, found, repeat(None)))
+            or list(map(_dtype_name_of, found)) != list(map(_dtype_of, ts))
+            or list(map(_shape_of, found)) != list(map(_shape_of, ts))
+        ):
+            others = [(key, 0) for key in whole] + others  # the per-slice check words it
+        for key, j in others:
             t = tensors[key]
             s = t.slices[j]
             entry = entries.get(s.entry)
@@ -677,6 +796,15 @@ def _read_index(path: str) -> CheckpointIndex:
     except IsADirectoryError:
         raise CorruptIndexError(f"{index_path} is a directory, not a file") from None
     return decode_index(data, index_path)
+
+
+_dtype_name_of = operator.attrgetter("dtype_name")
+_begin_of = operator.attrgetter("begin")
+_shard_of = operator.attrgetter("shard")
+_entry_of = operator.attrgetter("entry")
+_end_of = operator.attrgetter("end")
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
@@ -863,8 +991,9 @@ def load(
         if isinstance(keys, str):
             keys = [keys]
         wanted = reader.keys() if keys is None else list(keys)
-        for key in wanted:
-            reader._tensor(key)  # fail on a missing key before reading anything
+        if keys is not None:
+            for key in wanted:
+                reader._tensor(key)  # fail on a missing key before reading anything
         if verify:
             reader.verify(wanted)
         return reader._get_many(wanted)

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import ml_dtypes
@@ -80,7 +81,7 @@ def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None) -> lis
     """
     default = DeviceSpec.from_string(DEFAULT_DEVICE)
     fixed = None if device is None or callable(device) else _as_device(device)
-    out = []
+    out: list[ShardableTensor] = []
     append = out.append
     ndarray, storable = np.ndarray, STORABLE
     with _gc_paused():
@@ -106,12 +107,34 @@ def _fast_constructor(cls: type) -> Callable[..., Any]:
     Frozen dataclasses set each field through object.__setattr__; calling the slot descriptors
     directly skips that lookup. The source is generated so the loop over fields is unrolled.
     """
-    names = cls.__slots__
+    names = cls.__slots__  # type: ignore[attr-defined]
     env = {f"set_{n}": getattr(cls, n).__set__ for n in names}
     env.update(cls=cls, new=object.__new__)
     body = "".join(f"    set_{n}(obj, {n})\n" for n in names)
     exec(f"def make({', '.join(names)}):\n    obj = new(cls)\n{body}    return obj\n", env)
     return env["make"]
+
+
+def _columns_constructor(cls: type) -> Callable[..., list[Any]]:
+    """Build many frozen-slots-dataclass instances from columns (one iterable per field, in
+    field order, all of the same length); about 2x faster again than `_fast_constructor`.
+
+    Every loop is a C-level ``map`` over the slot descriptors' setters, no Python frame per item.
+    """
+    names: tuple[str, ...] = cls.__slots__  # type: ignore[attr-defined]
+    setters = [getattr(cls, n).__set__ for n in names]
+    new = object.__new__
+
+    def make_many(*columns: Any) -> list[Any]:
+        cols = [c if isinstance(c, (list, tuple)) else list(c) for c in columns]
+        if len(cols) != len(setters) or len({len(c) for c in cols}) > 1:
+            raise ValueError(f"{cls.__name__}: need {len(setters)} columns of one length")
+        objs: list[Any] = list(map(new, repeat(cls, len(cols[0]) if cols else 0)))
+        for set_field, col in zip(setters, cols):
+            any(map(set_field, objs, col))  # every __set__ returns None: consumes the map
+        return objs
+
+    return make_many
 
 
 _new_shardable = _fast_constructor(ShardableTensor)

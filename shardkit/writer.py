@@ -19,11 +19,13 @@ other by shardkit.compression, which compresses each shard's chunks on `threads`
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from .callback import TaskShard
 from .dtypes import safetensors_name
 from .errors import ShardkitError
 from .slices import parse_slice_spec
-from .tensors import ShardableTensor
+from .tensors import ShardableTensor, _columns_constructor
 
 SMALL_ENTRY = 256 * 1024  # entries below this are gathered into a buffer
 GATHER_BUFFER = 4 * 1024 * 1024  # bytes per gather buffer (per thread)
@@ -88,6 +90,9 @@ class _Entry:
     offset: int  # absolute file offset
     nbytes: int
     xxh3: str | None = None
+
+
+_new_entries = _columns_constructor(_Entry)
 
 
 @dataclass(slots=True)
@@ -161,26 +166,41 @@ def _plan(directory: Path, task_shards: Sequence[TaskShard], codec: str) -> list
     plans = []
     ndarray = np.ndarray
     for i, (task, shard) in enumerate(task_shards):
-        items: list[tuple[str, str, np.ndarray]] = []
-        described = []
+        keys: list[str] = []
+        specs: list[str] = []
+        arrays: list[np.ndarray] = []
         for key, slices in shard.items():
             for spec, value in slices.items():
-                a = value if type(value) is ndarray else np.asarray(value)
-                items.append((key, spec, a))
-                described.append((key if spec == "" else f"{key}:{spec}", a.dtype, a.shape))
+                keys.append(key)
+                specs.append(spec)
+                arrays.append(value if type(value) is ndarray else np.asarray(value))
+        names = [key if spec == "" else f"{key}:{spec}" for key, spec in zip(keys, specs)]
+        described = list(zip(names, map(_dtype_of, arrays), map(_shape_of, arrays)))
         layouts = fmt.layout_entries(described)
         header = fmt.encode_safetensors_header(layouts) if codec == "raw" else b""
         start = len(header)
-        entries = []
-        for lay in layouts:
-            key, spec, array = items[lay.order_index]
-            entries.append(_Entry(key, spec, array, start + lay.begin, lay.end - lay.begin))
+        order = list(map(_order_of, layouts))
+        entries = _new_entries(
+            map(keys.__getitem__, order),
+            map(specs.__getitem__, order),
+            map(arrays.__getitem__, order),
+            [start + lay.begin for lay in layouts],
+            [lay.end - lay.begin for lay in layouts],
+            repeat(None, len(layouts)),
+        )
         name = fmt.shard_file_name(i, count, codec)
         plans.append(
             _ShardPlan(directory / name, name, task, header, entries, layouts,
                        start + fmt.data_size(layouts))
         )
     return plans
+
+
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+_order_of = operator.attrgetter("order_index")
+_key_of = operator.attrgetter("checkpoint_key")
+_device_of = operator.attrgetter("device")
 
 
 def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
@@ -429,35 +449,40 @@ def _index(
     codec: str,
 ) -> fmt.CheckpointIndex:
     slices: dict[str, list[fmt.SliceInfo]] = {}
-    new_slice = fmt.SliceInfo
     for number, p in enumerate(plans):
-        for e in p.entries:
-            key, spec = e.key, e.spec
-            info = new_slice(spec, number, key if spec == "" else f"{key}:{spec}",
-                             e.xxh3 if checksum else None)
-            found = slices.get(key)
-            if found is None:
+        keys = [e.key for e in p.entries]
+        specs = [e.spec for e in p.entries]
+        names = [key if spec == "" else f"{key}:{spec}" for key, spec in zip(keys, specs)]
+        hashes = [e.xxh3 for e in p.entries] if checksum else repeat(None, len(keys))
+        made = fmt._new_slice_infos(specs, repeat(number, len(keys)), names, hashes)
+        for key, info in zip(keys, made):
+            have = slices.get(key)
+            if have is None:
                 slices[key] = [info]
             else:
-                found.append(info)
-    infos: dict[str, fmt.TensorInfo] = {}
-    dtype_names: dict[np.dtype, str] = {}
-    device_names: dict[int, str] = {}  # by id(): the tensors keep their DeviceSpecs alive
-    new_tensor = fmt.TensorInfo
-    for t in tensors:
-        key = t.checkpoint_key
-        if key in infos:
-            continue
-        found = slices.get(key)
-        if found is None:
-            raise ShardkitError(f"tensor {key!r} was not written to any shard")
-        dtype_name = dtype_names.get(t.dtype)
-        if dtype_name is None:
-            dtype_name = dtype_names[t.dtype] = safetensors_name(t.dtype)
-        device = device_names.get(id(t.device))
-        if device is None:
-            device = device_names[id(t.device)] = t.device.to_string()
-        infos[key] = new_tensor(dtype_name, _full_shape(t), device, found)
+                have.append(info)
+    keys = list(map(_key_of, tensors))
+    found: list[list[fmt.SliceInfo] | None] = [slices.get(key) for key in keys]
+    if any(map(operator.is_, found, repeat(None))):
+        key = keys[found.index(None)]
+        raise ShardkitError(f"tensor {key!r} was not written to any shard")
+    if len(set(keys)) != len(keys):  # slices of one key given as several inputs: first wins
+        first = dict(zip(reversed(keys), reversed(range(len(keys)))))
+        picked = sorted(first.values())
+        tensors = [tensors[i] for i in picked]
+        keys = [keys[i] for i in picked]
+        found = [found[i] for i in picked]
+    dtypes = list(map(_dtype_of, tensors))
+    dtype_names = {d: safetensors_name(d) for d in set(dtypes)}
+    devices = list(map(_device_of, tensors))
+    device_names = {i: d.to_string() for i, d in dict(zip(map(id, devices), devices)).items()}
+    shapes = [t.shape if t.slice_spec == "" else _full_shape(t) for t in tensors]
+    infos = dict(zip(keys, fmt._new_tensor_infos(
+        list(map(dtype_names.__getitem__, dtypes)),
+        shapes,
+        list(map(device_names.__getitem__, map(id, devices))),
+        found,
+    )))
     shards = [fmt.ShardInfo(p.file, p.task, codec, p.size) for p in plans]
     return fmt.CheckpointIndex(description, shards, infos, user_metadata)
 
