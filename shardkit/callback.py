@@ -158,6 +158,33 @@ def _all_whole_as_given(shards: Sequence[Any], shardable_tensors: Sequence[Shard
     return True
 
 
+def _take_whole_as_given(
+    shard: dict[str, Any], whole: dict[str, ShardableTensor], seen_whole: set[str]
+) -> tuple[int | None, Any]:
+    """Accept in bulk the entries of `shard` that are whole tensors handed back as the very
+    arrays given, all of one task and none seen before; record them in `seen_whole`.
+
+    Returns that task (None if nothing was accepted) and the entries left to check one by one.
+    """
+    keys = list(shard)
+    inner = list(shard.values())
+    if not keys or set(map(type, inner)) != {dict}:
+        return None, shard.items()
+    originals = list(map(whole.get, keys))
+    given = map(getattr, originals, repeat("tensor"), repeat(None))
+    returned = map(dict.get, inner, repeat(""))
+    fast = [r is g and g is not None and n == 1
+            for r, g, n in zip(returned, given, map(len, inner))]
+    accepted = [k for k, f in zip(keys, fast) if f]
+    if not accepted or not seen_whole.isdisjoint(accepted):
+        return None, shard.items()  # the entry-by-entry check names the duplicate
+    tasks = {o.device.task or 0 for o, f in zip(originals, fast) if f}
+    if len(tasks) != 1:
+        return None, shard.items()
+    seen_whole.update(accepted)
+    return tasks.pop(), [(k, d) for k, d, f in zip(keys, inner, fast) if not f]
+
+
 _key_of = operator.attrgetter("checkpoint_key")
 _spec_of = operator.attrgetter("slice_spec")
 _tensor_of = operator.attrgetter("tensor")
@@ -167,13 +194,15 @@ _device_task_of = operator.attrgetter("device.task")
 def _validate(
     shards: Sequence[Shard], shardable_tensors: Sequence[ShardableTensor], description: str
 ) -> None:
-    whole: dict[str, ShardableTensor] = {}
-    originals: dict[tuple[str, str], ShardableTensor] = {}
+    whole: dict[str, ShardableTensor] = {}  # inputs given whole, by key
+    sliced: dict[tuple[str, str], ShardableTensor] = {}  # inputs that are themselves slices
+    sliced_by_key: dict[str, list[ShardableTensor]] = {}
     for t in shardable_tensors:
         if t.slice_spec == "":
             whole[t.checkpoint_key] = t
-        originals[(t.checkpoint_key, t.slice_spec)] = t
-    by_key: dict[str, list[ShardableTensor]] | None = None  # built on the first split
+        else:
+            sliced[(t.checkpoint_key, t.slice_spec)] = t
+            sliced_by_key.setdefault(t.checkpoint_key, []).append(t)
     seen_whole: set[str] = set()
     seen: set[tuple[str, str]] = set()  # (key, spec) of everything but the whole-tensor fast path
     pieces: dict[tuple[str, str], list[tuple[str, SliceSpec]]] = {}
@@ -183,7 +212,10 @@ def _validate(
             _fail("each shard is a mapping", description, f"<shard {shard_index}>", "",
                   "a mapping checkpoint_key -> slice_spec -> tensor", type(shard).__name__)
         shard_task: int | None = None
-        for key, slices in shard.items():
+        items: Any = shard.items()
+        if type(shard) is dict:
+            shard_task, items = _take_whole_as_given(shard, whole, seen_whole)
+        for key, slices in items:
             if type(slices) is not dict and not isinstance(slices, Mapping):
                 _fail("each shard is a mapping", description, key, "",
                       "a mapping slice_spec -> tensor", type(slices).__name__)
@@ -211,14 +243,13 @@ def _validate(
                           "each (key, slice) in exactly one shard",
                           f"a second copy in shard {shard_index}")
                 seen.add(pair)
-                original = originals.get(pair)
+                original = whole.get(key) if spec == "" else sliced.get(pair)
                 box = None
                 if original is None:
-                    if by_key is None:
-                        by_key = {}
-                        for t in shardable_tensors:
-                            by_key.setdefault(t.checkpoint_key, []).append(t)
-                    original, box = _split_parent(by_key, key, spec, description)
+                    candidates = sliced_by_key.get(key, [])
+                    if key in whole:
+                        candidates = [whole[key], *candidates]
+                    original, box = _split_parent(candidates, key, spec, description)
                     pieces.setdefault((key, original.slice_spec), []).append((spec, box))
                 task = original.device.task or 0
                 claimed = _task_of(value)
@@ -239,12 +270,12 @@ def _validate(
             _fail("no tensor duplicated", description, key, parts[0][0],
                   "a tensor either whole or split into slices",
                   f"both whole (slice spec {parent_spec!r}) and as slices")
-        _check_tiling(originals[(key, parent_spec)], parts, description)
-    if len(seen_whole) + len(seen) - sum(map(len, pieces.values())) + len(pieces) == len(
-        originals
-    ):
+        parent = whole[key] if parent_spec == "" else sliced[(key, parent_spec)]
+        _check_tiling(parent, parts, description)
+    accounted = len(seen_whole) + len(seen) - sum(map(len, pieces.values())) + len(pieces)
+    if accounted == len(whole) + len(sliced):
         return  # every input accounted for (duplicates and additions were rejected above)
-    for key, spec in originals:
+    for key, spec in chain(((k, "") for k in whole), sliced):
         if (key, spec) in seen or (key, spec) in pieces or (spec == "" and key in seen_whole):
             continue
         _fail("no tensor removed", description, key, spec,
@@ -252,10 +283,9 @@ def _validate(
 
 
 def _split_parent(
-    by_key: dict[str, list[ShardableTensor]], key: str, spec: str, description: str
+    candidates: list[ShardableTensor], key: str, spec: str, description: str
 ) -> tuple[ShardableTensor, SliceSpec]:
-    """The input tensor that slice `spec` of `key` was cut from, or raise 'no tensor added'."""
-    candidates = by_key.get(key)
+    """The input tensor (among those of `key`) that slice `spec` was cut from, or raise."""
     if not candidates:
         _fail("no tensor added", description, key, spec,
               "only keys given to the callback", "a key the callback was not given")
