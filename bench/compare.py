@@ -85,11 +85,14 @@ def ratio(times: dict[str, list[float]], slower: str, faster: str) -> float:
 # --- peers --------------------------------------------------------------------------------------
 
 
+WRITE_CHUNK = 64 * 2**20  # one giant write() can stall in page reclaim; 64 MiB calls do not
+
+
 def write_buffer(path: Path, buf: memoryview, fsync: bool) -> None:
     with open(path, "wb", buffering=0) as f:
         view = buf
         while view:
-            view = view[f.write(view) :]
+            view = view[f.write(view[:WRITE_CHUNK]) :]
         if fsync:
             os.fsync(f.fileno())
 
