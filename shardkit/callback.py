@@ -100,8 +100,8 @@ def _same_data(value: Any, original: np.ndarray, region: tuple[slice, ...] | Non
         return True
     if expected.size == 0:
         return True
-    as_bytes = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in (value, expected)]
-    return bool(np.array_equal(*as_bytes))
+    got, want = (np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in (value, expected))
+    return bool(np.array_equal(got, want))
 
 
 def validate_shards(
@@ -178,7 +178,7 @@ def _take_whole_as_given(
     accepted = [k for k, f in zip(keys, fast) if f]
     if not accepted or not seen_whole.isdisjoint(accepted):
         return None, shard.items()  # the entry-by-entry check names the duplicate
-    tasks = {o.device.task or 0 for o, f in zip(originals, fast) if f}
+    tasks = {o.device.task or 0 for o, f in zip(originals, fast) if f and o is not None}
     if len(tasks) != 1:
         return None, shard.items()
     seen_whole.update(accepted)

@@ -21,7 +21,8 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "model 'llm-tiny' (float32), 21 tensors" in out
     for row in ("max-shard-size", "bin-pack", "balanced", "all-in-one", "save (default policy",
-                "verify (xxh3-64", "load (memory-mapped", "Round trip byte-exact: yes"):
+                "verify (xxh3-64", "load (memory-mapped", "save zstd", "load zstd",
+                "zstd compression ratio", "Round trip byte-exact (raw and zstd): yes"):
         assert row in out
     assert list(tmp_path.iterdir()) == []  # the temporary checkpoint is gone
 
@@ -29,7 +30,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
 def test_demo_bfloat16(tmp_path, capsys):
     args = ["demo", "--model", "llm-tiny", "--dtype", "bfloat16", "--dir", str(tmp_path)]
     assert main([*args, "--no-progress"]) == 0
-    assert "Round trip byte-exact: yes" in capsys.readouterr().out
+    assert "Round trip byte-exact (raw and zstd): yes" in capsys.readouterr().out
 
 
 def test_inspect_lists_shards_and_slices(checkpoint, capsys):

@@ -15,7 +15,7 @@ if os.environ.get("SHARDKIT_PUREPYTHON", "") == "1":
     PURE_PYTHON = True
 else:
     try:
-        from . import _gather, _packing, _shuffle, _sizes
+        from . import _gather, _packing, _shuffle, _sizes  # type: ignore[no-redef]
     except ImportError as e:
         raise ImportError(
             f"shardkit's compiled kernels are missing or broken ({e}). shardkit does not run "
