@@ -100,6 +100,18 @@ class _Policy(ShardingCallback):
         return f"{type(self).__name__}({args})"
 
 
+class _PlanningPolicy(_Policy):
+    """A policy that plans with the native kernels: `_plan` on the list, cyclic GC paused (building
+    a million small result dicts would otherwise trigger many useless GC passes)."""
+
+    def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> Shards:
+        with _gc_paused():
+            return self._plan(list(shardable_tensors))
+
+    def _plan(self, ts: list[ShardableTensor]) -> Shards:
+        raise NotImplementedError
+
+
 class ShardByTaskPolicy(_Policy):
     """One shard per device task, tensors unchanged (TensorFlow's ``ShardByTaskPolicy``).
 
@@ -141,7 +153,7 @@ class AllInOnePolicy(_Policy):
         return [shard] if shard else []
 
 
-class MaxShardSizePolicy(_Policy):
+class MaxShardSizePolicy(_PlanningPolicy):
     """TensorFlow's ``MaxShardSizePolicy``: fill shards in input order up to `max_shard_size`.
 
     A tensor that does not fit the space left in the current shard is split: a slab along the
@@ -173,10 +185,6 @@ class MaxShardSizePolicy(_Policy):
 
     def get_config(self) -> dict[str, Any]:
         return {"max_shard_size": self.max_shard_size}
-
-    def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> Shards:
-        with _gc_paused():  # building a million small dicts triggers useless GC passes
-            return self._plan(list(shardable_tensors))
 
     def _plan(self, ts: list[ShardableTensor]) -> Shards:
         n = len(ts)
@@ -253,7 +261,7 @@ class MaxShardSizePolicy(_Policy):
             )
 
 
-class BinPackPolicy(_Policy):
+class BinPackPolicy(_PlanningPolicy):
     """First-fit-decreasing bin packing into shards of at most `max_shard_size` bytes.
 
     Tensors larger than the maximum are split first, into maximum-sized slabs along axis 0 when
@@ -284,10 +292,6 @@ class BinPackPolicy(_Policy):
     def get_config(self) -> dict[str, Any]:
         return {"max_shard_size": self.max_shard_size}
 
-    def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> Shards:
-        with _gc_paused():  # building a million small dicts triggers useless GC passes
-            return self._plan(list(shardable_tensors))
-
     def _plan(self, ts: list[ShardableTensor]) -> Shards:
         if not ts:
             return []
@@ -298,7 +302,7 @@ class BinPackPolicy(_Policy):
         return plan.build(ts, ids)
 
 
-class BalancedPolicy(_Policy):
+class BalancedPolicy(_PlanningPolicy):
     """Exactly `num_shards` shards of near-equal bytes (fewer only if there are fewer pieces).
 
     Tensors larger than ``target = ceil(total / num_shards)`` are split into pieces of at most
@@ -332,10 +336,6 @@ class BalancedPolicy(_Policy):
 
     def get_config(self) -> dict[str, Any]:
         return {"num_shards": self.num_shards}
-
-    def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> Shards:
-        with _gc_paused():  # building a million small dicts triggers useless GC passes
-            return self._plan(list(shardable_tensors))
 
     def _plan(self, ts: list[ShardableTensor]) -> Shards:
         if not ts:
