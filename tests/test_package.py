@@ -1,5 +1,6 @@
 """Packaging promises: no framework imported, a loud error without the build, stubs shipped."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,8 +12,9 @@ PACKAGE = Path(shardkit.__file__).parent
 
 
 def run(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "SHARDKIT_PUREPYTHON"}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
 
 
 def test_import_pulls_in_no_framework():
