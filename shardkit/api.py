@@ -16,7 +16,7 @@ import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from . import commit
@@ -227,14 +227,10 @@ def _save(
 
 
 _KEYWORD_DEFAULTS = {
-    "experimental_sharding_callback": None,
-    "threads": None,
-    "durable": True,
-    "checksum": True,
-    "compression": None,
-    "level": None,
-    "shuffle": True,
-    "chunk_size": "4MiB",
+    f.name: f.default
+    for f in fields(CheckpointOptions)
+    if f.name in ("experimental_sharding_callback", "threads", "durable", "checksum",
+                  "compression", "level", "shuffle", "chunk_size")
 }
 _KEYWORD_NAMES = {"experimental_sharding_callback": "sharding_callback"}
 

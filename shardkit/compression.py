@@ -57,6 +57,7 @@ from .format import (
     encode_safetensors_header,
     header_length,
 )
+from .format import data_size as region_size
 from .policies import parse_size
 
 MAGIC: Final = b"SKZSHRD1"
@@ -152,10 +153,6 @@ class SkzHeader:
     frames: np.ndarray  # FRAME_DTYPE, one row per chunk
     data_start: int  # file offset of the first frame
 
-    @property
-    def header_size(self) -> int:
-        return self.data_start
-
 
 def frame_count(data_size: int, chunk_size: int) -> int:
     return -(-data_size // chunk_size)
@@ -169,7 +166,7 @@ def encode_skz_header(
     metadata: Mapping[str, str] | None = None,
 ) -> bytes:
     """The header bytes (everything before the first frame); `frames` None = zeroed table."""
-    data_size = max((e.end for e in layouts), default=0)
+    data_size = region_size(layouts)
     n = frame_count(data_size, chunk_size)
     table = np.zeros(n, FRAME_DTYPE) if frames is None else np.asarray(frames, FRAME_DTYPE)
     if len(table) != n:
@@ -409,17 +406,8 @@ class _BufferPool:
             if len(self._free) > self._keep:
                 del self._free[0]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
 
 _buffers = _BufferPool(KEEP_BUFFERS)
-
-
-def release_buffers() -> None:
-    """Free the chunk buffers kept for later saves."""
-    _buffers.clear()
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ import numpy as np
 
 from .dtypes import SAFETENSORS_NAMES, itemsize, safetensors_name
 from .errors import (
+    CheckpointFormatError,
     CorruptHeaderError,
     CorruptIndexError,
     EntryLayoutError,
@@ -231,6 +232,25 @@ def header_length(prefix: bytes | bytearray | memoryview, file_size: int, path: 
     return n
 
 
+def _parse_object(
+    data: bytes, path: str, error: type[CheckpointFormatError], what: str
+) -> tuple[Any, ...]:
+    """A UTF-8 JSON object as `_loads_pairs` gives it; any failure is `error` naming `path`.
+    `what` ("header " or "" for a whole file) starts the messages."""
+    subject = f"{what}is " if what else ""
+    try:
+        parsed = _loads_pairs(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: {subject}not UTF-8 ({e})") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: {subject}not valid JSON ({e})") from None
+    except RecursionError:
+        raise error(f"{path}: {what}JSON is nested too deeply") from None
+    if type(parsed) is not tuple:
+        raise error(f"{path}: {what}must be a JSON object, found {type(parsed).__name__}")
+    return parsed
+
+
 def _loads_pairs(text: str) -> Any:
     """json.loads, but every JSON object becomes a tuple of its (key, value) pairs.
 
@@ -301,19 +321,7 @@ def _decode_safetensors_header(
     n = header_length(buf, file_size, path)
     if len(buf) < 8 + n:
         raise TruncatedShardError(f"{path}: got {len(buf)} bytes, the header needs {8 + n}")
-    raw = bytes(buf[8 : 8 + n])
-    try:
-        pairs = _loads_pairs(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CorruptHeaderError(f"{path}: header is not UTF-8 ({e})") from None
-    except json.JSONDecodeError as e:
-        raise CorruptHeaderError(f"{path}: header is not valid JSON ({e})") from None
-    except RecursionError:
-        raise CorruptHeaderError(f"{path}: header JSON is nested too deeply") from None
-    if type(pairs) is not tuple:
-        raise CorruptHeaderError(
-            f"{path}: header must be a JSON object, found {type(pairs).__name__}"
-        )
+    pairs = _parse_object(bytes(buf[8 : 8 + n]), path, CorruptHeaderError, "header ")
     header = _object(pairs, "header", path, CorruptHeaderError)
     data_start = 8 + n
     region = file_size - data_start
@@ -731,16 +739,7 @@ def decode_index(data: bytes, path: str) -> CheckpointIndex:
 
 
 def _decode_index(data: bytes, path: str) -> CheckpointIndex:
-    try:
-        raw = _loads_pairs(bytes(data).decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CorruptIndexError(f"{path}: not UTF-8 ({e})") from None
-    except json.JSONDecodeError as e:
-        raise CorruptIndexError(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise CorruptIndexError(f"{path}: JSON is nested too deeply") from None
-    if type(raw) is not tuple:
-        raise CorruptIndexError(f"{path}: must be a JSON object, found {type(raw).__name__}")
+    raw = _parse_object(bytes(data), path, CorruptIndexError, "")
     try:
         doc = _index_objects(raw, path)
     except RecursionError:

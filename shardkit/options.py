@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .callback import ShardingCallback
@@ -84,9 +84,10 @@ class CheckpointOptions:
                 f"got {self.compression!r}"
             )
         if self.compression is None:
-            given = [f"{name}={getattr(self, name)!r}" for name, default in
-                     (("level", None), ("shuffle", True), ("chunk_size", "4MiB"))
-                     if getattr(self, name) != default]
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [f"{name}={getattr(self, name)!r}"
+                     for name in ("level", "shuffle", "chunk_size")
+                     if getattr(self, name) != defaults[name]]
             if given:
                 raise ValueError(
                     f"{', '.join(given)} needs compression (e.g. compression='zstd'); raw "

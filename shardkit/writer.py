@@ -174,7 +174,7 @@ def _plan(directory: Path, task_shards: Sequence[TaskShard], codec: str) -> list
                 keys.append(key)
                 specs.append(spec)
                 arrays.append(value if type(value) is ndarray else np.asarray(value))
-        names = [key if spec == "" else f"{key}:{spec}" for key, spec in zip(keys, specs)]
+        names = list(map(fmt.entry_name, keys, specs))
         described = list(zip(names, map(_dtype_of, arrays), map(_shape_of, arrays)))
         layouts = fmt.layout_entries(described)
         header = fmt.encode_safetensors_header(layouts) if codec == "raw" else b""
@@ -452,7 +452,7 @@ def _index(
     for number, p in enumerate(plans):
         keys = [e.key for e in p.entries]
         specs = [e.spec for e in p.entries]
-        names = [key if spec == "" else f"{key}:{spec}" for key, spec in zip(keys, specs)]
+        names = list(map(fmt.entry_name, keys, specs))
         hashes = [e.xxh3 for e in p.entries] if checksum else repeat(None, len(keys))
         made = fmt._new_slice_infos(specs, repeat(number, len(keys)), names, hashes)
         for key, info in zip(keys, made):
@@ -476,7 +476,7 @@ def _index(
     dtype_names = {d: safetensors_name(d) for d in set(dtypes)}
     devices = list(map(_device_of, tensors))
     device_names = {i: d.to_string() for i, d in dict(zip(map(id, devices), devices)).items()}
-    shapes = [t.shape if t.slice_spec == "" else _full_shape(t) for t in tensors]
+    shapes = [_full_shape(t) for t in tensors]
     infos = dict(zip(keys, fmt._new_tensor_infos(
         list(map(dtype_names.__getitem__, dtypes)),
         shapes,
