@@ -203,10 +203,9 @@ def _validate(
         else:
             sliced[(t.checkpoint_key, t.slice_spec)] = t
             sliced_by_key.setdefault(t.checkpoint_key, []).append(t)
-    seen_whole: set[str] = set()
-    seen: set[tuple[str, str]] = set()  # (key, spec) of everything but the whole-tensor fast path
+    seen_whole: set[str] = set()  # keys returned whole (slice spec "")
+    seen: set[tuple[str, str]] = set()  # (key, spec) returned under any other slice spec
     pieces: dict[tuple[str, str], list[tuple[str, SliceSpec]]] = {}
-    ndarray = np.ndarray
     for shard_index, shard in enumerate(shards):
         if not isinstance(shard, Mapping):
             _fail("each shard is a mapping", description, f"<shard {shard_index}>", "",
@@ -220,29 +219,15 @@ def _validate(
                 _fail("each shard is a mapping", description, key, "",
                       "a mapping slice_spec -> tensor", type(slices).__name__)
             for spec, value in slices.items():
-                # Fast path: a whole tensor handed back as the very array it was given.
-                if spec == "" and type(value) is ndarray:
-                    original = whole.get(key)
-                    if original is not None and original.tensor is value:
-                        if key in seen_whole:
-                            _fail("no tensor duplicated", description, key, spec,
-                                  "each (key, slice) in exactly one shard",
-                                  f"a second copy in shard {shard_index}")
-                        seen_whole.add(key)
-                        task = original.device.task or 0
-                        if shard_task is None:
-                            shard_task = task
-                        elif task != shard_task:
-                            _fail("all tensors of a shard from one task", description, key,
-                                  spec, f"task {shard_task} (of the shard's first tensor)",
-                                  f"task {task} in shard {shard_index}")
-                        continue
                 pair = (key, spec)
-                if pair in seen or (spec == "" and key in seen_whole):
+                if (spec == "" and key in seen_whole) or pair in seen:
                     _fail("no tensor duplicated", description, key, spec,
                           "each (key, slice) in exactly one shard",
                           f"a second copy in shard {shard_index}")
-                seen.add(pair)
+                if spec == "":
+                    seen_whole.add(key)  # the one record of whole entries, whichever path
+                else:
+                    seen.add(pair)
                 original = whole.get(key) if spec == "" else sliced.get(pair)
                 box = None
                 if original is None:
@@ -380,7 +365,8 @@ def shard_tensors(
         if as_given:  # plain dicts of the very arrays given: nothing to unwrap or copy
             out.extend((task, cast(dict[str, dict[str, Any]], shard)) for shard in shards if shard)
             continue
-        validate_shards(shards, group, description)
+        with _gc_paused():
+            _validate(shards, group, description)  # the bulk check above already said no
         for shard in shards:
             if shard:
                 out.append((task, {

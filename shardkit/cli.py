@@ -274,16 +274,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problems = []
     with open_checkpoint(args.path) as reader:
         checked = 0
-        for key in reader.keys():
-            try:
-                checked += reader.verify([key])
-            except ShardkitError as e:
-                problems.append(" ".join(str(e).split()))
-        if not problems:
-            try:
-                reader.verify()  # also opens shards that hold no listed key
-            except ShardkitError as e:
-                problems.append(" ".join(str(e).split()))
+        try:
+            checked = reader.verify()  # one pass over everything when the checkpoint is sound
+        except ShardkitError as first:
+            for key in reader.keys():  # name every corrupt tensor, not only the first
+                try:
+                    reader.verify([key])
+                except ShardkitError as e:
+                    problems.append(" ".join(str(e).split()))
+            if not problems:
+                problems.append(" ".join(str(first).split()))
     if problems:
         for p in problems:
             print(f"CORRUPT: {p}", file=sys.stderr)

@@ -252,3 +252,12 @@ def test_hash_uses_description_and_plain_attributes():
     assert hash(Sized(3)) != hash(Sized(4))
     with pytest.raises(TypeError):
         ShardingCallback()  # type: ignore[abstract]
+
+
+def test_duplicate_copy_then_original_is_caught(tensors):
+    """A copy in one shard and the very array in a later one: still a duplicate, either order."""
+    a, b = (t.tensor for t in tensors)
+    for shards in ([{"a": {"": a.copy()}}, {"a": {"": a}, "b": {"": b}}],
+                   [{"a": {"": a}}, {"a": {"": a.copy()}, "b": {"": b}}]):
+        expect("no tensor duplicated", "a", "", "each (key, slice) in exactly one shard",
+               "a second copy in shard 1", validate_shards, shards, tensors, DESC)
