@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ShardkitError
-from .tensors import to_host
+from .tensors import to_host, torch_numpy_dtype
 
 ALIGNMENT = 64  # bytes; more than any stored item size, and a cache line
 
@@ -116,7 +116,7 @@ class HostBufferPool:
         with torch.no_grad():
             torch.from_numpy(buf).view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
         # A zero-copy host view with the stored dtype (bfloat16 / float8 as ml_dtypes).
-        dtype = to_host(torch.empty((), dtype=t.dtype), key)[0].dtype
+        dtype = torch_numpy_dtype(t.dtype)
         return buf.view(dtype).reshape(tuple(t.shape))
 
 

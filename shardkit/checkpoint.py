@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from . import api
@@ -43,7 +42,7 @@ from .commit import INDEX_NAME, TMP_MARK
 from .errors import IncompleteRestoreError, RestoreMismatchError, ShardkitError
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
-from .tensors import SEPARATOR, to_host
+from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
 METADATA_KEY = "shardkit.checkpoint"
@@ -171,25 +170,12 @@ def _encode(node: Any, key: str, col: _Collector) -> dict[str, Any]:
 # --- restoring: JSON skeleton + reader -> values, in place --------------------------------------
 
 
-def _torch_np_dtype(dt: Any) -> np.dtype:
-    import torch
-
-    special = {
-        torch.bfloat16: ml_dtypes.bfloat16,
-        getattr(torch, "float8_e4m3fn", None): ml_dtypes.float8_e4m3fn,
-        getattr(torch, "float8_e5m2", None): ml_dtypes.float8_e5m2,
-    }
-    if dt in special:
-        return np.dtype(special[dt])
-    return torch.empty(0, dtype=dt).numpy().dtype
-
-
 def _dtype_of(x: Any) -> np.dtype:
     if isinstance(x, (np.ndarray, np.generic)):
         dt = x.dtype
         return dt.newbyteorder("<") if dt.byteorder == ">" else dt
     if _tensor_kind(x) == "torch":
-        return _torch_np_dtype(x.dtype)
+        return torch_numpy_dtype(x.dtype)
     return np.dtype(x.dtype)
 
 
@@ -197,15 +183,11 @@ def _to_torch(array: np.ndarray) -> Any:
     """A torch tensor sharing `array`'s memory (bfloat16 / float8 through an integer carrier)."""
     import torch
 
-    torch_dtype = {
-        np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
-        np.dtype(ml_dtypes.float8_e4m3fn): getattr(torch, "float8_e4m3fn", None),
-        np.dtype(ml_dtypes.float8_e5m2): getattr(torch, "float8_e5m2", None),
-    }.get(array.dtype)
-    if torch_dtype is None:
-        return torch.from_numpy(array)
-    carrier = np.int16 if array.dtype.itemsize == 2 else np.uint8
-    return torch.from_numpy(array.view(carrier)).view(torch_dtype)
+    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
+        if array.dtype == np_dtype:
+            carrier = np.int16 if np_dtype.itemsize == 2 else np.uint8
+            return torch.from_numpy(array.view(carrier)).view(torch_dtype)
+    return torch.from_numpy(array)
 
 
 def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import repeat
 from typing import Any
 
@@ -240,14 +241,32 @@ def _is_jax(value: Any) -> bool:
     return jax is not None and isinstance(value, jax.Array)
 
 
-def _torch_to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
+@lru_cache(maxsize=1)
+def torch_reinterpret() -> dict[Any, tuple[Any, np.dtype]]:
+    """torch dtypes numpy lacks -> (integer carrier of the same width, the ml_dtypes dtype)."""
     import torch
 
-    reinterpret = {
-        torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
-        getattr(torch, "float8_e4m3fn", None): (torch.uint8, ml_dtypes.float8_e4m3fn),
-        getattr(torch, "float8_e5m2", None): (torch.uint8, ml_dtypes.float8_e5m2),
+    table = {
+        torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
+        getattr(torch, "float8_e4m3fn", None): (torch.uint8, np.dtype(ml_dtypes.float8_e4m3fn)),
+        getattr(torch, "float8_e5m2", None): (torch.uint8, np.dtype(ml_dtypes.float8_e5m2)),
     }
+    table.pop(None, None)  # float8 types this torch does not have
+    return table
+
+
+def torch_numpy_dtype(dtype: Any) -> np.dtype:
+    """The numpy (or ml_dtypes) dtype that holds a torch dtype's values."""
+    special = torch_reinterpret().get(dtype)
+    if special is not None:
+        return special[1]
+    import torch
+
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _torch_to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
+    reinterpret = torch_reinterpret()
     dev = t.device
     dev_spec = DeviceSpec(
         "localhost", 0, 0, "GPU" if dev.type == "cuda" else dev.type.upper(), dev.index or 0
