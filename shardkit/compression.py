@@ -166,14 +166,26 @@ def encode_skz_header(
     metadata: Mapping[str, str] | None = None,
 ) -> bytes:
     """The header bytes (everything before the first frame); `frames` None = zeroed table."""
+    prefix, n = _skz_prefix(layouts, chunk_size, shuffle, metadata)
+    return _seal_skz_header(prefix, n, frames)
+
+
+def _skz_prefix(layouts: Sequence[EntryLayout], chunk_size: int, shuffle: bool,
+                metadata: Mapping[str, str] | None) -> tuple[bytes, int]:
+    """Preamble + entry table: the part of the header that does not depend on the frames."""
     data_size = region_size(layouts)
     n = frame_count(data_size, chunk_size)
+    meta = {"codec": "zstd", **(metadata or {})}
+    return (PREAMBLE.pack(MAGIC, chunk_size, data_size, n, FLAG_SHUFFLE if shuffle else 0)
+            + encode_safetensors_header(layouts, meta)), n
+
+
+def _seal_skz_header(prefix: bytes, n: int, frames: np.ndarray | None) -> bytes:
+    """`prefix` + the frame table + the header checksum."""
     table = np.zeros(n, FRAME_DTYPE) if frames is None else np.asarray(frames, FRAME_DTYPE)
     if len(table) != n:
-        raise ValueError(f"{len(table)} frames given, {n} chunks of {chunk_size} in {data_size}")
-    meta = {"codec": "zstd", **(metadata or {})}
-    head = (PREAMBLE.pack(MAGIC, chunk_size, data_size, n, FLAG_SHUFFLE if shuffle else 0)
-            + encode_safetensors_header(layouts, meta) + table.tobytes())
+        raise ValueError(f"{len(table)} frames given for {n} chunks")
+    head = prefix + table.tobytes()
     return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
 
 
@@ -468,7 +480,8 @@ def write_zstd_shard(
     sources = [_byte_view(arrays[int(i)], layouts[int(i)].nbytes, layouts[int(i)].name)
                for i in plan.order]
     sorted_layouts = [layouts[int(i)] for i in plan.order]
-    header = encode_skz_header(sorted_layouts, opts.chunk_size, opts.shuffle, None, metadata)
+    prefix, _ = _skz_prefix(sorted_layouts, opts.chunk_size, opts.shuffle, metadata)
+    header = _seal_skz_header(prefix, plan.n_chunks, None)  # frame table filled in at the end
     _pwrite_all(fd, header, 0, path)
     n = plan.n_chunks
     frames = np.zeros(n, FRAME_DTYPE)
@@ -521,8 +534,8 @@ def write_zstd_shard(
             if buf is not None:
                 _buffers.give(buf)
                 raw_frames += 1
-            frames[i] = (pos, len(stored), plan.chunk_range(i)[1] - plan.chunk_range(i)[0],
-                         kind, 0, digest)
+            c0, c1 = plan.chunk_range(i)
+            frames[i] = (pos, len(stored), c1 - c0, kind, 0, digest)
             pos += len(stored)
     except BaseException:
         for f in pending:
@@ -531,8 +544,7 @@ def write_zstd_shard(
         raise
     finally:
         pool.shutdown(wait=True)
-    _pwrite_all(fd, encode_skz_header(sorted_layouts, opts.chunk_size, opts.shuffle, frames,
-                                      metadata), 0, path)
+    _pwrite_all(fd, _seal_skz_header(prefix, n, frames), 0, path)
     return SkzWriteStats(pos, len(header), plan.data_size, n, raw_frames,
                          tuple(digests) if checksum else ())
 
