@@ -406,6 +406,7 @@ class CheckpointReader:
             group_ts = list(map(ts.__getitem__, idx))
             dts = list(map(dtypes.__getitem__, map(_dtype_of, group_ts)))
             shapes = list(map(_shape_of, group_ts))
+            # Only raw shards map whole entries; codec sources (duck-typed) read them.
             views = src.whole_views(entries, dts, shapes) if isinstance(src, RawShard) else None
             if views is None:
                 views = [None] * len(idx)
@@ -548,10 +549,9 @@ class CheckpointReader:
         for key in keys:
             t = self._tensor(key)
             for s in t.slices:
+                src, entry = self._entry(key, s)  # structure checked even without a checksum
                 if s.xxh3 is None:
-                    self._entry(key, s)
                     continue
-                src, entry = self._entry(key, s)
                 found = _xxh3_of(src, entry)
                 if found != s.xxh3:
                     raise ChecksumError(
