@@ -19,14 +19,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+
 from . import commit
 from . import format as fmt
-from .callback import Shard, ShardingCallback, shard_tensors
+from ._kernels import _table
+from .callback import Shard, ShardingCallback, _description, shard_tensors
 from .options import CheckpointOptions, check_threads
 from .reader import load, restore_into
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
-from .tensors import ShardableTensor, _gc_paused, shardable_tensors
-from .writer import default_threads, write_shards
+from .slices import WHOLE
+from .tensors import ShardableTensor, _gc_paused, host_columns, shardable_tensors
+from .writer import (
+    SavedTensors,
+    ShardColumns,
+    default_threads,
+    shard_columns,
+    write_shards,
+)
 
 SINGLE_SHARD_BELOW = 64 * 1024 * 1024
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB")
@@ -73,14 +83,36 @@ class DefaultShardingPolicy(ShardingCallback):
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
         tensors = list(shardable_tensors)
         arrays = list(map(_tensor_of, tensors))
-        sizes = list(map(_nbytes_of, arrays))
-        total = sum(sizes)
+        bounds = self._bounds(list(map(_nbytes_of, arrays)))
+        keys = list(map(_key_of, tensors))
+        specs = list(map(_spec_of, tensors))
+        if len(set(keys)) == len(keys):  # no key split over several inputs: one dict each
+            return [
+                dict(zip(keys[a:b], [{s: x} for s, x in zip(specs[a:b], arrays[a:b])]))
+                for a, b in bounds
+            ]
+        shards: list[Shard] = []
+        for a, b in bounds:
+            current: Shard = {}
+            for key, spec, array in zip(keys[a:b], specs[a:b], arrays[a:b]):
+                current.setdefault(key, {})[spec] = array
+            if current:
+                shards.append(current)
+        return shards
+
+    def _bounds(self, sizes: list[int] | np.ndarray) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each shard over the tensors in the order given."""
+        n = len(sizes)
+        total = int(np.sum(sizes)) if n else 0
         if total < SINGLE_SHARD_BELOW:
             count = 1
         else:
             count = max(self.threads, math.ceil(total / self.max_shard_size))
-        count = max(1, min(count, len(sizes)))
-        # where each shard starts: the loop only does arithmetic, the dicts are built in bulk
+        count = max(1, min(count, n))
+        if total <= self.max_shard_size:  # no cap can bite: cuts at equal-share points only
+            return self._equal_share_bounds(np.asarray(sizes, np.int64), total, count)
+        sizes = list(map(int, sizes))
+        # where each shard starts: the loop only does arithmetic
         starts = [0]
         filled = done = 0
         for i, size in enumerate(sizes):
@@ -93,22 +125,24 @@ class DefaultShardingPolicy(ShardingCallback):
                 filled = 0
             filled += size
             done += size
-        keys = list(map(_key_of, tensors))
-        specs = list(map(_spec_of, tensors))
-        bounds = list(zip(starts, [*starts[1:], len(tensors)]))
-        if len(set(keys)) == len(keys):  # no key split over several inputs: one dict each
-            return [
-                dict(zip(keys[a:b], [{s: x} for s, x in zip(specs[a:b], arrays[a:b])]))
-                for a, b in bounds if b > a
-            ]
-        shards: list[Shard] = []
-        for a, b in bounds:
-            current: Shard = {}
-            for key, spec, array in zip(keys[a:b], specs[a:b], arrays[a:b]):
-                current.setdefault(key, {})[spec] = array
-            if current:
-                shards.append(current)
-        return shards
+        return [(a, b) for a, b in zip(starts, [*starts[1:], len(sizes)]) if b > a]
+
+
+    @staticmethod
+    def _equal_share_bounds(sizes: np.ndarray, total: int, count: int) -> list[tuple[int, int]]:
+        """The loop of `_bounds` without the cap, vectorised: shard k starts at the first
+        tensor after the previous start whose midpoint passes ``k * total / count``."""
+        n = len(sizes)
+        if n == 0:
+            return []
+        mids = (np.cumsum(sizes) - sizes) + sizes / 2  # float64, as the loop computes it
+        starts = [0]
+        for k in range(1, count):
+            i = max(int(np.searchsorted(mids, k * total / count, side="right")), starts[-1] + 1)
+            if i >= n:
+                break
+            starts.append(i)
+        return list(zip(starts, [*starts[1:], n]))
 
 
 _tensor_of = operator.attrgetter("tensor")
@@ -196,16 +230,21 @@ def _save(
     progress: bool,
     started: float,
 ) -> SaveInfo:
-    tensors = shardable_tensors(state)
     callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
-    task_shards = shard_tensors(callback, tensors)
-    description = callback.description
+    description = _description(callback)
+    planned = _default_shards(callback, state) if type(callback) is DefaultShardingPolicy else None
+    if planned is None:
+        tensors = shardable_tensors(state)
+        shards = shard_columns(shard_tensors(callback, tensors))
+        saved = SavedTensors.of(tensors)
+    else:
+        shards, saved = planned
 
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
         index = write_shards(
             staging.path,
-            task_shards,
-            tensors,
+            shards,
+            saved,
             description=description,
             threads=opts.threads,
             durable=opts.durable,
@@ -224,6 +263,49 @@ def _save(
     files = (*(s.file for s in index.shards), fmt.INDEX_FILE)
     total = sum(s.bytes for s in index.shards) + len(index_bytes)
     return SaveInfo(target, files, total, time.perf_counter() - started)
+
+
+def _default_shards(
+    policy: DefaultShardingPolicy, state: Mapping[str, Any]
+) -> tuple[list[ShardColumns], SavedTensors] | None:
+    """The default policy's shards, planned on columns without building a ShardableTensor per
+    tensor. Its output is valid by construction (every input once, as given, on its own
+    task), which is what `shard_tensors` would check. None when keys repeat: the general path
+    then reports it."""
+    keys, arrays, devices = host_columns(state)
+    if len(set(keys)) != len(keys):
+        return None
+    by_id = dict(zip(map(id, devices), devices))
+    groups: dict[int, list[int]] = {}
+    if len({d.task or 0 for d in by_id.values()}) <= 1:  # one task (always, for numpy)
+        groups[next(iter(by_id.values())).task or 0 if by_id else 0] = list(range(len(keys)))
+    else:
+        for i, d in enumerate(devices):
+            groups.setdefault(d.task or 0, []).append(i)
+    dtypes = list(map(_dtype_of, arrays))
+    nbytes = _table.array_nbytes(arrays)
+    shards: list[ShardColumns] = []
+    for task, rows in groups.items():
+        if len(groups) == 1:
+            k, a_, d_, n_ = keys, arrays, dtypes, nbytes
+        else:  # this task's tensors, in the order given
+            k = [keys[i] for i in rows]
+            a_ = [arrays[i] for i in rows]
+            d_ = [dtypes[i] for i in rows]
+            n_ = nbytes[rows]
+        for a, b in policy._bounds(n_):
+            shards.append(ShardColumns(task, k[a:b], [WHOLE] * (b - a), a_[a:b], d_[a:b],
+                                       n_[a:b], range(a, b) if len(groups) == 1 else rows[a:b]))
+    names = {i: d.to_string() for i, d in by_id.items()}
+    device_names = ([names[id(devices[0])]] * len(devices) if len(names) == 1
+                    else list(map(names.__getitem__, map(id, devices))))
+    saved = SavedTensors(keys, dtypes, list(map(_shape_of, arrays)), device_names,
+                         int(nbytes.sum()))
+    return shards, saved
+
+
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
 
 
 _KEYWORD_DEFAULTS = {

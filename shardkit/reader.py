@@ -48,6 +48,7 @@ from .errors import (
     UnsupportedDTypeError,
 )
 from .format import (
+    _ITEMSIZE,
     INDEX_FILE,
     MAX_INDEX_BYTES,
     CheckpointIndex,
@@ -55,6 +56,7 @@ from .format import (
     ShardInfo,
     SliceInfo,
     TensorInfo,
+    _new_entry_layouts,
     decode_index,
     read_expected_safetensors_header,
     read_safetensors_header,
@@ -100,25 +102,29 @@ class RawShard(ShardSource):
     """A raw (safetensors) shard, memory-mapped (`mmap=True`) or read with ``os.preadv``."""
 
     def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True,
-                 expected: Sequence[tuple[str, np.dtype, tuple[int, ...]]] | None = None) -> None:
-        """`expected`: the entries (name, dtype, shape, in shard input order) the index says
-        the shard holds; when the header is exactly the writer's encoding of them it is taken
-        without parsing and `matches_index` is True (see read_expected_safetensors_header)."""
+                 expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None = None
+                 ) -> None:
+        """`expected`: the entries (names, dtype names, shapes, in data-region order) the index
+        says the shard holds; when the header is exactly the writer's encoding of them it is
+        taken without parsing, `begins` holds their offsets and `matches_index` is True (see
+        read_expected_safetensors_header)."""
         self.path = path
         self.info = info
-        self.matches_index = False
+        self.begins: list[int] | None = None
+        self._entries: dict[str, EntryLayout] | None = None
+        self._expected = expected
         self._map: _mmap.mmap | None = None
         self._fd = _open_shard_fd(path)
         try:
             size = os.fstat(self._fd).st_size
             check_shard_size(path, size, info)
             if expected is None:
-                self.entries, self.metadata, self.data_start = read_safetensors_header(
+                self._entries, self.metadata, self.data_start = read_safetensors_header(
                     self._fd, size, path
                 )
             else:
-                self.entries, self.metadata, self.data_start, self.matches_index = (
-                    read_expected_safetensors_header(self._fd, size, path, expected)
+                self._entries, self.metadata, self.data_start, self.begins = (
+                    read_expected_safetensors_header(self._fd, size, path, *expected)
                 )
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
                 self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
@@ -131,43 +137,36 @@ class RawShard(ShardSource):
             self._fd = -1
         self._size = size
 
+    @property
+    def matches_index(self) -> bool:
+        return self.begins is not None
+
+    @property
+    def entries(self) -> dict[str, EntryLayout]:  # type: ignore[override]
+        if self._entries is None:  # matched the index: built from it on first use
+            assert self._expected is not None and self.begins is not None
+            names, dtype_names, shapes = self._expected
+            sizes = map(operator.mul, map(math.prod, shapes),
+                        map(_ITEMSIZE.__getitem__, dtype_names))
+            ends = list(map(operator.add, self.begins, sizes))
+            self._entries = dict(zip(names, _new_entry_layouts(
+                names, dtype_names, shapes, self.begins, ends, range(len(names)))))
+        return self._entries
+
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
         if self._map is None:
             return None
         start = self.data_start + entry.begin
         return memoryview(self._map)[start + begin : start + end]
 
-    def whole_views(
-        self, entries: Sequence[EntryLayout], dtypes: Sequence[np.dtype],
-        shapes: Sequence[tuple[int, ...]],
-    ) -> list[np.ndarray | None] | None:
-        """Read-only arrays over the map for whole `entries` (None without a map; None for an
-        entry not aligned to its item size, which `view` serves). One typed array over the data
-        region per dtype, sliced per entry: much cheaper than a buffer export per entry."""
+    def whole_views(self, begins: Sequence[int], dtypes: Sequence[np.dtype],
+                    shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray] | None:
+        """Read-only arrays over the map for whole entries at `begins` (None without a map)."""
         if self._map is None:
             return None
-        region = self._size - self.data_start
-        out: list[np.ndarray | None] = [None] * len(entries)
-        kinds = set(dtypes)
-        groups = ([(next(iter(kinds)), range(len(entries)))] if len(kinds) == 1 else
-                  [(d, [i for i, x in enumerate(dtypes) if x == d]) for d in kinds])
-        for dtype, idx in groups:
-            size = dtype.itemsize
-            base = np.frombuffer(self._map, dtype, region // size, self.data_start)
-            group = list(map(entries.__getitem__, idx))
-            begins = np.fromiter(map(_begin_of, group), np.int64, len(group))
-            ends = np.fromiter(map(_end_of, group), np.int64, len(group))
-            aligned = begins % size == 0
-            if not aligned.all():  # keep those for `view`
-                keep = np.flatnonzero(aligned).tolist()
-                idx = [idx[i] for i in keep]
-                begins, ends = begins[keep], ends[keep]
-            items = map(base.__getitem__, map(slice, (begins // size).tolist(),
-                                              (ends // size).tolist()))
-            views = map(np.ndarray.reshape, items, map(shapes.__getitem__, idx))
-            for i, view in zip(idx, views):
-                out[i] = view
-        return out
+        base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
+        start = self.data_start
+        return list(map(_new_view, shapes, dtypes, repeat(base), [start + b for b in begins]))
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
         start = self.data_start + entry.begin
@@ -311,8 +310,6 @@ class CheckpointReader:
         self._active = 0  # reads in flight; close() waits for them before releasing files
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
-        # per shard: keys stored whole under spec "", and (key, slice number) of the others
-        self._by_shard: list[tuple[list[str], list[tuple[str, int]]]] | None = None
         if verify:
             try:
                 self.verify()
@@ -329,16 +326,20 @@ class CheckpointReader:
 
     def keys(self) -> list[str]:
         """Checkpoint keys in the order they were saved."""
-        return list(self.index.tensors)
+        return list(self.index.keys)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.index.tensors)
+        return iter(self.index.keys)
 
     def __len__(self) -> int:
-        return len(self.index.tensors)
+        return len(self.index.keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.index.tensors
+        try:
+            self.index.row(key)  # type: ignore[arg-type]
+        except (KeyError, TypeError):
+            return False
+        return True
 
     def __getitem__(self, key: str) -> np.ndarray:
         return self.get(key)
@@ -373,7 +374,7 @@ class CheckpointReader:
         finally:
             self._end_read()
 
-    def _get_many(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    def _get_many(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
         """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
         pass per shard; whole tensors stored in compressed shards are read in one batch, so
         that every chunk is decoded once and the chunks are decoded in parallel."""
@@ -384,46 +385,99 @@ class CheckpointReader:
         finally:
             self._end_read()
 
-    def _get_many_unlocked(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    def _get_many_unlocked(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+        index = self.index
+        if keys is None:
+            everything = self._get_everything()
+            if everything is not None:
+                return everything
+            keys = index.keys
         keys = list(dict.fromkeys(keys))
         try:
-            ts = list(map(self.index.tensors.__getitem__, keys))
+            rows = list(map(index.rows().__getitem__, keys))
         except (KeyError, TypeError):
-            ts = list(map(self._tensor, keys))  # raises KeyNotFoundError, with a hint
+            for key in keys:
+                self._tensor(key)  # raises KeyNotFoundError, with a hint
+            raise
         self._check_open()
         results: list[Any] = [None] * len(keys)
-        firsts = [t.slices[0] for t in ts]
-        shards = list(map(_shard_of, firsts))
-        whole = [i for i, t in enumerate(ts) if len(t.slices) == 1]
+        counts = index.slice_counts()[rows].tolist()
+        firsts = index.first_slice()[rows].tolist()
+        shards = list(map(index.slice_shard.__getitem__, firsts))
+        whole = [i for i, c in enumerate(counts) if c == 1]
         whole.sort(key=shards.__getitem__)  # stable: by shard, then in the order asked
-        dtypes = {name: numpy_dtype(name) for name in set(map(_dtype_of, ts))}
+        dtype_names = list(map(index.dtypes.__getitem__, rows))
+        dtypes = {name: numpy_dtype(name) for name in set(dtype_names)}
+        entry_names = index.entry_names()
+        slice_shapes = index.slice_shapes()
         jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
         for shard, group in groupby(whole, key=shards.__getitem__):
             idx = list(group)
             src = self._shard_for(keys[idx[0]], shard)
-            names = list(map(_entry_of, map(firsts.__getitem__, idx)))
-            entries = list(map(src.entries.__getitem__, names))  # checked on open
-            group_ts = list(map(ts.__getitem__, idx))
-            dts = list(map(dtypes.__getitem__, map(_dtype_of, group_ts)))
-            shapes = list(map(_shape_of, group_ts))
-            # Only raw shards map whole entries; codec sources (duck-typed) read them.
-            views = src.whole_views(entries, dts, shapes) if isinstance(src, RawShard) else None
-            if views is None:
-                views = [None] * len(idx)
-            for i, entry, dtype, shape, view in zip(idx, entries, dts, shapes, views):
-                if view is not None:
+            slice_ids = list(map(firsts.__getitem__, idx))
+            dts = list(map(dtypes.__getitem__, map(dtype_names.__getitem__, idx)))
+            shapes = list(map(slice_shapes.__getitem__, slice_ids))
+            views = None
+            if isinstance(src, RawShard):  # codec sources (duck-typed) read, they do not map
+                if src.begins is not None:  # matched the index: offsets by position
+                    lo = index.shard_range(shard).start
+                    begins = [src.begins[j - lo] for j in slice_ids]
+                else:
+                    begins = [src.entries[entry_names[j]].begin for j in slice_ids]
+                views = src.whole_views(begins, dts, shapes)
+            if views is not None:
+                for i, view in zip(idx, views):
                     results[i] = view
-                elif hasattr(src, "read_tasks"):
+                continue
+            for i, j, dtype, shape in zip(idx, slice_ids, dts, shapes):
+                entry = src.entries[entry_names[j]]  # checked on open
+                if hasattr(src, "read_tasks"):
                     results[i] = a = np.empty(shape, dtype)
                     if entry.nbytes:
                         jobs.append((src, entry, 0, entry.nbytes, _bytes_of(a)))
                 else:
                     results[i] = self._whole_entry(src, entry, dtype, shape)
         self._read_jobs(jobs)
-        for i, t in enumerate(ts):
-            if len(t.slices) > 1:
+        for i, c in enumerate(counts):
+            if c > 1:
                 results[i] = self._get(keys[i])
         return dict(zip(keys, results))
+
+    def _get_everything(self) -> dict[str, np.ndarray] | None:
+        """Every tensor, when each is stored whole in a mapped raw shard: views made shard by
+        shard straight from the index columns. None otherwise (the general path decides)."""
+        index = self.index
+        if len(index.slice_tensor) != len(index.keys) or any(index.slice_spec):
+            return None
+        self._check_open()
+        results: list[Any] = [None] * len(index.keys)
+        dtypes = {name: numpy_dtype(name) for name in set(index.dtypes)}
+        slice_shapes = index.slice_shapes()
+        for shard in range(len(index.shards)):
+            r = index.shard_range(shard)
+            if not r:
+                continue
+            rows = index.slice_tensor[r.start : r.stop]
+            src = self._shard_for(index.keys[rows[0]], shard)
+            if not isinstance(src, RawShard):
+                return None
+            if src.begins is not None:  # matched the index: offsets by position
+                begins = src.begins
+            else:
+                entries = src.entries
+                begins = [entries[name].begin for name in index.entry_names()[r.start : r.stop]]
+            names = list(map(index.dtypes.__getitem__, rows))
+            dts = ([dtypes[names[0]]] * len(names) if len(dtypes) == 1
+                   else list(map(dtypes.__getitem__, names)))
+            views = src.whole_views(begins, dts, slice_shapes[r.start : r.stop])
+            if views is None:
+                return None
+            if rows[0] == r.start and rows[-1] == r.stop - 1 and rows == list(r):
+                results[r.start : r.stop] = views
+            else:
+                for row, view in zip(rows, views):
+                    results[row] = view
+        return dict(zip(index.keys, results))
 
     def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
         """Decode whole tensors stored in compressed shards straight into their target arrays
@@ -597,10 +651,10 @@ class CheckpointReader:
     def _tensor(self, key: str) -> TensorInfo:
         self._check_open()
         try:
-            return self.index.tensors[key]
+            return self.index.tensor_info(key)
         except (KeyError, TypeError):
             pass
-        close = difflib.get_close_matches(str(key), list(self.index.tensors), n=1)
+        close = difflib.get_close_matches(str(key), self.index.keys, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise KeyNotFoundError(
             f"key {key!r} is not in checkpoint {self.path} ({len(self)} tensors){hint}"
@@ -650,60 +704,42 @@ class CheckpointReader:
                 self._sources[i] = src
             return src
 
-    def _expected(self, i: int) -> list[tuple[str, np.dtype, tuple[int, ...]]] | None:
-        """What the writer put in shard `i` if every tensor there is whole: (entry, dtype,
-        shape) in index order, which is the shard's input order for the built-in policies."""
-        whole, others = self._shard_lists()[i]
-        if others:
-            return None
-        ts = list(map(self.index.tensors.__getitem__, whole))
-        dtypes = {name: numpy_dtype(name) for name in set(map(_dtype_of, ts))}
-        return list(zip([t.slices[0].entry for t in ts],
-                        map(dtypes.__getitem__, map(_dtype_of, ts)), map(_shape_of, ts)))
-
-    def _shard_lists(self) -> list[tuple[list[str], list[tuple[str, int]]]]:
-        if self._by_shard is None:
-            by_shard: list[tuple[list[str], list[tuple[str, int]]]] = [
-                ([], []) for _ in self.index.shards
-            ]
-            for key, t in self.index.tensors.items():
-                sl = t.slices
-                if len(sl) == 1 and sl[0].spec == "":
-                    by_shard[sl[0].shard][0].append(key)
-                else:
-                    for j, s in enumerate(sl):
-                        by_shard[s.shard][1].append((key, j))
-            self._by_shard = by_shard
-        return self._by_shard
+    def _expected(self, i: int) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
+        """What the index says shard `i` holds: entry names, dtype names and shapes, in
+        data-region order."""
+        index = self.index
+        r = index.shard_range(i)
+        names = index.entry_names()[r.start : r.stop]
+        dtype_names = list(map(index.dtypes.__getitem__, index.slice_tensor[r.start : r.stop]))
+        return names, dtype_names, index.slice_shapes()[r.start : r.stop]
 
     def _check_against_index(self, i: int, src: ShardSource) -> None:
         """Every slice the index puts in shard `i` must be an entry of it, same dtype and shape.
 
-        Tensors stored whole under spec "" are compared column-wise (C-level maps); any
-        mismatch, and every other slice, goes through the per-slice check and its message.
+        Compared column-wise first (C-level maps); on any mismatch the per-slice check finds
+        the first offender and words the message.
         """
-        whole, others = self._shard_lists()[i]
-        tensors, entries = self.index.tensors, src.entries
-        ts = list(map(tensors.__getitem__, whole))
-        found = list(map(entries.get, [t.slices[0].entry for t in ts]))
+        names, dtype_names, shapes = self._expected(i)
+        entries = src.entries
+        found = list(map(entries.get, names))
         if (
-            any(map(operator.is_, found, repeat(None)))
-            or list(map(_dtype_name_of, found)) != list(map(_dtype_of, ts))
-            or list(map(_shape_of, found)) != list(map(_shape_of, ts))
+            not any(map(operator.is_, found, repeat(None)))
+            and list(map(_dtype_name_of, found)) == dtype_names
+            and list(map(_shape_of, found)) == shapes
         ):
-            others = [(key, 0) for key in whole] + others  # the per-slice check words it
-        for key, j in others:
-            t = tensors[key]
-            s = t.slices[j]
-            entry = entries.get(s.entry)
-            shape = t.shape if s.spec == "" else self._slice_specs(key, t)[j].shape
-            if entry is not None and entry.dtype_name == t.dtype and entry.shape == shape:
+            return
+        index = self.index
+        for j, name, dtype_name, shape, entry in zip(
+            index.shard_range(i), names, dtype_names, shapes, found
+        ):
+            if entry is not None and entry.dtype_name == dtype_name and entry.shape == shape:
                 continue
-            where = f"{src.path}: entry {s.entry!r} (key {key!r}, slice {s.spec!r})"
+            key, spec = index.keys[index.slice_tensor[j]], index.slice_spec[j]
+            where = f"{src.path}: entry {name!r} (key {key!r}, slice {spec!r})"
             if entry is None:
                 raise CorruptHeaderError(f"{where} is listed in {INDEX_FILE} but not in the shard")
             raise CorruptHeaderError(
-                f"{where} does not match {INDEX_FILE}: expected dtype {t.dtype} shape "
+                f"{where} does not match {INDEX_FILE}: expected dtype {dtype_name} shape "
                 f"{list(shape)}, the shard has dtype {entry.dtype_name} shape "
                 f"{list(entry.shape)}"
             )
@@ -798,6 +834,7 @@ def _read_index(path: str) -> CheckpointIndex:
     return decode_index(data, index_path)
 
 
+_new_view: Any = np.ndarray  # ndarray(shape, dtype, buffer, offset)
 _dtype_name_of = operator.attrgetter("dtype_name")
 _begin_of = operator.attrgetter("begin")
 _shard_of = operator.attrgetter("shard")
@@ -990,13 +1027,13 @@ def load(
     with CheckpointReader(path, mmap=mmap) as reader:
         if isinstance(keys, str):
             keys = [keys]
-        wanted = reader.keys() if keys is None else list(keys)
         if keys is not None:
-            for key in wanted:
+            keys = list(keys)
+            for key in keys:
                 reader._tensor(key)  # fail on a missing key before reading anything
         if verify:
-            reader.verify(wanted)
-        return reader._get_many(wanted)
+            reader.verify(keys)
+        return reader._get_many(keys)
 
 
 def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,

@@ -9,6 +9,7 @@ tensor of theirs can only exist if the caller already imported them.
 from __future__ import annotations
 
 import gc
+import operator
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -80,26 +81,39 @@ def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None) -> lis
     a DeviceSpec, or a callable from checkpoint key to either. By default a tensor keeps the
     device it lives on (task 0, CPU for numpy).
     """
+    with _gc_paused():
+        keys, arrays, devices = host_columns(state, device)
+        return list(map(_new_shardable, arrays, map(_dtype_of, arrays), devices, keys,
+                        map(_shape_of, arrays), repeat(WHOLE), keys))
+
+
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+
+
+def host_columns(
+    state: Mapping[str, Any], device: DeviceArg = None
+) -> tuple[list[str], list[np.ndarray], list[DeviceSpec]]:
+    """`shardable_tensors` column-wise: keys, host arrays and devices of the leaves of
+    `state`, without building a ShardableTensor each (the default policy does not need them).
+    """
     default = DeviceSpec.from_string(DEFAULT_DEVICE)
     fixed = None if device is None or callable(device) else _as_device(device)
-    out: list[ShardableTensor] = []
-    append = out.append
+    leaves = flatten(state)
+    keys = [k for k, _ in leaves]
+    arrays = [v for _, v in leaves]
+    devices: list[DeviceSpec] = [default] * len(keys)
     ndarray, storable = np.ndarray, STORABLE
-    with _gc_paused():
-        leaves = flatten(state)
-        for key, value in leaves:
-            if type(value) is ndarray and value.dtype in storable:
-                array, dev = value, None
-            else:
-                array, dev = to_host(value, key)
-            if fixed is not None:
-                dev = fixed
-            elif device is not None:
-                dev = _as_device(device(key))  # type: ignore[operator]
-            elif dev is None:
-                dev = default
-            append(_new_shardable(array, array.dtype, dev, key, array.shape, WHOLE, key))
-    return out
+    for i, (key, value) in enumerate(leaves):
+        if not (type(value) is ndarray and value.dtype in storable):
+            arrays[i], dev = to_host(value, key)
+            if dev is not None:
+                devices[i] = dev
+    if fixed is not None:
+        devices = [fixed] * len(keys)
+    elif device is not None:
+        devices = [_as_device(device(key)) for key in keys]  # type: ignore[operator]
+    return keys, arrays, devices
 
 
 def _fast_constructor(cls: type) -> Callable[..., Any]:

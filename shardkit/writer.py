@@ -22,10 +22,9 @@ from __future__ import annotations
 import operator
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,12 @@ import numpy as np
 import xxhash
 
 from . import format as fmt
-from ._kernels import _gather
+from ._kernels import _gather, _table
 from .callback import TaskShard
 from .dtypes import safetensors_name
 from .errors import ShardkitError
-from .slices import parse_slice_spec
-from .tensors import ShardableTensor, _columns_constructor
+from .slices import WHOLE, parse_slice_spec
+from .tensors import ShardableTensor
 
 SMALL_ENTRY = 256 * 1024  # entries below this are gathered into a buffer
 GATHER_BUFFER = 4 * 1024 * 1024  # bytes per gather buffer (per thread)
@@ -75,35 +74,76 @@ class _BufferPool:
 _buffers = _BufferPool()
 
 
-def default_threads() -> int:
-    """Writer threads when none are asked for: one per core, at most 8."""
-    return max(1, min(8, os.cpu_count() or 1))
+@dataclass(slots=True)
+class ShardColumns:
+    """One shard to write, column-wise: its device task and, per entry, key, slice spec and
+    array (C-contiguous or not), in the order the sharding callback gave them."""
+
+    task: int
+    keys: list[str]
+    specs: list[str]
+    arrays: list[np.ndarray]
+    # known already when a planner works on columns (None: taken from the arrays)
+    dtypes: list[np.dtype] | None = None
+    nbytes: np.ndarray | None = None
+    rows: range | list[int] | None = None  # the entries' rows in SavedTensors (whole ones)
 
 
 @dataclass(slots=True)
-class _Entry:
-    """One (key, slice) of one shard, in its on-disk position."""
+class SavedTensors:
+    """What the index records of each saved tensor, in save order: key, dtype, full shape and
+    device string."""
 
-    key: str
-    spec: str
-    array: np.ndarray
-    offset: int  # absolute file offset
-    nbytes: int
-    xxh3: str | None = None
+    keys: list[str]
+    dtypes: list[np.dtype]
+    shapes: list[tuple[int, ...]]
+    devices: list[str]
+    total_size: int | None = None  # bytes of all tensors, when known
+
+    @classmethod
+    def of(cls, tensors: Sequence[ShardableTensor]) -> SavedTensors:
+        devices = list(map(_device_of, tensors))
+        names = {i: d.to_string() for i, d in dict(zip(map(id, devices), devices)).items()}
+        return cls(list(map(_key_of, tensors)), list(map(_dtype_of, tensors)),
+                   [_full_shape(t) for t in tensors],
+                   list(map(names.__getitem__, map(id, devices))))
 
 
-_new_entries = _columns_constructor(_Entry)
+def shard_columns(task_shards: Sequence[TaskShard]) -> list[ShardColumns]:
+    """Validated callback output ``(task, key -> spec -> array)`` as ShardColumns."""
+    out = []
+    ndarray = np.ndarray
+    for task, shard in task_shards:
+        keys: list[str] = []
+        specs: list[str] = []
+        arrays: list[np.ndarray] = []
+        for key, slices in shard.items():
+            for spec, value in slices.items():
+                keys.append(key)
+                specs.append(spec)
+                arrays.append(value if type(value) is ndarray else np.asarray(value))
+        out.append(ShardColumns(task, keys, specs, arrays))
+    return out
 
 
 @dataclass(slots=True)
 class _ShardPlan:
+    """A shard in its on-disk order: entry i is ``keys[i]`` / ``specs[i]`` / ``arrays[i]`` at
+    absolute file offset ``offsets[i]``, ``nbytes[i]`` long."""
+
     path: Path
     file: str
     task: int
     header: bytes
-    entries: list[_Entry]
-    layouts: list[fmt.EntryLayout]
+    keys: list[str]
+    specs: list[str]
+    arrays: list[np.ndarray]
+    offsets: list[int]
+    nbytes: list[int]
+    layouts: list[fmt.EntryLayout] | None  # only for compressed shards
     size: int
+    xxh3: list[str | None]
+    rows: range | list[int] | None  # the entries' rows in SavedTensors, when known
     fd: int = -1
     pending: int = 0  # regions not yet written
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -111,18 +151,24 @@ class _ShardPlan:
 
 @dataclass(slots=True)
 class _Region:
-    """A run of consecutive entries of one shard, written by one thread."""
+    """A run of consecutive entries ``[start, stop)`` of one shard, written by one thread."""
 
     shard: _ShardPlan
-    entries: list[_Entry]
+    start: int
+    stop: int
     nbytes: int
     with_header: bool
 
 
+def default_threads() -> int:
+    """Writer threads when none are asked for: one per core, at most 8."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def write_shards(
     directory: str | os.PathLike[str],
-    task_shards: Sequence[TaskShard],
-    tensors: Sequence[ShardableTensor],
+    shards: Sequence[ShardColumns],
+    saved: SavedTensors,
     *,
     description: str,
     threads: int | None = None,
@@ -135,70 +181,105 @@ def write_shards(
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
 ) -> fmt.CheckpointIndex:
-    """Write `task_shards` (validated callback output) into `directory` as shard files.
+    """Write `shards` (validated callback output) into `directory` as shard files.
 
     Raw safetensors shards, or zstd shards (``.skz``, shardkit.compression) when `compression`
     is ``"zstd"``. Returns the checkpoint index describing them; writing ``index.json`` and
-    publishing the directory is the caller's job (shardkit.commit). `tensors` gives the order
-    and devices of the saved tensors. With `durable`, each shard file is fsynced once complete.
+    publishing the directory is the caller's job (shardkit.commit). `saved` gives the order,
+    dtypes, full shapes and devices of the saved tensors. With `durable`, each shard file is
+    fsynced once complete.
     """
     if compression not in (None, "zstd"):
         raise ValueError(f"unknown compression {compression!r}; use None or 'zstd'")
     codec = "raw" if compression is None else "zstd"
     threads = threads or default_threads()
-    plans = _plan(Path(directory), task_shards, codec)
+    plans = _plan(Path(directory), shards, codec)
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
     bar = _progress_bar(total, progress)
     try:
-        if codec == "raw":
-            _run(plans, _regions(plans, threads), threads, durable, checksum, bar)
-        else:
-            _run_zstd(plans, threads, durable, checksum, bar,
-                      level=level, shuffle=shuffle, chunk_size=chunk_size)
+        if codec == "raw":  # sizes known: the index is built and encoded while writing
+            index = _index(plans, saved, description, checksum, user_metadata or {}, codec)
+            _run(plans, _regions(plans, threads), threads, durable, checksum, bar,
+                 meanwhile=lambda: fmt.prepare_index_encoding(index))
+            if checksum:
+                index.slice_xxh3 = list(chain.from_iterable(p.xxh3 for p in plans))
+            return index
+        _run_zstd(plans, threads, durable, checksum, bar,
+                  level=level, shuffle=shuffle, chunk_size=chunk_size)
     finally:
         if bar is not None:
             bar.close()
-    return _index(plans, tensors, description, checksum, user_metadata or {}, codec)
+    return _index(plans, saved, description, checksum, user_metadata or {}, codec)
 
 
-def _plan(directory: Path, task_shards: Sequence[TaskShard], codec: str) -> list[_ShardPlan]:
-    count = len(task_shards)
+def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_ShardPlan]:
+    count = len(shards)
     plans = []
-    ndarray = np.ndarray
-    for i, (task, shard) in enumerate(task_shards):
-        keys: list[str] = []
-        specs: list[str] = []
-        arrays: list[np.ndarray] = []
-        for key, slices in shard.items():
-            for spec, value in slices.items():
-                keys.append(key)
-                specs.append(spec)
-                arrays.append(value if type(value) is ndarray else np.asarray(value))
-        names = list(map(fmt.entry_name, keys, specs))
-        described = list(zip(names, map(_dtype_of, arrays), map(_shape_of, arrays)))
-        layouts = fmt.layout_entries(described)
-        header = fmt.encode_safetensors_header(layouts) if codec == "raw" else b""
+    for i, shard in enumerate(shards):
+        keys, specs, arrays = shard.keys, shard.specs, shard.arrays
+        names, dtype_names, shapes, begins, ends, order = _layout(shard)
+        rows: range | list[int] | None = shard.rows
+        if order is not None:
+            keys = [keys[j] for j in order]
+            specs = [specs[j] for j in order]
+            arrays = [arrays[j] for j in order]
+            if rows is not None:
+                rows = [rows[j] for j in order]
+        layouts = None
+        if codec == "raw":
+            header = fmt.encode_header_columns(names, dtype_names, shapes, begins, ends)
+        else:
+            header = b""
+            layouts = fmt._new_entry_layouts(names, dtype_names, shapes, begins, ends,
+                                             range(len(names)))
         start = len(header)
-        order = list(map(_order_of, layouts))
-        entries = _new_entries(
-            map(keys.__getitem__, order),
-            map(specs.__getitem__, order),
-            map(arrays.__getitem__, order),
-            [start + lay.begin for lay in layouts],
-            [lay.end - lay.begin for lay in layouts],
-            repeat(None, len(layouts)),
-        )
         name = fmt.shard_file_name(i, count, codec)
-        plans.append(
-            _ShardPlan(directory / name, name, task, header, entries, layouts,
-                       start + fmt.data_size(layouts))
-        )
+        plans.append(_ShardPlan(
+            directory / name, name, shard.task, header, keys, specs, arrays,
+            [start + b for b in begins], list(map(operator.sub, ends, begins)), layouts,
+            start + (ends[-1] if ends else 0), [None] * len(keys), rows,
+        ))
     return plans
+
+
+def _layout(
+    shard: ShardColumns,
+) -> tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int], list[int] | None]:
+    """`format.layout_entries` for numpy arrays, column-wise: entry names, dtype names, shapes,
+    begins, ends in layout order, and the input position of each (None: the input order).
+    Shapes and sizes come from the arrays themselves, so they need no checking."""
+    arrays = shard.arrays
+    names = list(map(fmt.entry_name, shard.keys, shard.specs)) if any(shard.specs) else shard.keys
+    if fmt.METADATA_KEY in names or len(set(names)) != len(names):
+        seen = {fmt.METADATA_KEY}
+        for name in names:
+            if name in seen:
+                raise ValueError(f"entry name {name!r} is reserved or appears twice in one shard")
+            seen.add(name)
+    dtypes = shard.dtypes if shard.dtypes is not None else list(map(_dtype_of, arrays))
+    kinds = {d: (safetensors_name(d), d.itemsize) for d in set(dtypes)}
+    nbytes = shard.nbytes if shard.nbytes is not None else _table.array_nbytes(arrays)
+    order: list[int] | None = None
+    if len(kinds) == 1:
+        ((dtype_name, _),) = kinds.values()
+        dtype_names = [dtype_name] * len(arrays)
+    else:
+        sizes = np.fromiter((kinds[d][1] for d in dtypes), np.int64, len(dtypes))
+        perm = np.argsort(-sizes, kind="stable")
+        if (np.diff(perm) != 1).any():
+            order = perm.tolist()
+            dtypes = [dtypes[j] for j in order]
+            names = [names[j] for j in order]
+            arrays = [arrays[j] for j in order]
+            nbytes = nbytes[perm]
+        dtype_names = [kinds[d][0] for d in dtypes]
+    ends = np.cumsum(nbytes)
+    return (names, dtype_names, list(map(_shape_of, arrays)), (ends - nbytes).tolist(),
+            ends.tolist(), order)
 
 
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
-_order_of = operator.attrgetter("order_index")
 _key_of = operator.attrgetter("checkpoint_key")
 _device_of = operator.attrgetter("device")
 
@@ -216,18 +297,20 @@ def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
         parts = 1
         if threads > 1 and p.size > max(fair, 2 * MIN_REGION):
             parts = max(1, min(threads, p.size // MIN_REGION, round(p.size / fair)))
+        if parts == 1:
+            out.append(_Region(p, 0, len(p.keys), p.size, True))
+            p.pending = 1
+            continue
         target = p.size / parts
-        made = 0
-        current: list[_Entry] = []
+        made = first = 0
         nbytes = len(p.header)
-        for e in p.entries:
-            if current and made < parts - 1 and nbytes + e.nbytes / 2 > target:
-                out.append(_Region(p, current, nbytes, made == 0))
+        for i, n in enumerate(p.nbytes):
+            if i > first and made < parts - 1 and nbytes + n / 2 > target:
+                out.append(_Region(p, first, i, nbytes, made == 0))
                 made += 1
-                current, nbytes = [], 0
-            current.append(e)
-            nbytes += e.nbytes
-        out.append(_Region(p, current, nbytes, made == 0))
+                first, nbytes = i, 0
+            nbytes += n
+        out.append(_Region(p, first, len(p.keys), nbytes, made == 0))
         p.pending = made + 1
     out.sort(key=lambda r: -r.nbytes)
     return out
@@ -262,7 +345,8 @@ def _run_zstd(
     try:
         _open_all(plans)
         for p in plans:
-            arrays = [_as_bytes(e.array) for e in p.entries]
+            assert p.layouts is not None
+            arrays = list(map(_as_bytes, p.arrays))
             try:
                 # the entry checksums are computed on the compression threads, in parallel
                 stats = write_zstd_shard(p.fd, str(p.path), p.layouts, arrays, threads=threads,
@@ -272,8 +356,7 @@ def _run_zstd(
             except OSError as e:
                 raise _io_error(e, "writing", p.path) from e
             if checksum:
-                for entry, digest in zip(p.entries, stats.xxh3):
-                    entry.xxh3 = digest
+                p.xxh3 = list(stats.xxh3)
             if bar is not None:
                 bar.update(p.size)
             p.size = stats.file_size
@@ -289,7 +372,10 @@ def _run(
     durable: bool,
     checksum: bool,
     bar: Any,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
+    """Write `regions` on `threads` threads; `meanwhile` runs on the calling thread while
+    they write (the GIL is free most of that time)."""
     stop = threading.Event()
     try:
         _open_all(plans)
@@ -315,25 +401,64 @@ def _run(
             finally:
                 _buffers.release(buf)
 
-        if threads <= 1 or len(regions) <= 1:
-            for r in regions:
-                work(r)
-        else:
-            with ThreadPoolExecutor(min(threads, len(regions)), "shardkit-writer") as pool:
-                futures = [pool.submit(work, r) for r in regions]
-                try:
-                    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                except BaseException:  # e.g. KeyboardInterrupt: stop the workers early
-                    stop.set()
-                    raise
-                failed = [f for f in done if f.exception() is not None]
-                if failed:
-                    stop.set()
-                    for f in futures:
-                        f.cancel()
-                    raise failed[0].exception()  # type: ignore[misc]
+        run_parallel(work, regions, threads, meanwhile, stop)
     finally:
         _close_all(plans)
+
+
+def run_parallel(work: Callable[[Any], None], items: Sequence[Any], threads: int,
+                 meanwhile: Callable[[], None] | None = None,
+                 stop: threading.Event | None = None) -> None:
+    """``work(item)`` for every item, on up to `threads` threads of our own, while the calling
+    thread runs `meanwhile`. The first error sets `stop` (work should check it), the other
+    threads finish the item in hand, and the error is raised here.
+
+    Plain threads, not a ThreadPoolExecutor: executors refuse new work once the interpreter
+    has begun to exit, and an asynchronous save still pending then must complete.
+    """
+    stop = stop or threading.Event()
+    count = min(threads, len(items))
+    if count <= 1 and meanwhile is None:
+        for item in items:
+            work(item)
+        return
+    errors: list[BaseException] = []
+    queue = iter(items)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                item = next(queue, _DONE)
+            if item is _DONE:
+                return
+            try:
+                work(item)
+            except BaseException as e:
+                with lock:
+                    errors.append(e)
+                stop.set()
+                return
+
+    pool = [threading.Thread(target=worker, name=f"shardkit-writer-{i}", daemon=True)
+            for i in range(max(count, 1))]
+    for t in pool:
+        t.start()
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        for t in pool:
+            t.join()
+    except BaseException:  # e.g. KeyboardInterrupt: stop the workers before leaving
+        stop.set()
+        for t in pool:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
+
+
+_DONE = object()
 
 
 def _write_region(
@@ -341,32 +466,35 @@ def _write_region(
 ) -> None:
     shard = region.shard
     fd = shard.fd
+    nbytes, limit = shard.nbytes, len(buf)
     try:
         if region.with_header:
             _pwrite_all(fd, shard.header, 0)
             if bar is not None:
                 bar.update(len(shard.header))
         # Gather runs of small entries; write large ones in place.
-        group: list[_Entry] = []
-        group_bytes = 0
-        for e in region.entries:
-            if e.nbytes < SMALL_ENTRY:
-                if group and group_bytes + e.nbytes > len(buf):
-                    _flush_group(fd, group, buf, checksum, bar)
-                    group, group_bytes = [], 0
+        first = -1  # start of the pending run of small entries
+        run_bytes = 0
+        for i in range(region.start, region.stop):
+            n = nbytes[i]
+            if n < SMALL_ENTRY:
+                if first >= 0 and run_bytes + n > limit:
+                    _flush_group(fd, shard, first, i, buf, checksum, bar)
+                    first = -1
                     if stop.is_set():
                         return
-                group.append(e)
-                group_bytes += e.nbytes
+                if first < 0:
+                    first, run_bytes = i, 0
+                run_bytes += n
             else:
-                if group:
-                    _flush_group(fd, group, buf, checksum, bar)
-                    group, group_bytes = [], 0
-                _write_large(fd, e, checksum, stop, bar)
+                if first >= 0:
+                    _flush_group(fd, shard, first, i, buf, checksum, bar)
+                    first = -1
+                _write_large(fd, shard, i, checksum, stop, bar)
                 if stop.is_set():
                     return
-        if group:
-            _flush_group(fd, group, buf, checksum, bar)
+        if first >= 0:
+            _flush_group(fd, shard, first, region.stop, buf, checksum, bar)
     except OSError as e:
         raise _io_error(e, "writing", shard.path) from e
 
@@ -379,12 +507,12 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
 
 
 def _flush_group(
-    fd: int, group: list[_Entry], buf: np.ndarray, checksum: bool, bar: Any
+    fd: int, shard: _ShardPlan, first: int, stop: int, buf: np.ndarray, checksum: bool, bar: Any
 ) -> None:
-    """Gather the consecutive small entries of `group` into `buf` and write them at once."""
-    arrays = [e.array for e in group]
-    start = group[0].offset
-    offsets = np.fromiter((e.offset for e in group), dtype=np.int64, count=len(group))
+    """Gather the consecutive small entries ``[first, stop)`` into `buf`, write them at once."""
+    arrays = shard.arrays[first:stop]
+    start = shard.offsets[first]
+    offsets = np.array(shard.offsets[first:stop], dtype=np.int64)
     offsets -= start
     try:
         n = _gather.gather_buffers(arrays, offsets, buf)
@@ -393,28 +521,29 @@ def _flush_group(
         n = _gather.gather_buffers(arrays, offsets, buf)
     if checksum:
         digest: Any = xxhash.xxh3_64_hexdigest  # numpy arrays are buffers; the stubs disagree
-        for e, a in zip(group, arrays):
-            e.xxh3 = digest(a)
+        shard.xxh3[first:stop] = map(digest, arrays)
     _pwrite_all(fd, buf[:n], start)
     if bar is not None:
         bar.update(n)
 
 
-def _write_large(fd: int, e: _Entry, checksum: bool, stop: threading.Event, bar: Any) -> None:
-    data = _as_bytes(e.array)
+def _write_large(fd: int, shard: _ShardPlan, i: int, checksum: bool, stop: threading.Event,
+                 bar: Any) -> None:
+    data = _as_bytes(shard.arrays[i])
+    offset, n = shard.offsets[i], shard.nbytes[i]
     step = HASH_CHUNK if checksum else RAW_CHUNK
     hasher = xxhash.xxh3_64() if checksum else None
-    for begin in range(0, e.nbytes, step):
+    for begin in range(0, n, step):
         chunk = data[begin : begin + step]
         if hasher is not None:
             hasher.update(chunk)  # type: ignore[arg-type]
-        _pwrite_all(fd, chunk, e.offset + begin)
+        _pwrite_all(fd, chunk, offset + begin)
         if bar is not None:
             bar.update(len(chunk))
         if stop.is_set():
             return
     if hasher is not None:
-        e.xxh3 = hasher.hexdigest()
+        shard.xxh3[i] = hasher.hexdigest()
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:
@@ -442,49 +571,77 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 
 def _index(
     plans: list[_ShardPlan],
-    tensors: Sequence[ShardableTensor],
+    saved: SavedTensors,
     description: str,
     checksum: bool,
     user_metadata: dict[str, Any],
     codec: str,
 ) -> fmt.CheckpointIndex:
-    slices: dict[str, list[fmt.SliceInfo]] = {}
-    for number, p in enumerate(plans):
-        keys = [e.key for e in p.entries]
-        specs = [e.spec for e in p.entries]
-        names = list(map(fmt.entry_name, keys, specs))
-        hashes = [e.xxh3 for e in p.entries] if checksum else repeat(None, len(keys))
-        made = fmt._new_slice_infos(specs, repeat(number, len(keys)), names, hashes)
-        for key, info in zip(keys, made):
-            have = slices.get(key)
-            if have is None:
-                slices[key] = [info]
-            else:
-                have.append(info)
-    keys = list(map(_key_of, tensors))
-    found: list[list[fmt.SliceInfo] | None] = [slices.get(key) for key in keys]
-    if any(map(operator.is_, found, repeat(None))):
-        key = keys[found.index(None)]
-        raise ShardkitError(f"tensor {key!r} was not written to any shard")
+    keys, dtypes, shapes, devices = saved.keys, saved.dtypes, saved.shapes, saved.devices
+    if all(p.rows is not None for p in plans):  # a planner on columns: rows known
+        return _index_from_rows(plans, saved, description, checksum, user_metadata, codec)
     if len(set(keys)) != len(keys):  # slices of one key given as several inputs: first wins
         first = dict(zip(reversed(keys), reversed(range(len(keys)))))
         picked = sorted(first.values())
-        tensors = [tensors[i] for i in picked]
         keys = [keys[i] for i in picked]
-        found = [found[i] for i in picked]
-    dtypes = list(map(_dtype_of, tensors))
+        dtypes = [dtypes[i] for i in picked]
+        shapes = [shapes[i] for i in picked]
+        devices = [devices[i] for i in picked]
+    rows = dict(zip(keys, range(len(keys))))
+    slice_tensor: list[int] = []
+    slice_spec: list[str] = []
+    slice_shard: list[int] = []
+    slice_xxh3: list[str | None] = []
+    for number, p in enumerate(plans):  # entries are in data-region order
+        try:
+            slice_tensor += map(rows.__getitem__, p.keys)
+        except KeyError as e:
+            raise ShardkitError(f"shard {p.file} holds {e.args[0]!r}, which is not a saved "
+                                "tensor") from None
+        slice_spec += p.specs
+        slice_shard += repeat(number, len(p.keys))
+        slice_xxh3 += p.xxh3 if checksum else repeat(None, len(p.keys))
+    stored = np.bincount(np.asarray(slice_tensor, np.int64), minlength=len(keys))
+    if len(keys) and stored.min() == 0:
+        key = keys[int(np.argmin(stored))]
+        raise ShardkitError(f"tensor {key!r} was not written to any shard")
     dtype_names = {d: safetensors_name(d) for d in set(dtypes)}
-    devices = list(map(_device_of, tensors))
-    device_names = {i: d.to_string() for i, d in dict(zip(map(id, devices), devices)).items()}
-    shapes = [_full_shape(t) for t in tensors]
-    infos = dict(zip(keys, fmt._new_tensor_infos(
-        list(map(dtype_names.__getitem__, dtypes)),
-        shapes,
-        list(map(device_names.__getitem__, map(id, devices))),
-        found,
-    )))
     shards = [fmt.ShardInfo(p.file, p.task, codec, p.size) for p in plans]
-    return fmt.CheckpointIndex(description, shards, infos, user_metadata)
+    return fmt.CheckpointIndex(
+        description, shards, keys, list(map(dtype_names.__getitem__, dtypes)), shapes,
+        devices, slice_tensor, slice_spec, slice_shard, slice_xxh3, user_metadata,
+    )
+
+
+def _index_from_rows(
+    plans: list[_ShardPlan],
+    saved: SavedTensors,
+    description: str,
+    checksum: bool,
+    user_metadata: dict[str, Any],
+    codec: str,
+) -> fmt.CheckpointIndex:
+    """`_index` when every entry is a whole tensor whose row is known."""
+    slice_tensor: list[int] = []
+    slice_xxh3: list[str | None] = []
+    for p in plans:
+        assert p.rows is not None
+        slice_tensor += p.rows
+        slice_xxh3 += p.xxh3 if checksum else repeat(None, len(p.keys))
+    if len(slice_tensor) != len(saved.keys):
+        raise ShardkitError(f"{len(saved.keys)} tensors saved, {len(slice_tensor)} written")
+    slice_shard = list(chain.from_iterable(repeat(i, len(p.keys)) for i, p in enumerate(plans)))
+    names = {d: safetensors_name(d) for d in set(saved.dtypes)}
+    dtype_names = ([names[saved.dtypes[0]]] * len(saved.dtypes) if len(names) == 1
+                   else list(map(names.__getitem__, saved.dtypes)))
+    shards = [fmt.ShardInfo(p.file, p.task, codec, p.size) for p in plans]
+    index = fmt.CheckpointIndex(
+        description, shards, saved.keys, dtype_names, saved.shapes, saved.devices,
+        slice_tensor, [WHOLE] * len(slice_tensor), slice_shard, slice_xxh3, user_metadata,
+    )
+    if saved.total_size is not None:
+        index._cache["total_size"] = saved.total_size
+    return index
 
 
 def _full_shape(t: ShardableTensor) -> tuple[int, ...]:

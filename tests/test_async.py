@@ -272,6 +272,34 @@ def test_interpreter_exit_waits_for_pending_write(tmp_path):
     assert load(tmp_path / "c-1")["s/x"].tolist() == [0, 1, 2, 3]
 
 
+def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path):
+    """Writer threads are started while the interpreter exits: a ThreadPoolExecutor would
+    refuse them ("cannot schedule new futures after interpreter shutdown")."""
+    proc = run_script(tmp_path, """
+        import sys, time
+        import numpy as np
+        import shardkit.api as api
+        from shardkit.checkpoint import Checkpoint
+        from shardkit.options import CheckpointOptions
+        api.SINGLE_SHARD_BELOW = 0  # several shards, so several writer threads
+        real = api.save
+        def slow(*a, **k):
+            time.sleep(0.5)
+            return real(*a, **k)
+        api.save = slow
+        state = {f"x{i}": np.full(1000, i, np.float32) for i in range(4)}
+        h = Checkpoint(s=state).save(sys.argv[1] + "/c",
+                                     CheckpointOptions(enable_async=True, threads=2))
+        print("returned", h.done())
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "returned False"
+    assert "failed" not in proc.stderr, proc.stderr
+    loaded = load(tmp_path / "c-1", verify=True)
+    assert [float(loaded[f"s/x{i}"][0]) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
+    assert len(list((tmp_path / "c-1").glob("shard-*"))) >= 2
+
+
 def test_unreported_error_printed_at_exit(tmp_path):
     proc = run_script(tmp_path, """
         import sys

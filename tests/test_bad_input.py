@@ -129,10 +129,27 @@ def test_corrupt_index_json(ckpt):
 
 
 def test_newer_major_version(ckpt):
-    _edit_index(ckpt, lambda d: d.update(format_version="2.1"))
-    with pytest.raises(UnsupportedVersionError, match=r"index\.json: checkpoint format version 2\.1"
-                       r" is newer than this shardkit reads \(up to 1\.x\); upgrade shardkit"):
+    _edit_index(ckpt, lambda d: d.update(format_version="3.1"))
+    with pytest.raises(UnsupportedVersionError, match=r"index\.json: checkpoint format version 3\.1"
+                       r" is newer than this shardkit reads \(up to 2\.x\); upgrade shardkit"):
         rd.load(ckpt)
+
+
+def test_pre_release_version_1_is_refused(ckpt):
+    """A 1.x index (one object per tensor) is refused by its version, before its layout."""
+    w = {"dtype": "F32", "shape": [6], "device": "/device:CPU:0",
+         "slices": [{"spec": "", "shard": 0, "entry": "w", "xxh3": None}]}
+
+    def to_v1(doc):
+        doc["format_version"] = "1.0"
+        doc["shardkit"]["tensors"] = {"w": w}
+        del doc["shardkit"]["slices"], doc["shardkit"]["devices"]
+
+    _edit_index(ckpt, to_v1)
+    with pytest.raises(UnsupportedVersionError, match=r"index\.json: checkpoint format version 1\.0"
+                       r" is a pre-release layout this shardkit no longer reads \(it reads 2\.x\); "
+                       r"load it with the shardkit that wrote it and save it again"):
+        rd.CheckpointReader(ckpt)
 
 
 @pytest.mark.parametrize("name", ["../outside.safetensors", "/tmp/abs.safetensors",
@@ -154,8 +171,20 @@ def test_unknown_codec(ckpt):
             r["w"]
 
 
+def _set_row(column: str, key: str, value: Any):
+    """Change `column` of `key`'s row in shardkit.tensors."""
+    def change(doc):
+        tensors = doc["shardkit"]["tensors"]
+        tensors[column][tensors["key"].index(key)] = value
+    return change
+
+
 def test_index_and_header_disagree(ckpt):
-    _edit_index(ckpt, lambda d: d["shardkit"]["tensors"]["w"].update(shape=[2, 3], dtype="I32"))
+    def change(doc):
+        _set_row("shape", "w", [2, 3])(doc)
+        _set_row("dtype", "w", "I32")(doc)
+
+    _edit_index(ckpt, change)
     with rd.CheckpointReader(ckpt) as r:
         with pytest.raises(CorruptHeaderError, match=rf"{SHARD0}: entry 'w' \(key 'w', slice ''\) "
                            r"does not match index\.json: expected dtype I32 shape \[2, 3\], the "
@@ -163,12 +192,31 @@ def test_index_and_header_disagree(ckpt):
             r["w"]
 
 
-def test_entry_missing_from_shard(ckpt):
-    _edit_index(ckpt, lambda d: d["shardkit"]["tensors"]["w"]["slices"][0].update(entry="w2"))
-    with rd.CheckpointReader(ckpt) as r:
-        with pytest.raises(CorruptHeaderError, match=r"entry 'w2' \(key 'w', slice ''\) is listed "
-                           r"in index\.json but not in the shard"):
-            r["b"]
+def _set_spec(key: str, spec: str):
+    def change(doc):
+        row = doc["shardkit"]["tensors"]["key"].index(key)
+        slices = doc["shardkit"]["slices"]
+        slices["spec"][slices["tensor"].index(row)] = spec
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        # the entry name is composed from key and spec: a full-box spec names "w:6 0,6"
+        (_set_spec("w", "6 0,6"), r"entry 'w:6 0,6' \(key 'w', slice '6 0,6'\) is listed in "
+                                  r"index\.json but not in the shard"),
+        (_set_row("key", "w", "w2"), r"entry 'w2' \(key 'w2', slice ''\) is listed in index\.json "
+                                     r"but not in the shard"),
+    ],
+    ids=["full-box-spec", "renamed-key"],
+)
+def test_entry_missing_from_shard(ckpt, change, match):
+    _edit_index(ckpt, change)
+    for use_mmap in (True, False):
+        with rd.CheckpointReader(ckpt, mmap=use_mmap) as r:
+            with pytest.raises(CorruptHeaderError, match=match):
+                r["b"]
 
 
 # --- shard files --------------------------------------------------------------------------------

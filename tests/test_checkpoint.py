@@ -220,8 +220,8 @@ def test_tied_tensors_stored_once_restored_to_all(tmp_path):
     model = Tied()
     path = Checkpoint(model=model).write(tmp_path / "c", FAST)
     idx = index_of(path)
-    assert "model/embed.weight" in idx["shardkit"]["tensors"]
-    assert "model/head.weight" not in idx["shardkit"]["tensors"]
+    assert "model/embed.weight" in idx["shardkit"]["tensors"]["key"]
+    assert "model/head.weight" not in idx["shardkit"]["tensors"]["key"]
     skeleton = json.dumps(idx["shardkit"]["user_metadata"][METADATA_KEY])
     assert '"alias": "model/embed.weight"' in skeleton
     torch.manual_seed(1)

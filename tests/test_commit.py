@@ -15,7 +15,7 @@ import pytest
 from shardkit import commit
 from shardkit.errors import CheckpointExistsError, ShardkitError
 
-INDEX = json.dumps({"format": "shardkit", "format_version": "1.0"}).encode()
+INDEX = json.dumps({"format": "shardkit", "format_version": "2.0"}).encode()
 
 
 def _save(target: Path, content: str, *, overwrite: bool = False, durable: bool = False) -> Path:

@@ -606,7 +606,7 @@ def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path):
     tensors = dict(ia.tensors)
     for key, t in ib.tensors.items():
         tensors[key] = replace(t, slices=[replace(s, shard=1) for s in t.slices])
-    index = fmt.CheckpointIndex("merged", [replace(ia.shards[0], file=names[0]),
+    index = fmt.CheckpointIndex.from_tensors("merged", [replace(ia.shards[0], file=names[0]),
                                            replace(ib.shards[0], file=names[1])], tensors)
     (out / "index.json").write_bytes(fmt.encode_index(index))
     assert codecs(out) == ["raw", "zstd"]

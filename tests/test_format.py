@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +47,9 @@ def row_slices(key: str, a: np.ndarray, parts: int, shards: Sequence[int]) -> li
     return out
 
 
+DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
 def write_checkpoint(
     path: Path,
     items: Sequence[Item],
@@ -55,12 +59,26 @@ def write_checkpoint(
     user_metadata: dict[str, Any] | None = None,
     full_shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> fmt.CheckpointIndex:
-    """Write shards + index.json with format.py's encoders. Items in save order."""
+    """Write shards + index.json with format.py's encoders. Items in save order; like the writer,
+    the index lists each shard's slices in data-region order (docs/FORMAT.md section 2)."""
     path.mkdir(parents=True, exist_ok=True)
     n = n_shards if n_shards is not None else max(s for _, _, s, _ in items) + 1
     per_shard: list[list[Item]] = [[] for _ in range(n)]
     for it in items:
         per_shard[it[2]].append(it)
+    keys = list(dict.fromkeys(k for k, _, _, _ in items))
+    rows = {k: i for i, k in enumerate(keys)}
+    dtypes: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, spec, _, a in items:
+        if key not in shapes:
+            dtypes[key] = fmt.safetensors_name(a.dtype)
+            shapes[key] = tuple(
+                a.shape if spec == "" else (full_shapes or {}).get(key) or _full(spec))
+    slice_tensor: list[int] = []
+    slice_spec: list[str] = []
+    slice_shard: list[int] = []
+    slice_xxh3: list[str | None] = []
     shard_infos = []
     for i, shard_items in enumerate(per_shard):
         layouts = fmt.layout_entries(
@@ -69,24 +87,21 @@ def write_checkpoint(
         header = fmt.encode_safetensors_header(layouts)
         data = bytearray(fmt.data_size(layouts))
         for e in layouts:
-            a = shard_items[e.order_index][3]
-            data[e.begin : e.end] = np.ascontiguousarray(a).tobytes()
+            key, spec, _, a = shard_items[e.order_index]
+            raw = np.ascontiguousarray(a).tobytes()
+            data[e.begin : e.end] = raw
+            slice_tensor.append(rows[key])
+            slice_spec.append(spec)
+            slice_shard.append(i)
+            slice_xxh3.append(xxhash.xxh3_64_hexdigest(raw) if checksum else None)
         name = fmt.shard_file_name(i, n)
         (path / name).write_bytes(header + bytes(data))
         shard_infos.append(fmt.ShardInfo(name, 0, "raw", len(header) + len(data)))
-    tensors: dict[str, fmt.TensorInfo] = {}
-    for key, spec, shard, a in items:
-        digest = xxhash.xxh3_64_hexdigest(np.ascontiguousarray(a).tobytes()) if checksum else None
-        sl = fmt.SliceInfo(spec, shard, fmt.entry_name(key, spec), digest)
-        if key in tensors:
-            tensors[key].slices.append(sl)
-        else:
-            shape = a.shape if spec == "" else (full_shapes or {}).get(key) or _full(spec)
-            tensors[key] = fmt.TensorInfo(
-                fmt.safetensors_name(a.dtype), tuple(shape),
-                "/job:localhost/replica:0/task:0/device:CPU:0", [sl],
-            )
-    index = fmt.CheckpointIndex("test-callback", shard_infos, tensors, user_metadata or {})
+    index = fmt.CheckpointIndex(
+        "test-callback", shard_infos, keys, [dtypes[k] for k in keys], [shapes[k] for k in keys],
+        [DEVICE] * len(keys), slice_tensor, slice_spec, slice_shard, slice_xxh3,
+        dict(user_metadata or {}),
+    )
     (path / fmt.INDEX_FILE).write_bytes(fmt.encode_index(index))
     return index
 
@@ -100,12 +115,35 @@ def whole(items: dict[str, np.ndarray], n_shards: int = 1) -> list[Item]:
     return [(k, "", i % n_shards, a) for i, (k, a) in enumerate(items.items())]
 
 
+def index_document(path: Path) -> dict[str, Any]:
+    """The parsed index.json of the checkpoint at `path`."""
+    return json.loads((Path(path) / fmt.INDEX_FILE).read_bytes())
+
+
+def tensor_view(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A 2.0 index document per key, in save order: dtype, shape, device (the string) and the
+    slices ({spec, shard, entry, xxh3}, in listed order), with entry names composed as readers
+    compose them (docs/FORMAT.md section 4)."""
+    sk = doc["shardkit"]
+    t, s = sk["tensors"], sk["slices"]
+    view = {
+        key: {"dtype": dtype, "shape": shape, "device": sk["devices"][device], "slices": []}
+        for key, dtype, shape, device in zip(t["key"], t["dtype"], t["shape"], t["device"],
+                                             strict=True)
+    }
+    for row, spec, shard, xxh3 in zip(s["tensor"], s["spec"], s["shard"], s["xxh3"], strict=True):
+        key = t["key"][row]
+        view[key]["slices"].append({"spec": spec, "shard": shard, "xxh3": xxh3,
+                                    "entry": key if spec == "" else f"{key}:{spec}"})
+    return view
+
+
 # --- names -----------------------------------------------------------------------------------
 
 
 def test_constants():
     assert fmt.FORMAT_NAME == "shardkit"
-    assert fmt.FORMAT_VERSION == "1.0"
+    assert fmt.FORMAT_VERSION == "2.0" and fmt.FORMAT_MAJOR == 2
     assert fmt.INDEX_FILE == "index.json"
     assert fmt.MAX_HEADER_BYTES == 100 * 1024 * 1024
     assert fmt.RAW_SUFFIX == ".safetensors"
@@ -337,40 +375,102 @@ def test_our_decoder_reads_a_safetensors_file(tmp_path):
 
 # --- index -----------------------------------------------------------------------------------
 
+D0 = "/job:localhost/replica:0/task:0/device:CPU:0"
+D1 = "/job:w/replica:0/task:1/device:CPU:0"
+SHARD_A, SHARD_B = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
+
 
 def _index() -> fmt.CheckpointIndex:
-    return fmt.CheckpointIndex(
+    """Rows: w (split over both shards), b, s, e; slices j: 0 w[0:2], 1 s, 2 w[2:4], 3 b, 4 e."""
+    return fmt.CheckpointIndex.from_tensors(
         "max-shard-size(1KiB)",
-        [fmt.ShardInfo("shard-00000-of-00002.safetensors", 0, "raw", 120),
-         fmt.ShardInfo("shard-00001-of-00002.safetensors", 1, "raw", 96)],
+        [fmt.ShardInfo(SHARD_A, 0, "raw", 120), fmt.ShardInfo(SHARD_B, 1, "raw", 96)],
         {
-            "w": fmt.TensorInfo("F32", (4, 6), "/job:localhost/replica:0/task:0/device:CPU:0", [
+            "w": fmt.TensorInfo("F32", (4, 6), D0, [
                 fmt.SliceInfo("4 6 0,2:0,6", 0, "w:4 6 0,2:0,6", "0123456789abcdef"),
                 fmt.SliceInfo("4 6 2,2:0,6", 1, "w:4 6 2,2:0,6", None),
             ]),
-            "b": fmt.TensorInfo("BF16", (3,), "/job:w/replica:0/task:1/device:CPU:0",
-                                [fmt.SliceInfo("", 1, "b", None)]),
+            "b": fmt.TensorInfo("BF16", (3,), D1, [fmt.SliceInfo("", 1, "b", None)]),
             "s": fmt.TensorInfo("I64", (), "/device:CPU:0", [fmt.SliceInfo("", 0, "s", None)]),
+            "e": fmt.TensorInfo("U8", (0,), D0, [fmt.SliceInfo("", 1, "e", "2d06800538d394c2")]),
         },
         {"step": 3, "nested": {"lr": 0.5, "tags": ["a"]}},
     )
 
 
+EXPECTED_DOC: dict[str, Any] = {
+    "format": "shardkit",
+    "format_version": "2.0",
+    "metadata": {"total_size": 4 * 6 * 4 + 3 * 2 + 8},
+    "weight_map": {"b": SHARD_B, "s": SHARD_A, "e": SHARD_B},
+    "shardkit": {
+        "callback": "max-shard-size(1KiB)",
+        "devices": [D0, D1, "/device:CPU:0"],
+        "shards": [{"file": SHARD_A, "task": 0, "codec": "raw", "bytes": 120},
+                   {"file": SHARD_B, "task": 1, "codec": "raw", "bytes": 96}],
+        "tensors": {"key": ["w", "b", "s", "e"], "dtype": ["F32", "BF16", "I64", "U8"],
+                    "shape": [[4, 6], [3], [], [0]], "device": [0, 1, 2, 0]},
+        "slices": {"tensor": [0, 2, 0, 1, 3], "spec": ["4 6 0,2:0,6", "", "4 6 2,2:0,6", "", ""],
+                   "shard": [0, 0, 1, 1, 1],
+                   "xxh3": ["0123456789abcdef", None, None, None, "2d06800538d394c2"]},
+        "user_metadata": {"step": 3, "nested": {"lr": 0.5, "tags": ["a"]}},
+    },
+}
+
+
+def _compact(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def test_index_bytes_are_the_documented_column_layout():
+    index = _index()
+    data = fmt.encode_index(index)
+    assert data == _compact(EXPECTED_DOC)
+    assert list(json.loads(data)["weight_map"]) == ["b", "s", "e"]  # save order
+
+
 def test_index_round_trip_and_hf_fields():
     index = _index()
     data = fmt.encode_index(index)
-    doc = json.loads(data)
-    assert doc["format"] == "shardkit" and doc["format_version"] == "1.0"
-    assert doc["metadata"] == {"total_size": 4 * 6 * 4 + 3 * 2 + 8}
-    assert doc["weight_map"] == {"b": "shard-00001-of-00002.safetensors",
-                                 "s": "shard-00000-of-00002.safetensors"}
-    assert list(doc["shardkit"]["tensors"]) == ["w", "b", "s"]
-    assert doc["shardkit"]["tensors"]["w"]["slices"][1] == {
-        "spec": "4 6 2,2:0,6", "shard": 1, "entry": "w:4 6 2,2:0,6", "xxh3": None}
     back = fmt.decode_index(data, "ckpt/index.json")
     assert back == index
-    assert list(back.tensors) == ["w", "b", "s"]
+    assert fmt.encode_index(back) == data
+    assert back.version == "2.0" and back.callback == "max-shard-size(1KiB)"
+    assert back.keys == ["w", "b", "s", "e"]
+    assert back.devices == [D0, D1, "/device:CPU:0", D0]  # one string per tensor in memory
+    assert back.entry_names() == ["w:4 6 0,2:0,6", "s", "w:4 6 2,2:0,6", "b", "e"]
+    assert back.total_size() == EXPECTED_DOC["metadata"]["total_size"]
+    assert list(back.tensors) == ["w", "b", "s", "e"]
     assert back.tensors["w"].is_split and not back.tensors["b"].is_split
+    assert back.tensors["w"].slices == [
+        fmt.SliceInfo("4 6 0,2:0,6", 0, "w:4 6 0,2:0,6", "0123456789abcdef"),
+        fmt.SliceInfo("4 6 2,2:0,6", 1, "w:4 6 2,2:0,6", None)]
+    assert back.tensors == index.tensors
+    fresh = fmt.decode_index(data, "ckpt/index.json")  # tensor_info without building .tensors
+    assert [fresh.tensor_info(k) for k in fresh.keys] == list(index.tensors.values())
+    with pytest.raises(KeyError):
+        fresh.tensor_info("nope")
+
+
+def test_decode_accepts_any_member_order_and_whitespace():
+    reordered = json.dumps(EXPECTED_DOC, indent=3, sort_keys=True).encode()
+    assert fmt.decode_index(reordered, "i.json") == _index()
+    pretty = json.dumps(EXPECTED_DOC, indent="\t").encode()
+    assert fmt.encode_index(fmt.decode_index(pretty, "i.json")) == _compact(EXPECTED_DOC)
+
+
+def test_from_tensors_rejects_a_foreign_entry_name():
+    with pytest.raises(ValueError, match=r"entry of 'a' slice '' must be 'a', got 'renamed'"):
+        fmt.CheckpointIndex.from_tensors(
+            "cb", [fmt.ShardInfo(SHARD_A, 0, "raw", 8)],
+            {"a": fmt.TensorInfo("U8", (1,), D0, [fmt.SliceInfo("", 0, "renamed", None)])})
+
+
+def test_single_full_box_slice_is_stored_as_key_colon_spec():
+    index = fmt.decode_index(_mutated(_set("shardkit.slices.spec.3", "3 0,3")), "i.json")
+    assert index.tensors["b"].slices == [fmt.SliceInfo("3 0,3", 1, "b:3 0,3", None)]
+    assert not index.tensors["b"].is_split
+    assert "b" not in json.loads(fmt.encode_index(index))["weight_map"]
 
 
 def test_index_rejects_unserialisable_metadata():
@@ -404,54 +504,167 @@ def _set(path: str, value: Any):
 _DELETE = object()
 
 
+def _drop_slice(j: int):
+    def change(doc):
+        for column in doc["shardkit"]["slices"].values():
+            del column[j]
+    return change
+
+
+def _add_tensor(key: str, dtype: str, shape: list[int], at: int, spec: str, shard: int):
+    """Append a tensor (device 0) and insert its one slice as slice `at`."""
+    def change(doc):
+        t, s = doc["shardkit"]["tensors"], doc["shardkit"]["slices"]
+        for name, value in (("key", key), ("dtype", dtype), ("shape", shape), ("device", 0)):
+            t[name].append(value)
+        for name, value in (("tensor", len(t["key"]) - 1), ("spec", spec), ("shard", shard),
+                            ("xxh3", None)):
+            s[name].insert(at, value)
+    return change
+
+
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
+        # top level and versions
         (_set("format", "other"), CorruptIndexError,
          "\"format\" must be 'shardkit', found 'other'"),
-        (_set("format_version", "2.0"), UnsupportedVersionError,
-         "version 2.0 is newer than this shardkit reads"),
-        (_set("format_version", "1.x"), CorruptIndexError, "format_version must be a string"),
-        (_set("format_version", 1), CorruptIndexError, "format_version must be a string"),
+        (_set("format", _DELETE), CorruptIndexError, "\"format\" must be 'shardkit', found None"),
+        (_set("format_version", "3.0"), UnsupportedVersionError,
+         r"version 3\.0 is newer than this shardkit reads \(up to 2\.x\); upgrade shardkit"),
+        (_set("format_version", "1.0"), UnsupportedVersionError,
+         r"version 1\.0 is a pre-release layout this shardkit no longer reads \(it reads 2\.x\)"),
+        (_set("format_version", "2.x"), CorruptIndexError,
+         "format_version must be a string like \"2.0\", found '2.x'"),
+        (_set("format_version", "2"), CorruptIndexError, "format_version must be a string"),
+        (_set("format_version", 2), CorruptIndexError, "format_version must be a string"),
+        (_set("format_version", _DELETE), CorruptIndexError,
+         "format_version must be a string like \"2.0\", found None"),
+        (_set("metadata", []), CorruptIndexError, "'metadata' must be a JSON object"),
+        (_set("weight_map", []), CorruptIndexError, "'weight_map' must be a JSON object"),
         (_set("shardkit", _DELETE), CorruptIndexError, "missing field shardkit"),
+        (_set("shardkit", []), CorruptIndexError, "field shardkit must be dict, found list"),
         (_set("shardkit.callback", 5), CorruptIndexError, "shardkit.callback must be str"),
+        (_set("shardkit.callback", _DELETE), CorruptIndexError,
+         "missing field shardkit.callback"),
+        (_set("shardkit.user_metadata", []), CorruptIndexError, "user_metadata must be dict"),
+        # shards
+        (_set("shardkit.shards", {}), CorruptIndexError, "field shardkit.shards must be list"),
+        (_set("shardkit.shards.0", "x"), CorruptIndexError,
+         r"shardkit\.shards\[0\] must be a JSON object"),
         (_set("shardkit.shards.0.task", -1), CorruptIndexError, r"shards\[0\].task must be >= 0"),
         (_set("shardkit.shards.0.bytes", True), CorruptIndexError, "bytes must be int"),
-        (_set("shardkit.shards.1.file", "shard-00000-of-00002.safetensors"), CorruptIndexError,
-         "listed twice"),
+        (_set("shardkit.shards.1.codec", 3), CorruptIndexError,
+         r"field shardkit\.shards\[1\]\.codec must be str"),
+        (_set("shardkit.shards.0.file", _DELETE), CorruptIndexError,
+         r"missing field shardkit\.shards\[0\]\.file"),
+        (_set("shardkit.shards.0.file", ""), CorruptIndexError,
+         "shard file name must be a non-empty string"),
+        (_set("shardkit.shards.1.file", SHARD_A), CorruptIndexError, "listed twice"),
         (_set("shardkit.shards.0.file", "../evil.safetensors"), ShardPathError,
          "'../evil.safetensors' is not a plain file name"),
         (_set("shardkit.shards.0.file", "/etc/passwd"), ShardPathError, "'/etc/passwd'"),
         (_set("shardkit.shards.0.file", "a\\b"), ShardPathError, "not a plain file name"),
         (_set("shardkit.shards.0.file", "a\0b"), ShardPathError, "not a plain file name"),
         (_set("shardkit.shards.0.file", "index.json"), ShardPathError, "not a plain file name"),
-        (_set("shardkit.tensors.b.dtype", "F128"), CorruptIndexError,
-         "tensor 'b' has unknown dtype 'F128'"),
-        (_set("shardkit.tensors.b.shape", [3, -1]), CorruptIndexError, "tensor 'b' shape must"),
-        (_set("shardkit.tensors.b.slices", []), CorruptIndexError, "tensor 'b' has no slices"),
-        (_set("shardkit.tensors.s.slices.0", {"spec": "", "shard": 2, "entry": "s", "xxh3": None}),
-         CorruptIndexError, "tensor 's' slice '' is in shard 2, but the checkpoint has 2"),
-        (_set("shardkit.tensors.s.slices.0", {"spec": "", "shard": 0, "entry": "s", "xxh3": "AB"}),
-         CorruptIndexError, "xxh3 must be 16 lowercase hex digits"),
-        (_set("shardkit.tensors.w.slices.1",
-              {"spec": "4 6 3,1:0,6", "shard": 1, "entry": "w2", "xxh3": None}),
-         CorruptIndexError, "slices of tensor 'w' do not tile its shape .4, 6.: .*gap"),
-        (_set("shardkit.tensors.w.slices.1",
-              {"spec": "4 6 1,3:0,6", "shard": 1, "entry": "w2", "xxh3": None}),
-         CorruptIndexError, "slices of tensor 'w' do not tile .*overlap"),
-        (_set("shardkit.tensors.w.slices.1",
-              {"spec": "5 6 2,2:0,6", "shard": 1, "entry": "w2", "xxh3": None}),
-         CorruptIndexError, "tensor 'w': slice spec '5 6 2,2:0,6' is for shape"),
-        (_set("shardkit.tensors.b.slices.0", {"spec": "", "shard": 0, "entry": "s", "xxh3": None}),
-         CorruptIndexError, "entry 's' of shard 'shard-00000-of-00002.safetensors' is claimed"),
-        (_set("shardkit.user_metadata", []), CorruptIndexError, "user_metadata must be dict"),
-        (_set("weight_map", []), CorruptIndexError, "'weight_map' must be a JSON object"),
+        # devices
+        (_set("shardkit.devices", _DELETE), CorruptIndexError, "missing field shardkit.devices"),
+        (_set("shardkit.devices.1", 1), CorruptIndexError,
+         "field shardkit.devices must be a list of strings"),
+        (_set("shardkit.devices", [D0, D1, D0]), CorruptIndexError,
+         f"device '{D0}' is listed twice in shardkit.devices"),
+        # the tensors columns
+        (_set("shardkit.tensors", _DELETE), CorruptIndexError, "missing field shardkit.tensors"),
+        (_set("shardkit.tensors", []), CorruptIndexError,
+         "field shardkit.tensors must be dict, found list"),
+        (_set("shardkit.tensors.key", _DELETE), CorruptIndexError,
+         "missing field shardkit.tensors.key"),
+        (_set("shardkit.tensors.key", "w"), CorruptIndexError,
+         "field shardkit.tensors.key must be list, found str"),
+        (_set("shardkit.tensors.key.1", 7), CorruptIndexError,
+         "field shardkit.tensors.key must be a list of strings"),
+        (_set("shardkit.tensors.dtype", ["F32", "BF16", "I64"]), CorruptIndexError,
+         r"field shardkit\.tensors\.dtype has 3 values, expected 4 \(one per row\)"),
+        (_set("shardkit.tensors.shape", [[4, 6], [3], [], [0], [1]]), CorruptIndexError,
+         r"field shardkit\.tensors\.shape has 5 values, expected 4"),
+        (_set("shardkit.tensors.device", [0]), CorruptIndexError,
+         r"field shardkit\.tensors\.device has 1 values, expected 4"),
+        (_set("shardkit.tensors.device", _DELETE), CorruptIndexError,
+         "missing field shardkit.tensors.device"),
+        (_set("shardkit.tensors.key.1", "w"), CorruptIndexError,
+         "key 'w' is listed twice in shardkit.tensors.key"),
+        (_set("shardkit.tensors.key.1", ""), CorruptIndexError,
+         "a checkpoint key is the empty string"),
+        (_set("shardkit.tensors.dtype.1", "F128"), CorruptIndexError,
+         "tensor 'b' has unknown dtype 'F128'; known: F64"),
+        (_set("shardkit.tensors.dtype.1", ["F32"]), CorruptIndexError,
+         r"tensor 'b' has unknown dtype \['F32'\]"),
+        (_set("shardkit.tensors.shape.1", [3, -1]), CorruptIndexError,
+         r"tensor 'b' shape must be a list of non-negative integers, found \[3, -1\]"),
+        (_set("shardkit.tensors.shape.1", "3"), CorruptIndexError,
+         "tensor 'b' shape must be a list of non-negative integers, found '3'"),
+        (_set("shardkit.tensors.shape.1", [3.0]), CorruptIndexError, "tensor 'b' shape must"),
+        (_set("shardkit.tensors.shape.1", [True]), CorruptIndexError, "tensor 'b' shape must"),
+        (_set("shardkit.tensors.device.3", 3), CorruptIndexError,
+         r"tensor 'e': device 3 is not an index into shardkit\.devices \(3 entries\)"),
+        (_set("shardkit.tensors.device.3", -1), CorruptIndexError, "tensor 'e': device -1 is not"),
+        (_set("shardkit.tensors.device.3", "0"), CorruptIndexError, "tensor 'e': device '0' is"),
+        # the slices columns
+        (_set("shardkit.slices", _DELETE), CorruptIndexError, "missing field shardkit.slices"),
+        (_set("shardkit.slices", []), CorruptIndexError, "field shardkit.slices must be dict"),
+        (_set("shardkit.slices.tensor", _DELETE), CorruptIndexError,
+         "missing field shardkit.slices.tensor"),
+        (_set("shardkit.slices.spec", ["", "", "", ""]), CorruptIndexError,
+         r"field shardkit\.slices\.spec has 4 values, expected 5"),
+        (_set("shardkit.slices.shard", [0, 0, 1, 1, 1, 1]), CorruptIndexError,
+         r"field shardkit\.slices\.shard has 6 values, expected 5"),
+        (_set("shardkit.slices.xxh3", None), CorruptIndexError,
+         "field shardkit.slices.xxh3 must be list, found NoneType"),
+        (_set("shardkit.slices.tensor.4", 4), CorruptIndexError,
+         r"slice 4: tensor 4 is not an index into shardkit\.tensors\.key \(4 entries\)"),
+        (_set("shardkit.slices.tensor.4", True), CorruptIndexError, "slice 4: tensor True is not"),
+        (_set("shardkit.slices.shard.4", 2), CorruptIndexError,
+         r"slice 4: shard 2 is not an index into shardkit\.shards \(2 entries\)"),
+        (_set("shardkit.slices.shard.1", -1), CorruptIndexError, "slice 1: shard -1 is not"),
+        (_set("shardkit.slices.shard.0", 1), CorruptIndexError,
+         r"shardkit\.slices must be listed shard by shard \(shard numbers never decreasing\)"),
+        (_set("shardkit.slices.spec.1", None), CorruptIndexError,
+         "shardkit.slices.spec must hold strings"),
+        (_set("shardkit.slices.xxh3.1", "AB"), CorruptIndexError,
+         "tensor 's' slice '': xxh3 must be 16 lowercase hex digits or null, found 'AB'"),
+        (_set("shardkit.slices.xxh3.0", "0123456789ABCDEF"), CorruptIndexError,
+         "tensor 'w' slice '4 6 0,2:0,6': xxh3 must be 16 lowercase hex"),
+        (_set("shardkit.slices.xxh3.4", "2d06800538d394c2f"), CorruptIndexError,
+         "tensor 'e' slice '': xxh3 must be"),
+        (_set("shardkit.slices.xxh3.3", 5), CorruptIndexError, "found 5"),
+        (_drop_slice(3), CorruptIndexError, "tensor 'b' has no slices"),
+        (_set("shardkit.slices.spec.2", "4 6 3,1:0,6"), CorruptIndexError,
+         r"the slices of tensor 'w' do not tile its shape \[4, 6\]: .*gap"),
+        (_set("shardkit.slices.spec.2", "4 6 1,3:0,6"), CorruptIndexError,
+         "slices of tensor 'w' do not tile .*overlap"),
+        (_set("shardkit.slices.spec.2", "5 6 2,2:0,6"), CorruptIndexError,
+         "tensor 'w': slice spec '5 6 2,2:0,6' is for shape"),
+        (_set("shardkit.slices.spec.2", "garbage"), CorruptIndexError,
+         "tensor 'w': malformed slice spec 'garbage'"),
+        (_set("shardkit.slices.spec.2", ""), CorruptIndexError,
+         "slices of tensor 'w' do not tile .*overlap"),
+        (_set("shardkit.slices.spec.3", "3 0,2"), CorruptIndexError,
+         r"the slices of tensor 'b' do not tile its shape \[3\]"),
+        (_add_tensor("w:4 6 0,2:0,6", "F32", [2, 6], 1, "", 0), CorruptIndexError,
+         f"entry 'w:4 6 0,2:0,6' of shard '{SHARD_A}' is claimed by more than one slice "
+         r"\(tensors 'w' and 'w:4 6 0,2:0,6'\)"),
     ],
 )
 def test_decode_index_rejects(change, error, match):
     with pytest.raises(error, match=match) as info:
         fmt.decode_index(_mutated(change), "ckpt/index.json")
     assert "ckpt/index.json" in str(info.value)
+
+
+def test_same_entry_name_in_different_shards_is_allowed():
+    index = fmt.decode_index(_mutated(_add_tensor("w:4 6 0,2:0,6", "F32", [2, 6], 5, "", 1)),
+                             "i.json")
+    assert index.entry_names().count("w:4 6 0,2:0,6") == 2
 
 
 @pytest.mark.parametrize(
@@ -461,6 +674,7 @@ def test_decode_index_rejects(change, error, match):
         (b"\xff", "not UTF-8"),
         (b"[]", "must be a JSON object, found list"),
         (b'{"format": "shardkit", "format": "shardkit"}', "has the key 'format' twice"),
+        (b"[" * 100000 + b"]" * 100000, "nested too deeply|must be a JSON object"),
     ],
 )
 def test_decode_index_rejects_bad_json(data, match):
@@ -468,9 +682,31 @@ def test_decode_index_rejects_bad_json(data, match):
         fmt.decode_index(data, "ckpt/index.json")
 
 
-def test_newer_minor_version_is_accepted():
-    index = fmt.decode_index(_mutated(_set("format_version", "1.7")), "i.json")
-    assert index.version == "1.7"
+def test_newer_minor_version_is_accepted_and_unknown_fields_ignored():
+    def newer(doc):
+        doc["format_version"] = "2.7"
+        doc["added_later"] = {"x": 1}
+        doc["shardkit"]["added_later"] = [1]
+        doc["shardkit"]["tensors"]["added_later"] = ["one", "value", "per", "row"]
+        doc["shardkit"]["slices"]["added_later"] = [1, 2]  # not checked against the row count
+        doc["shardkit"]["shards"][0]["added_later"] = None
+
+    index = fmt.decode_index(_mutated(newer), "i.json")
+    assert index.version == "2.7"
+    assert index.tensors == _index().tensors
+    assert json.loads(fmt.encode_index(index))["format_version"] == "2.7"
+
+
+@pytest.mark.parametrize("section", ["tensors", "slices"])
+def test_duplicate_keys_inside_an_unknown_column_are_rejected(section):
+    """Readers ignore columns they do not know, but no JSON object anywhere may repeat a key."""
+    def newer(doc):
+        doc["format_version"] = "2.7"
+        doc["shardkit"][section]["added_later"] = ["DUP"]
+
+    data = _mutated(newer).replace(b'"DUP"', b'{"x": 1, "x": 2}')
+    with pytest.raises(CorruptIndexError, match=r"i\.json: index\.json has the key 'x' twice"):
+        fmt.decode_index(data, "i.json")
 
 
 def test_write_checkpoint_helper_produces_a_valid_tree(tmp_path):
@@ -482,10 +718,49 @@ def test_write_checkpoint_helper_produces_a_valid_tree(tmp_path):
     back = fmt.decode_index((tmp_path / "index.json").read_bytes(), "index.json")
     assert back == index
     assert [s.spec for s in back.tensors["a"].slices] == ["4 3 0,2:0,3", "4 3 2,2:0,3"]
+    view = tensor_view(index_document(tmp_path))
+    assert list(view) == ["a", "b"]
+    assert view["b"] == {"dtype": "I8", "shape": [2], "device": DEVICE, "slices": [
+        {"spec": "", "shard": 0, "entry": "b",
+         "xxh3": xxhash.xxh3_64_hexdigest(np.ones(2, np.int8).tobytes())}]}
+
+
+def test_slices_are_listed_in_data_region_order(tmp_path):
+    """Like the writer, the factory lists a shard's slices in layout order (descending item
+    size), which is what lets the reader take the header without parsing it."""
+    from shardkit.reader import CheckpointReader
+
+    items = whole({"u": np.ones(3, np.uint8), "d": np.ones(2), "h": np.ones(1, np.float16)})
+    write_checkpoint(tmp_path, items)
+    doc = index_document(tmp_path)
+    assert doc["shardkit"]["tensors"]["key"] == ["u", "d", "h"]
+    assert doc["shardkit"]["slices"]["tensor"] == [1, 2, 0]
+    shard = (tmp_path / fmt.shard_file_name(0, 1)).read_bytes()
+    header, _, _ = fmt.decode_safetensors_header(shard, len(shard), "s")
+    assert list(header) == ["d", "h", "u"]
+    with CheckpointReader(tmp_path) as r:
+        assert r._source(0).matches_index
+
+
+def _doc_section(title: str) -> str:
+    text = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def _xxd_bytes(dump: str) -> bytes:
+    """The bytes of an `xxd` dump (offset, 8 groups of 4 hex digits, text)."""
+    out = b""
+    for line in dump.strip().splitlines():
+        offset, rest = line.split(": ", 1)
+        assert int(offset, 16) == len(out)
+        out += bytes.fromhex(rest[:39].replace(" ", ""))
+    return out
 
 
 def test_worked_example_of_the_format_doc(tmp_path):
-    """The tiny checkpoint of docs/FORMAT.md section 10, byte for byte."""
+    """The tiny checkpoint of docs/FORMAT.md section 10, byte for byte (shards and index)."""
     emb = np.array([[1, 2], [3, 4]], np.uint8)
     items = [("bias", "", 0, np.array([1.0, -2.0], np.float32)),
              ("step", "", 0, np.array(7, np.int64)),
@@ -504,9 +779,21 @@ def test_worked_example_of_the_format_doc(tmp_path):
         + b'"emb:2 2 1,1:0,2":{"dtype":"U8","shape":[1,2],"data_offsets":[0,2]}}'
         + b"      " + b"\x03\x04"
     )
-    doc = json.loads((tmp_path / "index.json").read_bytes())
-    assert doc["metadata"] == {"total_size": 20}
-    tensors = doc["shardkit"]["tensors"]
-    assert [s["xxh3"] for t in tensors.values() for s in t["slices"]] == [
+    section = _doc_section("10. Worked example")
+    dumps = re.findall(r"```\n(.*?)```", section, re.S)
+    assert [_xxd_bytes(d) for d in dumps] == [s0, s1]
+    (documented,) = re.findall(r"```json\n(.*?)```", section, re.S)
+    data = (tmp_path / "index.json").read_bytes()
+    assert data == _compact(json.loads(documented))
+    view = tensor_view(json.loads(data))
+    assert [s["xxh3"] for t in view.values() for s in t["slices"]] == [
         "28a0ba9c345d3723", "81671e58d6b596af", "08130b77ddef5807", "754ea65aedd96680"]
-    assert [s["bytes"] for s in doc["shardkit"]["shards"]] == [250, 122]
+
+
+def test_index_example_of_the_format_doc(tmp_path):
+    """The index.json example of docs/FORMAT.md section 2, byte for byte."""
+    items = whole({"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+                   "b/c": np.array(3, np.int8), "b/d": np.zeros(0)})
+    write_checkpoint(tmp_path, items)
+    (documented,) = re.findall(r"```json\n(.*?)```", _doc_section("2. index.json"), re.S)
+    assert (tmp_path / "index.json").read_bytes() == _compact(json.loads(documented))

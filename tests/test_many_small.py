@@ -12,6 +12,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_format import index_document, tensor_view
 
 import shardkit
 from shardkit import api, callback
@@ -61,8 +64,8 @@ def test_round_trip_with_split_tensors_among_many_small(tmp_path):
     state["wide"] = np.arange(3000, dtype=np.int16).reshape(3, 1000)
     shardkit.save(tmp_path / "c", state, durable=False,
                   sharding_callback=MaxShardSizePolicy(2000))
-    index = json.loads((tmp_path / "c" / "index.json").read_text())
-    assert len(index["shardkit"]["tensors"]["big"]["slices"]) > 1  # really split
+    view = tensor_view(index_document(tmp_path / "c"))
+    assert len(view["big"]["slices"]) > 1  # really split
     loaded = shardkit.load(tmp_path / "c", verify=True)
     assert list(loaded) == list(state)
     for key, a in state.items():
@@ -87,7 +90,7 @@ def test_header_bytes_equal_json_dumps():
     assert struct.unpack("<Q", header[:8])[0] == len(header) - 8
 
 
-def _index(split: bool) -> fmt.CheckpointIndex:
+def _inputs(split: bool) -> tuple[str, list[fmt.ShardInfo], dict[str, fmt.TensorInfo], dict]:
     shards = [fmt.ShardInfo("shard-00000-of-00002.safetensors", 0, "raw", 10),
               fmt.ShardInfo("shard-00001-of-00002.safetensors", 1, "raw", 20)]
     tensors = {}
@@ -102,35 +105,62 @@ def _index(split: bool) -> fmt.CheckpointIndex:
             fmt.SliceInfo("4 2 0,2:0,2", 0, "s:4 2 0,2:0,2", None),
             fmt.SliceInfo("4 2 2,2:0,2", 1, "s:4 2 2,2:0,2", "0123456789abcdef"),
         ])
-        tensors["other_entry"] = fmt.TensorInfo("U8", (3,), "d", [
-            fmt.SliceInfo("", 1, "renamed", None)
+        # a key that looks like a slice of "s": same entry name, so only in another shard
+        tensors["s:4 2 0,2:0,2"] = fmt.TensorInfo("U8", (3,), "/job:w/task:1", [
+            fmt.SliceInfo("", 1, "s:4 2 0,2:0,2", None)
         ])
-    return fmt.CheckpointIndex("cb \"quoted\"", shards, tensors, {"n": [1, {"x": None}], "f": 0.5})
+        tensors["full box"] = fmt.TensorInfo("U8", (3,), "d", [
+            fmt.SliceInfo("3 0,3", 1, "full box:3 0,3", None)
+        ])
+    return "cb \"quoted\"", shards, tensors, {"n": [1, {"x": None}], "f": 0.5}
 
 
-def _reference_index_bytes(index: fmt.CheckpointIndex) -> bytes:
-    doc = {
+def _index(split: bool) -> fmt.CheckpointIndex:
+    return fmt.CheckpointIndex.from_tensors(*_inputs(split))
+
+
+def _reference_document(split: bool) -> dict[str, Any]:
+    return _document_of(*_inputs(split))
+
+
+def _document_of(callback: str, shards: list[fmt.ShardInfo], tensors: dict[str, fmt.TensorInfo],
+                 user_metadata: dict) -> dict[str, Any]:
+    """The 2.0 document of an index, built from the per-tensor objects by the rules of
+    docs/FORMAT.md section 2 (from_tensors lists each shard's slices in tensor order)."""
+    keys = list(tensors)
+    devices = list(dict.fromkeys(t.device for t in tensors.values()))
+    slices = sorted(((s.shard, row, s) for row, t in enumerate(tensors.values()) for s in t.slices),
+                    key=lambda x: x[:2])
+    return {
         "format": "shardkit",
-        "format_version": index.version,
-        "metadata": {"total_size": sum(t.nbytes for t in index.tensors.values())},
-        "weight_map": {
-            key: index.shards[t.slices[0].shard].file
-            for key, t in index.tensors.items()
-            if len(t.slices) == 1 and t.slices[0].entry == key
-        },
+        "format_version": "2.0",
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": {key: shards[t.slices[0].shard].file for key, t in tensors.items()
+                       if len(t.slices) == 1 and t.slices[0].spec == ""},
         "shardkit": {
-            "callback": index.callback,
+            "callback": callback,
+            "devices": devices,
             "shards": [{"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes}
-                       for s in index.shards],
+                       for s in shards],
             "tensors": {
-                key: {"dtype": t.dtype, "shape": list(t.shape), "device": t.device,
-                      "slices": [{"spec": s.spec, "shard": s.shard, "entry": s.entry,
-                                  "xxh3": s.xxh3} for s in t.slices]}
-                for key, t in index.tensors.items()
+                "key": keys,
+                "dtype": [t.dtype for t in tensors.values()],
+                "shape": [list(t.shape) for t in tensors.values()],
+                "device": [devices.index(t.device) for t in tensors.values()],
             },
-            "user_metadata": index.user_metadata,
+            "slices": {
+                "tensor": [row for _, row, _ in slices],
+                "spec": [s.spec for _, _, s in slices],
+                "shard": [s.shard for _, _, s in slices],
+                "xxh3": [s.xxh3 for _, _, s in slices],
+            },
+            "user_metadata": user_metadata,
         },
     }
+
+
+def _reference_index_bytes(split: bool) -> bytes:
+    doc = _reference_document(split)
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
@@ -138,8 +168,47 @@ def _reference_index_bytes(index: fmt.CheckpointIndex) -> bytes:
 def test_index_bytes_equal_json_dumps_and_round_trip(split):
     index = _index(split)
     data = fmt.encode_index(index)
-    assert data == _reference_index_bytes(index)
-    assert fmt.decode_index(data, "i.json") == index
+    assert data == _reference_index_bytes(split)
+    back = fmt.decode_index(data, "i.json")
+    assert back == index
+    assert fmt.encode_index(back) == data
+    assert back.tensors == _inputs(split)[2]
+    assert [back.tensor_info(k) for k in back.keys] == list(_inputs(split)[2].values())
+
+
+_text = st.text(min_size=1, max_size=8)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=3),
+    max_leaves=8,
+)
+
+
+@given(keys=st.lists(_text, min_size=0, max_size=6, unique=True),
+       devices=st.lists(_text, min_size=1, max_size=3), callback=st.text(max_size=8),
+       user_metadata=st.dictionaries(st.text(max_size=5), _json, max_size=3),
+       data=st.data())
+def test_index_bytes_equal_json_dumps_for_any_text(keys, devices, callback, user_metadata, data):
+    shards = [fmt.ShardInfo("shard-00000-of-00002.safetensors", 0, "raw", 1),
+              fmt.ShardInfo("shard-00001-of-00002.safetensors", 1, "zstd", 2)]
+    tensors = {
+        key: fmt.TensorInfo(
+            data.draw(st.sampled_from(["F32", "U8", "BF16"])),
+            tuple(data.draw(st.lists(st.integers(0, 3), max_size=2))),
+            data.draw(st.sampled_from(devices)),
+            [fmt.SliceInfo("", shard, key, data.draw(st.none() | st.just("0" * 16)))],
+        )
+        for key in keys for shard in (data.draw(st.integers(0, 1)),)
+    }
+    index = fmt.CheckpointIndex.from_tensors(callback, shards, tensors, user_metadata)
+    encoded = fmt.encode_index(index)
+    doc = _document_of(callback, shards, tensors, user_metadata)
+    assert encoded == json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    back = fmt.decode_index(encoded, "i.json")
+    assert back == index
+    assert fmt.encode_index(back) == encoded
 
 
 def test_index_rejects_nan_metadata():
@@ -151,8 +220,7 @@ def test_index_rejects_nan_metadata():
 
 # --- duplicate keys are found wherever they are -----------------------------------------------
 
-_DOC = _reference_index_bytes(_index(True)).decode()
-_T0 = '"a":{"dtype":"F32","shape":[0,2],"device":"/job:w/task:0","slices":[{"spec":""'
+_DOC = _reference_index_bytes(True).decode()
 
 
 @pytest.mark.parametrize(
@@ -163,11 +231,14 @@ _T0 = '"a":{"dtype":"F32","shape":[0,2],"device":"/job:w/task:0","slices":[{"spe
         ('"weight_map":{"a":', '"weight_map":{"a":"x","a":', "a"),
         ('"metadata":{"total_size":', '"metadata":{"total_size":1,"total_size":', "total_size"),
         ('{"file":"shard-00000', '{"file":"x","file":"shard-00000', "file"),
-        ('"tensors":{"a":', '"tensors":{"a":{},"a":', "a"),
-        ('"a":{"dtype":"F32",', '"a":{"dtype":"F32","dtype":"F32",', "dtype"),
-        (_T0, _T0 + ',"spec":""', "spec"),
+        ('"bytes":20}', '"bytes":20,"bytes":20}', "bytes"),
+        ('"tensors":{"key":', '"tensors":{"key":[],"key":', "key"),
+        ('"device":[', '"device":[],"device":[', "device"),
+        ('"slices":{"tensor":', '"slices":{"tensor":[],"tensor":', "tensor"),
+        ('"xxh3":[', '"xxh3":[],"xxh3":[', "xxh3"),
+        ('"user_metadata":{"n":', '"user_metadata":{"n":0,"n":', "n"),
         ('"user_metadata":{"n":[1,{"x":null}]', '"user_metadata":{"n":[1,{"x":null,"x":1}]', "x"),
-        ('"slices":[{"spec":"4 2 0,2:0,2"', '"slices":[{"spec":"4 2 0,2:0,2","spec":"y"', "spec"),
+        ('"shardkit":{', '"shardkit":{"devices":[],', "devices"),
     ],
 )
 def test_index_duplicate_keys_anywhere(old, new, key):
@@ -203,12 +274,19 @@ def test_array_of_pairs_is_not_an_object():
     buf = _header_bytes(text)
     with pytest.raises(CorruptHeaderError, match="entry 'w' must be a JSON object, found list"):
         fmt.decode_safetensors_header(buf + b"\0", len(buf) + 1, "s.bin")
-    data = _DOC.replace(
-        '"a":{"dtype":"F32","shape":[0,2],"device":"/job:w/task:0","slices":[{',
-        '"a":[["dtype","F32"],["shape",[0,2]],["device","d"],["slices",[{', 1,
-    ).replace('"xxh3":"0000000000000000"}]},', '"xxh3":"0000000000000000"}]]],', 1)
-    with pytest.raises(CorruptIndexError, match="tensor 'a' must be a JSON object"):
-        fmt.decode_index(data.encode(), "i.json")
+    for where, match in [
+        (("tensors",), "field shardkit.tensors must be dict, found list"),
+        (("slices",), "field shardkit.slices must be dict, found list"),
+        (("shards", 0), r"shardkit\.shards\[0\] must be a JSON object"),
+    ]:
+        doc = json.loads(_DOC)
+        *parents, last = ("shardkit", *where)
+        node = doc
+        for p in parents:
+            node = node[p]
+        node[last] = [list(pair) for pair in node[last].items()]
+        with pytest.raises(CorruptIndexError, match=match):
+            fmt.decode_index(json.dumps(doc).encode(), "i.json")
 
 
 def test_other_key_orders_take_the_checked_path():
@@ -374,7 +452,8 @@ def test_entries_not_aligned_to_their_item_size_load_correctly(tmp_path):
     (tmp_path / "c" / name).write_bytes(data)
     tensors = {e.name: fmt.TensorInfo(e.dtype_name, e.shape, "d", [
         fmt.SliceInfo("", 0, e.name, None)]) for e in layouts}
-    index = fmt.CheckpointIndex("x", [fmt.ShardInfo(name, 0, "raw", len(data))], tensors)
+    shards = [fmt.ShardInfo(name, 0, "raw", len(data))]
+    index = fmt.CheckpointIndex.from_tensors("x", shards, tensors)
     (tmp_path / "c" / "index.json").write_bytes(fmt.encode_index(index))
     loaded = shardkit.load(tmp_path / "c")
     assert _same(loaded["u"], a) and _same(loaded["f"], b) and _same(loaded["s"], np.asarray(c))
@@ -418,6 +497,24 @@ def test_header_in_another_order_is_parsed_and_checked(tmp_path):
         assert _same(r["a"], state["a"]) and _same(r["b"], state["b"])
 
 
+def test_index_listing_a_shard_in_another_order_is_parsed_and_checked(tmp_path):
+    """Readers must not rely on the writer's data-region order of a shard's slices."""
+    from shardkit.reader import CheckpointReader
+
+    state = {"a": np.arange(3, dtype=np.float32), "b": np.arange(2, dtype=np.float32),
+             "c": np.arange(4, dtype=np.uint8)}
+    path, index = _saved(tmp_path, state)
+    slices = index["shardkit"]["slices"]
+    assert slices["tensor"] == [0, 1, 2]
+    for column in slices.values():
+        column[0], column[1] = column[1], column[0]
+    (path / "index.json").write_text(json.dumps(index))
+    with CheckpointReader(path) as r:
+        assert not r._source(0).matches_index
+        assert all(_same(r[k], a) for k, a in state.items())
+        assert r.verify() == 3
+
+
 def test_expected_header_with_uncovered_bytes_is_rejected(tmp_path):
     path, index = _saved(tmp_path, {"a": np.arange(3, dtype=np.float32)})
     name = index["shardkit"]["shards"][0]["file"]
@@ -431,7 +528,7 @@ def test_expected_header_with_uncovered_bytes_is_rejected(tmp_path):
 
 def test_header_disagreeing_with_the_index_is_rejected(tmp_path):
     path, index = _saved(tmp_path, {"a": np.arange(4, dtype=np.float32)})
-    index["shardkit"]["tensors"]["a"]["shape"] = [2, 2]
+    index["shardkit"]["tensors"]["shape"][0] = [2, 2]
     (path / "index.json").write_text(json.dumps(index))
     with pytest.raises(CorruptHeaderError, match=r"does not match index.json: expected dtype F32 "
                        r"shape \[2, 2\], the shard has dtype F32 shape \[4\]"):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import xxhash
 from safetensors import safe_open
+from test_format import index_document, tensor_view
 
 from shardkit import api, writer
 from shardkit.callback import ShardingCallback
@@ -59,26 +60,32 @@ def _raw_entries(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
 
 def _check_checkpoint(path: Path, flat: dict[str, np.ndarray]) -> dict:
     """Every tensor round-trips through shardkit's reader (verified) and through safetensors."""
-    index = json.loads((path / "index.json").read_text())
+    index = index_document(path)
     loaded = load(path, verify=True)
     assert list(loaded) == list(flat)
     for key, value in flat.items():
         assert _same(loaded[key], value), key
-    tensors = index["shardkit"]["tensors"]
+    tensors = tensor_view(index)
     assert list(tensors) == list(flat)
+    assert index["weight_map"] == {
+        key: index["shardkit"]["shards"][t["slices"][0]["shard"]]["file"]
+        for key, t in tensors.items() if [s["spec"] for s in t["slices"]] == [""]}
     for shard_no, shard in enumerate(index["shardkit"]["shards"]):
         file = path / shard["file"]
         assert shard["bytes"] == file.stat().st_size
         assert shard["codec"] == "raw"
         raw = _raw_entries(file)
+        # the index lists a shard's slices in data-region order (the header's layout order)
+        in_index = [name for shard, name in _composed_entries(index) if shard == shard_no]
+        assert in_index == _data_region_order(file)
         with safe_open(str(file), framework="np") as f:
             assert f.metadata() == {"format": "shardkit"}
             assert sorted(f.keys()) == sorted(raw)
+            by_entry = {s["entry"]: (key, s) for key, t in tensors.items()
+                        for s in t["slices"] if s["shard"] == shard_no}
             for entry, (dtype_name, shape, data) in raw.items():
-                key, _, spec = entry.partition(":")
-                info = tensors[key]
-                (slice_info,) = [s for s in info["slices"] if s["entry"] == entry]
-                assert slice_info["shard"] == shard_no and slice_info["spec"] == spec
+                key, slice_info = by_entry[entry]  # entry names are composed, never parsed
+                info, spec = tensors[key], slice_info["spec"]
                 assert slice_info["xxh3"] == xxhash.xxh3_64_hexdigest(data)
                 original = flat[key]
                 if spec:
@@ -94,6 +101,25 @@ def _check_checkpoint(path: Path, flat: dict[str, np.ndarray]) -> dict:
                 if dtype_name in SAFETENSORS_NUMPY:
                     assert _same(f.get_tensor(entry), original), entry
     return index
+
+
+def _composed_entries(index: dict) -> list[tuple[int, str]]:
+    """(shard, entry name) of every slice, in the order index.json lists them."""
+    keys = index["shardkit"]["tensors"]["key"]
+    s = index["shardkit"]["slices"]
+    return [(shard, keys[row] if spec == "" else f"{keys[row]}:{spec}")
+            for row, spec, shard in zip(s["tensor"], s["spec"], s["shard"], strict=True)]
+
+
+def _data_region_order(path: Path) -> list[str]:
+    """The entry names of a raw shard, sorted by position in the data region (stable for empty
+    entries: header order)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__")
+    assert list(header) == sorted(header, key=lambda k: header[k]["data_offsets"])
+    return list(header)
 
 
 @pytest.fixture
@@ -128,23 +154,27 @@ def test_index_records_order_devices_metadata_and_callback(tmp_path, rng):
     flat = {"z": _random(rng, np.dtype(np.float32), (4,)),
             "a": _random(rng, np.dtype(np.int8), (3,))}
     api.save(tmp_path / "ckpt", flat, metadata={"step": 7, "tags": ["x"]}, durable=False)
-    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
-    assert index["format"] == "shardkit" and index["format_version"] == "1.0"
+    index = index_document(tmp_path / "ckpt")
+    assert index["format"] == "shardkit" and index["format_version"] == "2.0"
     assert index["metadata"] == {"total_size": 19}
     assert index["weight_map"] == {"z": "shard-00000-of-00001.safetensors",
                                    "a": "shard-00000-of-00001.safetensors"}
+    assert list(index["weight_map"]) == ["z", "a"]
     sk = index["shardkit"]
-    assert list(sk["tensors"]) == ["z", "a"]
+    assert sk["tensors"]["key"] == ["z", "a"]
+    assert sk["devices"] == ["/job:localhost/replica:0/task:0/device:CPU:0"]
+    assert sk["tensors"]["device"] == [0, 0]
     assert sk["user_metadata"] == {"step": 7, "tags": ["x"]}
     assert sk["callback"] == api.DefaultShardingPolicy().description
-    assert sk["tensors"]["z"]["device"] == "/job:localhost/replica:0/task:0/device:CPU:0"
+    assert tensor_view(index)["z"]["device"] == "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
 def test_checksum_false_stores_null(tmp_path, rng):
     api.save(tmp_path / "ckpt", {"x": _random(rng, np.dtype(np.float64), (10,))},
              checksum=False, durable=False)
-    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
-    assert index["shardkit"]["tensors"]["x"]["slices"][0]["xxh3"] is None
+    index = index_document(tmp_path / "ckpt")
+    assert index["shardkit"]["slices"]["xxh3"] == [None]
+    assert tensor_view(index)["x"]["slices"][0]["xxh3"] is None
 
 
 class _SplitRows(ShardingCallback):
@@ -179,8 +209,10 @@ def test_split_tensors_round_trip(tmp_path, rng):
     }
     api.save(tmp_path / "ckpt", flat, sharding_callback=_SplitRows(4), durable=False)
     index = _check_checkpoint(tmp_path / "ckpt", flat)
-    w = index["shardkit"]["tensors"]["w"]
+    w = tensor_view(index)["w"]
     assert [s["spec"] for s in w["slices"]] == ["10 3 0,4:0,3", "10 3 4,4:0,3", "10 3 8,2:0,3"]
+    assert [s["entry"] for s in w["slices"]] == ["w:10 3 0,4:0,3", "w:10 3 4,4:0,3",
+                                                 "w:10 3 8,2:0,3"]
     assert w["shape"] == [10, 3]
     assert "w" not in index["weight_map"] and "s" in index["weight_map"]
     assert len(index["shardkit"]["shards"]) == 3 + 2 + 1
@@ -261,13 +293,15 @@ class _OneShard(ShardingCallback):
 
 def test_regions_split_a_big_shard_between_threads(monkeypatch):
     monkeypatch.setattr(writer, "MIN_REGION", 100)
-    entries = [writer._Entry(f"k{i}", "", np.zeros(0), 8 + 100 * i, 100) for i in range(10)]
-    plan = writer._ShardPlan(Path("x"), "x", 0, b"12345678", entries, [], 1008)
+    n = 10
+    plan = writer._ShardPlan(Path("x"), "x", 0, b"12345678", [f"k{i}" for i in range(n)],
+                             [""] * n, [np.zeros(0)] * n, [8 + 100 * i for i in range(n)],
+                             [100] * n, None, 1008, [None] * n, None)
     regions = writer._regions([plan], threads=2)
-    assert [len(r.entries) for r in regions] == [5, 5]
+    assert [(r.start, r.stop) for r in regions] == [(0, 5), (5, 10)]
     assert [r.with_header for r in regions] == [True, False]
     assert plan.pending == 2
-    assert regions[1].entries[0].offset == 508
+    assert plan.offsets[regions[1].start] == 508
 
 
 def test_few_large_tensors_several_shards(tmp_path, rng):
@@ -491,7 +525,8 @@ def test_tasks_get_their_own_shards_numbered_globally(tmp_path, rng):
     policy = api.DefaultShardingPolicy(threads=2)
     task_shards = shard_tensors(policy, tensors)
     with commit.stage(tmp_path / "ckpt", overwrite=False, durable=False) as staging:
-        index = writer.write_shards(staging.path, task_shards, tensors,
+        index = writer.write_shards(staging.path, writer.shard_columns(task_shards),
+                                    writer.SavedTensors.of(tensors),
                                     description=policy.description, threads=2, durable=False)
         staging.commit(fmt.encode_index(index))
     assert [(s.file, s.task) for s in index.shards] == [
@@ -530,7 +565,7 @@ def test_zstd_shards_round_trip(tmp_path, rng):
                              experimental_sharding_callback=_SplitRows(20))
     info = api.save(tmp_path / "ckpt", flat, options=opts)
     assert all(f.endswith(".skz") for f in info.files[:-1])
-    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    index = index_document(tmp_path / "ckpt")
     shards = index["shardkit"]["shards"]
     assert {s["codec"] for s in shards} == {"zstd"}
     assert [s["bytes"] for s in shards] == [(tmp_path / "ckpt" / s["file"]).stat().st_size
@@ -538,7 +573,7 @@ def test_zstd_shards_round_trip(tmp_path, rng):
     assert sum(s["bytes"] for s in shards) < sum(a.nbytes for a in flat.values())
     loaded = load(tmp_path / "ckpt", verify=True)
     assert all(_same(loaded[k], v) for k, v in flat.items())
-    w = index["shardkit"]["tensors"]["w"]["slices"]
+    w = tensor_view(index)["w"]["slices"]
     whole = np.ascontiguousarray(flat["w"])
     assert [s["xxh3"] for s in w] == [
         xxhash.xxh3_64_hexdigest(whole[i : i + 20].tobytes()) for i in (0, 20, 40)]
@@ -557,3 +592,44 @@ def test_compression_keywords_and_options_agree(tmp_path, rng):
     with pytest.raises(ValueError, match="level=3 needs compression"):
         api.save(tmp_path / "bad", flat, level=3)
     assert sorted(os.listdir(tmp_path)) == ["kw", "same"]
+
+
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path, rng,
+                                                                       monkeypatch, tasks):
+    """save() plans the default policy on columns (no ShardableTensor per tensor); the bytes
+    must equal those of running the same policy through the callback API."""
+    from shardkit import tensors as tensors_module
+
+    dtypes = [np.float64, np.float32, np.int8, np.float16, ml_dtypes.bfloat16, np.bool_]
+    flat = {f"g{i % 3}/t{i}": _random(rng, np.dtype(dtypes[i % len(dtypes)]), (i % 5, 3))
+            for i in range(40)}
+    flat["scalar"] = np.float32(2.5)
+    flat["fortran"] = np.asfortranarray(_random(rng, np.dtype(np.float32), (3, 4)))
+    device = (None if tasks == 1 else
+              (lambda key: f"/job:worker/task:{len(key) % 2}/device:CPU:0"))
+    columns = tensors_module.host_columns
+    monkeypatch.setattr(api, "host_columns", lambda state: columns(state, device))
+    monkeypatch.setattr(api, "SINGLE_SHARD_BELOW", 0)  # several shards per task
+    policy = api.DefaultShardingPolicy(threads=3)
+
+    class Wrapped(ShardingCallback):  # the same policy, seen as a user callback
+        description = policy.description
+
+        def __call__(self, shardable_tensors):
+            return policy(shardable_tensors)
+
+    seen = []
+    real = api._default_shards
+    monkeypatch.setattr(api, "_default_shards", lambda *a: seen.append(1) or real(*a))
+    api.save(tmp_path / "fast", flat, sharding_callback=policy, durable=False)
+    assert seen  # the column path ran
+    general = api.shardable_tensors
+    monkeypatch.setattr(api, "shardable_tensors", lambda state: general(state, device))
+    api.save(tmp_path / "slow", flat, sharding_callback=Wrapped(), durable=False)
+    fast, slow = sorted((tmp_path / "fast").iterdir()), sorted((tmp_path / "slow").iterdir())
+    assert [f.name for f in fast] == [f.name for f in slow] and len(fast) > 2
+    for a, b in zip(fast, slow):
+        assert a.read_bytes() == b.read_bytes(), a.name
+    loaded = load(tmp_path / "fast", verify=True)
+    assert all(_same(loaded[k], np.asarray(v)) for k, v in flat.items())
