@@ -298,3 +298,29 @@ def array_nbytes(list arrays not None):
         if type(a) is not ndarray and len(arrays) != n:
             raise RuntimeError("arrays changed size during the call")
     return out
+
+
+def describe_arrays(list values not None, storable not None):
+    """``(dtypes, nbytes, shapes)`` of `values` in one pass, when every value is exactly a
+    numpy array whose dtype is in `storable`; None as soon as one is not (the caller converts
+    those first). `nbytes` is an int64 array; `dtypes` and `shapes` are lists."""
+    cdef Py_ssize_t n = len(values)
+    cdef Py_ssize_t i
+    cdef type ndarray = np.ndarray
+    nbytes = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] sizes = nbytes
+    cdef list dtypes = [None] * n
+    cdef list shapes = [None] * n
+    for i in range(n):
+        a = values[i]
+        if type(a) is not ndarray:
+            return None
+        d = a.dtype
+        if d not in storable:
+            return None
+        dtypes[i] = d
+        shapes[i] = a.shape
+        sizes[i] = a.nbytes
+        if len(values) != n:
+            raise RuntimeError("values changed size during the call")
+    return dtypes, nbytes, shapes

@@ -23,7 +23,6 @@ import numpy as np
 
 from . import commit
 from . import format as fmt
-from ._kernels import _table
 from .callback import Shard, ShardingCallback, _description, shard_tensors
 from .options import CheckpointOptions, check_threads
 from .reader import load, restore_into
@@ -272,7 +271,7 @@ def _default_shards(
     tensor. Its output is valid by construction (every input once, as given, on its own
     task), which is what `shard_tensors` would check. None when keys repeat: the general path
     then reports it."""
-    keys, arrays, devices = host_columns(state)
+    keys, arrays, devices, dtypes, nbytes, shapes = host_columns(state)
     if len(set(keys)) != len(keys):
         return None
     by_id = dict(zip(map(id, devices), devices))
@@ -282,8 +281,6 @@ def _default_shards(
     else:
         for i, d in enumerate(devices):
             groups.setdefault(d.task or 0, []).append(i)
-    dtypes = list(map(_dtype_of, arrays))
-    nbytes = _table.array_nbytes(arrays)
     shards: list[ShardColumns] = []
     for task, rows in groups.items():
         if len(groups) == 1:
@@ -299,13 +296,10 @@ def _default_shards(
     names = {i: d.to_string() for i, d in by_id.items()}
     device_names = ([names[id(devices[0])]] * len(devices) if len(names) == 1
                     else list(map(names.__getitem__, map(id, devices))))
-    saved = SavedTensors(keys, dtypes, list(map(_shape_of, arrays)), device_names,
-                         int(nbytes.sum()))
+    saved = SavedTensors(keys, dtypes, shapes, device_names, int(nbytes.sum()))
     return shards, saved
 
 
-_dtype_of = operator.attrgetter("dtype")
-_shape_of = operator.attrgetter("shape")
 
 
 _KEYWORD_DEFAULTS = {

@@ -16,11 +16,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
 
+from ._kernels import _table
 from .devices import DeviceSpec
 from .dtypes import STORABLE, is_supported
 from .errors import UnsupportedDTypeError
@@ -82,38 +83,52 @@ def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None) -> lis
     device it lives on (task 0, CPU for numpy).
     """
     with _gc_paused():
-        keys, arrays, devices = host_columns(state, device)
-        return list(map(_new_shardable, arrays, map(_dtype_of, arrays), devices, keys,
-                        map(_shape_of, arrays), repeat(WHOLE), keys))
+        c = host_columns(state, device)
+        return list(map(_new_shardable, c.arrays, c.dtypes, c.devices, c.keys, c.shapes,
+                        repeat(WHOLE), c.keys))
 
 
-_dtype_of = operator.attrgetter("dtype")
-_shape_of = operator.attrgetter("shape")
+class HostColumns(NamedTuple):
+    """The leaves of a state, column-wise, as host arrays: key, array, device, and the
+    array's dtype, size in bytes and shape."""
+
+    keys: list[str]
+    arrays: list[np.ndarray]
+    devices: list[DeviceSpec]
+    dtypes: list[np.dtype]
+    nbytes: np.ndarray
+    shapes: list[tuple[int, ...]]
 
 
-def host_columns(
-    state: Mapping[str, Any], device: DeviceArg = None
-) -> tuple[list[str], list[np.ndarray], list[DeviceSpec]]:
-    """`shardable_tensors` column-wise: keys, host arrays and devices of the leaves of
-    `state`, without building a ShardableTensor each (the default policy does not need them).
-    """
+def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColumns:
+    """`shardable_tensors` column-wise, without building a ShardableTensor each (the default
+    policy does not need them)."""
     default = DeviceSpec.from_string(DEFAULT_DEVICE)
     fixed = None if device is None or callable(device) else _as_device(device)
     leaves = flatten(state)
     keys = [k for k, _ in leaves]
     arrays = [v for _, v in leaves]
     devices: list[DeviceSpec] = [default] * len(keys)
-    ndarray, storable = np.ndarray, STORABLE
-    for i, (key, value) in enumerate(leaves):
-        if not (type(value) is ndarray and value.dtype in storable):
-            arrays[i], dev = to_host(value, key)
-            if dev is not None:
-                devices[i] = dev
+    described = _table.describe_arrays(arrays, STORABLE)  # one pass over plain numpy leaves
+    if described is None:  # framework tensors, other types or byte orders: convert those
+        ndarray, storable = np.ndarray, STORABLE
+        for i, (key, value) in enumerate(leaves):
+            if not (type(value) is ndarray and value.dtype in storable):
+                arrays[i], dev = to_host(value, key)
+                if dev is not None:
+                    devices[i] = dev
+        described = _table.describe_arrays(arrays, STORABLE) or (
+            list(map(_dtype_of, arrays)), _table.array_nbytes(arrays),
+            list(map(_shape_of, arrays)))
     if fixed is not None:
         devices = [fixed] * len(keys)
     elif device is not None:
         devices = [_as_device(device(key)) for key in keys]  # type: ignore[operator]
-    return keys, arrays, devices
+    return HostColumns(keys, arrays, devices, *described)
+
+
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
 
 
 def _fast_constructor(cls: type) -> Callable[..., Any]:

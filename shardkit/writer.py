@@ -509,22 +509,47 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
 def _flush_group(
     fd: int, shard: _ShardPlan, first: int, stop: int, buf: np.ndarray, checksum: bool, bar: Any
 ) -> None:
-    """Gather the consecutive small entries ``[first, stop)`` into `buf`, write them at once."""
+    """Write the consecutive small entries ``[first, stop)`` with one ``pwritev`` from their own
+    memory (the kernel copies each once, into the page cache); when the call cannot take them
+    all (too many buffers, a non-contiguous array, a short write), gather them into `buf` with
+    the native kernel and write that."""
     arrays = shard.arrays[first:stop]
     start = shard.offsets[first]
-    offsets = np.array(shard.offsets[first:stop], dtype=np.int64)
-    offsets -= start
-    try:
-        n = _gather.gather_buffers(arrays, offsets, buf)
-    except ValueError:  # a non-contiguous array (rare): copy those to C order and retry
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-        n = _gather.gather_buffers(arrays, offsets, buf)
+    total = shard.offsets[stop - 1] + shard.nbytes[stop - 1] - start
     if checksum:
         digest: Any = xxhash.xxh3_64_hexdigest  # numpy arrays are buffers; the stubs disagree
-        shard.xxh3[first:stop] = map(digest, arrays)
-    _pwrite_all(fd, buf[:n], start)
+        try:
+            shard.xxh3[first:stop] = map(digest, arrays)
+        except (BufferError, ValueError):  # a non-contiguous array: hash its C-order bytes
+            shard.xxh3[first:stop] = [digest(np.ascontiguousarray(a)) for a in arrays]
+    written = 0
+    if len(arrays) <= _IOV_MAX:
+        try:
+            written = os.pwritev(fd, arrays, start)
+        except (BufferError, ValueError, TypeError):  # a non-contiguous array
+            written = 0
+    if written < total:
+        _gather_write(fd, arrays, shard.offsets[first:stop], start, written, total, buf)
     if bar is not None:
-        bar.update(n)
+        bar.update(total)
+
+
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
+
+
+def _gather_write(fd: int, arrays: list[np.ndarray], offsets: list[int], start: int,
+                  done: int, total: int, buf: np.ndarray) -> None:
+    """Gather `arrays` (at `offsets`, absolute) into `buf` and write bytes ``[done, total)`` of
+    them at `start` + `done`; `buf` holds `total` bytes or more."""
+    rel = np.array(offsets, dtype=np.int64)
+    rel -= start
+    try:
+        n = _gather.gather_buffers(arrays, rel, buf)
+    except ValueError:  # a non-contiguous array (rare): copy those to C order and retry
+        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+        n = _gather.gather_buffers(arrays, rel, buf)
+    assert n == total
+    _pwrite_all(fd, buf[done:n], start + done)
 
 
 def _write_large(fd: int, shard: _ShardPlan, i: int, checksum: bool, stop: threading.Event,

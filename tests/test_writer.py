@@ -633,3 +633,25 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
         assert a.read_bytes() == b.read_bytes(), a.name
     loaded = load(tmp_path / "fast", verify=True)
     assert all(_same(loaded[k], np.asarray(v)) for k, v in flat.items())
+
+
+@pytest.mark.parametrize("mode", ["short", "refused"])
+def test_small_entries_survive_short_or_refused_vectored_writes(tmp_path, rng, monkeypatch, mode):
+    """Runs of small entries go out in one pwritev; a short write (allowed by POSIX) or a
+    buffer pwritev cannot take must still produce the exact bytes, via the gather buffer."""
+    real = os.pwritev
+    calls = []
+
+    def pwritev(fd, buffers, offset):
+        calls.append(len(buffers))
+        if mode == "refused":
+            raise BufferError("not contiguous")
+        return real(fd, buffers[: max(1, len(buffers) // 2)], offset)  # only the first half
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    flat = {f"t{i}": _random(rng, np.dtype(np.float32), (i % 7 + 1, 3)) for i in range(200)}
+    flat["f"] = np.asfortranarray(_random(rng, np.dtype(np.int16), (5, 4)))
+    api.save(tmp_path / "c", flat, durable=False)
+    assert calls and max(calls) > 1
+    loaded = load(tmp_path / "c", verify=True)
+    assert all(_same(loaded[k], v) for k, v in flat.items())

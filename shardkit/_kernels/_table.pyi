@@ -22,3 +22,9 @@ def encode_header_entries(
 
 def array_nbytes(arrays: list[Any]) -> npt.NDArray[np.int64]:
     """``arrays[i].nbytes`` for every array, as an int64 numpy array."""
+
+def describe_arrays(
+    values: list[Any], storable: Any
+) -> tuple[list[np.dtype[Any]], npt.NDArray[np.int64], list[tuple[int, ...]]] | None:
+    """``(dtypes, nbytes, shapes)`` of `values` in one pass, when every value is exactly a
+    numpy array whose dtype is in `storable`; None as soon as one is not."""

@@ -98,3 +98,14 @@ def array_nbytes(arrays: list) -> np.ndarray:
     """``arrays[i].nbytes`` for every array, as an int64 numpy array."""
     _list(arrays, "arrays")
     return np.fromiter(map(_nbytes, arrays), dtype=np.int64, count=len(arrays))
+
+
+def describe_arrays(
+    values: list, storable: Any
+) -> tuple[list[np.dtype], np.ndarray, list[tuple[int, ...]]] | None:
+    """``(dtypes, nbytes, shapes)`` of `values` in one pass, when every value is exactly a
+    numpy array whose dtype is in `storable`; None as soon as one is not."""
+    _list(values, "values")
+    if not all(type(a) is np.ndarray and a.dtype in storable for a in values):
+        return None
+    return ([a.dtype for a in values], array_nbytes(values), [a.shape for a in values])
