@@ -525,13 +525,17 @@ def _flush_group(
     written = 0
     if len(arrays) <= _IOV_MAX:
         try:
-            written = os.pwritev(fd, arrays, start)
+            written = _pwritev(fd, arrays, start)
         except (BufferError, ValueError, TypeError):  # a non-contiguous array
             written = 0
     if written < total:
         _gather_write(fd, arrays, shard.offsets[first:stop], start, written, total, buf)
     if bar is not None:
         bar.update(total)
+
+
+def _pwritev(fd: int, buffers: Any, offset: int) -> int:
+    return os.pwritev(fd, buffers, offset)  # numpy arrays are buffers; the stubs disagree
 
 
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
