@@ -542,6 +542,8 @@ def _add_tensor(key: str, dtype: str, shape: list[int], at: int, spec: str, shar
          "format_version must be a string like \"2.0\", found None"),
         (_set("metadata", []), CorruptIndexError, "'metadata' must be a JSON object"),
         (_set("weight_map", []), CorruptIndexError, "'weight_map' must be a JSON object"),
+        (_set("metadata", _DELETE), CorruptIndexError, "missing field metadata"),
+        (_set("weight_map", _DELETE), CorruptIndexError, "missing field weight_map"),
         (_set("shardkit", _DELETE), CorruptIndexError, "missing field shardkit"),
         (_set("shardkit", []), CorruptIndexError, "field shardkit must be dict, found list"),
         (_set("shardkit.callback", 5), CorruptIndexError, "shardkit.callback must be str"),
