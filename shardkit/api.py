@@ -23,7 +23,7 @@ import numpy as np
 
 from . import commit
 from . import format as fmt
-from .callback import Shard, ShardingCallback, _description, shard_tensors
+from .callback import Shard, ShardingCallback, callback_description, shard_tensors
 from .options import CheckpointOptions, check_threads
 from .reader import load, restore_into
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
@@ -230,7 +230,7 @@ def _save(
     started: float,
 ) -> SaveInfo:
     callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
-    description = _description(callback)
+    description = callback_description(callback)
     planned = _default_shards(callback, state) if type(callback) is DefaultShardingPolicy else None
     if planned is None:
         tensors = shardable_tensors(state)

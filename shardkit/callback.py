@@ -349,7 +349,7 @@ def shard_tensors(
     groups: dict[int, list[ShardableTensor]] = {}
     for t in shardable_tensors:
         groups.setdefault(t.device.task or 0, []).append(t)
-    description = _description(callback)
+    description = callback_description(callback)
     out: list[TaskShard] = []
     for task, group in groups.items():
         shards = callback(group)
@@ -376,7 +376,8 @@ def shard_tensors(
     return out
 
 
-def _description(callback: ShardingCallback) -> str:
+def callback_description(callback: ShardingCallback) -> str:
+    """`callback.description`, checked to be a str (ShardingValidationError otherwise)."""
     try:
         description = callback.description
     except Exception as e:

@@ -158,6 +158,16 @@ _second = operator.itemgetter(1)
 _third = operator.itemgetter(2)
 
 
+def entries_at(names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
+               begins: list[int]) -> dict[str, EntryLayout]:
+    """Entries by name, from columns: each starts at its begin and is as long as its dtype
+    and shape make it."""
+    sizes = map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtype_names))
+    ends = list(map(operator.add, begins, sizes))
+    return dict(zip(names, _new_entry_layouts(names, dtype_names, shapes, begins, ends,
+                                              range(len(names)))))
+
+
 def data_size(layouts: Sequence[EntryLayout]) -> int:
     """Bytes of the data region covered by `layouts`."""
     return max((e.end for e in layouts), default=0)

@@ -48,7 +48,6 @@ from .errors import (
     UnsupportedDTypeError,
 )
 from .format import (
-    _ITEMSIZE,
     INDEX_FILE,
     MAX_INDEX_BYTES,
     CheckpointIndex,
@@ -56,8 +55,8 @@ from .format import (
     ShardInfo,
     SliceInfo,
     TensorInfo,
-    _new_entry_layouts,
     decode_index,
+    entries_at,
     read_expected_safetensors_header,
     read_safetensors_header,
 )
@@ -145,12 +144,7 @@ class RawShard(ShardSource):
     def entries(self) -> dict[str, EntryLayout]:  # type: ignore[override]
         if self._entries is None:  # matched the index: built from it on first use
             assert self._expected is not None and self.begins is not None
-            names, dtype_names, shapes = self._expected
-            sizes = map(operator.mul, map(math.prod, shapes),
-                        map(_ITEMSIZE.__getitem__, dtype_names))
-            ends = list(map(operator.add, self.begins, sizes))
-            self._entries = dict(zip(names, _new_entry_layouts(
-                names, dtype_names, shapes, self.begins, ends, range(len(names)))))
+            self._entries = entries_at(*self._expected, self.begins)
         return self._entries
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
