@@ -678,6 +678,17 @@ class CheckpointIndex:
                 self.dtypes, self.shapes, self.devices, per_tensor)))
         return got
 
+    def set_checksums(self, xxh3: list[str | None]) -> None:
+        """Replace `slice_xxh3` (the writer learns the checksums while writing)."""
+        if len(xxh3) != len(self.slice_tensor):
+            raise ValueError(f"{len(xxh3)} checksums for {len(self.slice_tensor)} slices")
+        self.slice_xxh3 = xxh3
+        self._cache.pop("tensors", None)
+
+    def set_total_size(self, total: int) -> None:
+        """Record the bytes of all tensors when the caller knows them already."""
+        self._cache["total_size"] = int(total)
+
     def tensor_info(self, key: str) -> TensorInfo:
         """The TensorInfo of `key` alone (KeyError if absent)."""
         got = self._cache.get("tensors")

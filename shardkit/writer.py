@@ -202,7 +202,7 @@ def write_shards(
             _run(plans, _regions(plans, threads), threads, durable, checksum, bar,
                  meanwhile=lambda: fmt.prepare_index_encoding(index))
             if checksum:
-                index.slice_xxh3 = list(chain.from_iterable(p.xxh3 for p in plans))
+                index.set_checksums(list(chain.from_iterable(p.xxh3 for p in plans)))
             return index
         _run_zstd(plans, threads, durable, checksum, bar,
                   level=level, shuffle=shuffle, chunk_size=chunk_size)
@@ -669,7 +669,7 @@ def _index_from_rows(
         slice_tensor, [WHOLE] * len(slice_tensor), slice_shard, slice_xxh3, user_metadata,
     )
     if saved.total_size is not None:
-        index._cache["total_size"] = saved.total_size
+        index.set_total_size(saved.total_size)
     return index
 
 
