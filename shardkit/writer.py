@@ -36,7 +36,7 @@ from ._kernels import _gather, _table
 from .callback import TaskShard
 from .dtypes import safetensors_name
 from .errors import ShardkitError
-from .slices import WHOLE, parse_slice_spec
+from .slices import parse_slice_spec
 from .tensors import ShardableTensor
 
 SMALL_ENTRY = 256 * 1024  # entries below this are gathered into a buffer
@@ -607,26 +607,30 @@ def _index(
     codec: str,
 ) -> fmt.CheckpointIndex:
     keys, dtypes, shapes, devices = saved.keys, saved.dtypes, saved.shapes, saved.devices
-    if all(p.rows is not None for p in plans):  # a planner on columns: rows known
-        return _index_from_rows(plans, saved, description, checksum, user_metadata, codec)
-    if len(set(keys)) != len(keys):  # slices of one key given as several inputs: first wins
-        first = dict(zip(reversed(keys), reversed(range(len(keys)))))
-        picked = sorted(first.values())
-        keys = [keys[i] for i in picked]
-        dtypes = [dtypes[i] for i in picked]
-        shapes = [shapes[i] for i in picked]
-        devices = [devices[i] for i in picked]
-    rows = dict(zip(keys, range(len(keys))))
+    rows: dict[str, int] | None = None
+    if not all(p.rows is not None for p in plans):  # find each entry's tensor by its key
+        if len(set(keys)) != len(keys):  # slices of one key given as several inputs: first wins
+            first = dict(zip(reversed(keys), reversed(range(len(keys)))))
+            picked = sorted(first.values())
+            keys = [keys[i] for i in picked]
+            dtypes = [dtypes[i] for i in picked]
+            shapes = [shapes[i] for i in picked]
+            devices = [devices[i] for i in picked]
+        rows = dict(zip(keys, range(len(keys))))
     slice_tensor: list[int] = []
     slice_spec: list[str] = []
     slice_shard: list[int] = []
     slice_xxh3: list[str | None] = []
     for number, p in enumerate(plans):  # entries are in data-region order
-        try:
-            slice_tensor += map(rows.__getitem__, p.keys)
-        except KeyError as e:
-            raise ShardkitError(f"shard {p.file} holds {e.args[0]!r}, which is not a saved "
-                                "tensor") from None
+        if rows is None:
+            assert p.rows is not None
+            slice_tensor += p.rows
+        else:
+            try:
+                slice_tensor += map(rows.__getitem__, p.keys)
+            except KeyError as e:
+                raise ShardkitError(f"shard {p.file} holds {e.args[0]!r}, which is not a saved "
+                                    "tensor") from None
         slice_spec += p.specs
         slice_shard += repeat(number, len(p.keys))
         slice_xxh3 += p.xxh3 if checksum else repeat(None, len(p.keys))
@@ -634,39 +638,13 @@ def _index(
     if len(keys) and stored.min() == 0:
         key = keys[int(np.argmin(stored))]
         raise ShardkitError(f"tensor {key!r} was not written to any shard")
-    dtype_names = {d: safetensors_name(d) for d in set(dtypes)}
-    shards = [fmt.ShardInfo(p.file, p.task, codec, p.size) for p in plans]
-    return fmt.CheckpointIndex(
-        description, shards, keys, list(map(dtype_names.__getitem__, dtypes)), shapes,
-        devices, slice_tensor, slice_spec, slice_shard, slice_xxh3, user_metadata,
-    )
-
-
-def _index_from_rows(
-    plans: list[_ShardPlan],
-    saved: SavedTensors,
-    description: str,
-    checksum: bool,
-    user_metadata: dict[str, Any],
-    codec: str,
-) -> fmt.CheckpointIndex:
-    """`_index` when every entry is a whole tensor whose row is known."""
-    slice_tensor: list[int] = []
-    slice_xxh3: list[str | None] = []
-    for p in plans:
-        assert p.rows is not None
-        slice_tensor += p.rows
-        slice_xxh3 += p.xxh3 if checksum else repeat(None, len(p.keys))
-    if len(slice_tensor) != len(saved.keys):
-        raise ShardkitError(f"{len(saved.keys)} tensors saved, {len(slice_tensor)} written")
-    slice_shard = list(chain.from_iterable(repeat(i, len(p.keys)) for i, p in enumerate(plans)))
-    names = {d: safetensors_name(d) for d in set(saved.dtypes)}
-    dtype_names = ([names[saved.dtypes[0]]] * len(saved.dtypes) if len(names) == 1
-                   else list(map(names.__getitem__, saved.dtypes)))
+    names = {d: safetensors_name(d) for d in set(dtypes)}
+    dtype_names = ([names[dtypes[0]]] * len(dtypes) if len(names) == 1
+                   else list(map(names.__getitem__, dtypes)))
     shards = [fmt.ShardInfo(p.file, p.task, codec, p.size) for p in plans]
     index = fmt.CheckpointIndex(
-        description, shards, saved.keys, dtype_names, saved.shapes, saved.devices,
-        slice_tensor, [WHOLE] * len(slice_tensor), slice_shard, slice_xxh3, user_metadata,
+        description, shards, keys, dtype_names, shapes, devices,
+        slice_tensor, slice_spec, slice_shard, slice_xxh3, user_metadata,
     )
     if saved.total_size is not None:
         index.set_total_size(saved.total_size)
