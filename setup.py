@@ -7,6 +7,7 @@ wraparound and initialisation checks back on.
 import os
 from pathlib import Path
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -28,6 +29,8 @@ extensions = [
     Extension(
         f"shardkit._kernels.{pyx.stem}",
         [str(pyx)],
+        include_dirs=[numpy.get_include()],  # _views uses numpy's C API
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
     )
     for pyx in sorted(Path("csrc").glob("*.pyx"))

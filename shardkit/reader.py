@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ._kernels import _views
 from .dtypes import numpy_dtype, safetensors_name
 from .errors import (
     CheckpointFormatError,
@@ -159,8 +160,7 @@ class RawShard(ShardSource):
         if self._map is None:
             return None
         base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
-        start = self.data_start
-        return list(map(_new_view, shapes, dtypes, repeat(base), [start + b for b in begins]))
+        return _views.make_views(base, self.data_start, list(begins), list(dtypes), list(shapes))
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
         start = self.data_start + entry.begin
@@ -828,7 +828,6 @@ def _read_index(path: str) -> CheckpointIndex:
     return decode_index(data, index_path)
 
 
-_new_view: Any = np.ndarray  # ndarray(shape, dtype, buffer, offset)
 _dtype_name_of = operator.attrgetter("dtype_name")
 _begin_of = operator.attrgetter("begin")
 _shard_of = operator.attrgetter("shard")
