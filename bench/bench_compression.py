@@ -15,8 +15,9 @@ never depend on it. Every figure compares runs made in this process on the same 
   decompressing the same frames on N threads alone.
 
 Speeds are the best of N alternating runs; "frac" is the speed ratio shardkit / python-zstandard
-alone. Exits non-zero if a target of issue 4 is missed at the default
-level (the other levels are measured to choose that default).
+alone (best against best; "med" is the median of the ratios of back-to-back pairs). Exits
+non-zero if a target of issue 4 is missed at the default level (the other levels are measured
+to choose that default).
 """
 
 from __future__ import annotations
@@ -149,31 +150,36 @@ def blosc2_best(prep: Prepared) -> tuple[float, int]:
     return best
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object], setup: Callable[[], object] | None = None) -> float:
+    """Seconds `fn` takes; `setup` runs first, untimed."""
+    if setup is not None:
+        setup()
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def alternate(a: Callable[[], object], b: Callable[[], object],
-              repeat: int) -> tuple[float, float, float]:
-    """Best seconds of `a` and of `b` over `repeat` runs each, and their ratio time(b) / time(a).
+def alternate(a: Callable[[], object], b: Callable[[], object], repeat: int,
+              setup_a: Callable[[], object] | None = None) -> tuple[float, float, float, float]:
+    """Best seconds of `a` and of `b` over `repeat` runs each, their ratio time(b) / time(a),
+    and the median of that ratio over the back-to-back pairs (a, b).
 
     Runs alternate (a b, b a, ...) after one untimed warm-up each. The machine this was tuned
     on is a shared 2-core VM: the best run of each is the least disturbed one, and comparing
-    bests is steadier than comparing medians there.
+    bests is steadier than comparing medians there (the median is printed alongside).
+    `setup_a` runs untimed before each run of `a`.
     """
-    a()
+    timed(a, setup_a)
     b()  # warm-up: buffers, page cache, thread start
     ta, tb = [], []
     for r in range(repeat):
         if r % 2:
             tb.append(timed(b))
-            ta.append(timed(a))
+            ta.append(timed(a, setup_a))
         else:
-            ta.append(timed(a))
+            ta.append(timed(a, setup_a))
             tb.append(timed(b))
-    return min(ta), min(tb), min(tb) / min(ta)
+    return min(ta), min(tb), min(tb) / min(ta), float(np.median(np.array(tb) / np.array(ta)))
 
 
 def write_shard(prep: Prepared, path: str, level: int, threads: int) -> skz.SkzWriteStats:
@@ -186,18 +192,21 @@ def write_shard(prep: Prepared, path: str, level: int, threads: int) -> skz.SkzW
 
 
 class FreshFiles:
-    """Each save writes a new file, as a real save does; the previous one is removed first,
-    outside the timed region (the next call's setup), so no run pays for truncating another."""
+    """Each save writes a new file, as a real save does; the previous one is removed first by
+    `advance`, the untimed setup of each run (unlinking a file of tens of MB in the page cache
+    takes milliseconds, which no save pays)."""
 
     def __init__(self, directory: str, stem: str) -> None:
         self.directory, self.stem, self.n = directory, stem, 0
 
-    def next(self) -> str:
-        old = os.path.join(self.directory, f"{self.stem}-{self.n}.skz")
-        if os.path.exists(old):
-            os.unlink(old)
-        self.n += 1
+    @property
+    def path(self) -> str:
         return os.path.join(self.directory, f"{self.stem}-{self.n}.skz")
+
+    def advance(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self.n += 1
 
 
 def main() -> int:
@@ -227,8 +236,8 @@ def main() -> int:
         b_ratio, b_level = blosc2_best(prep)
         print(f"\n[{label}] {prep.nbytes / mb:.1f} MB in {len(prep.plain)} chunks; "
               f"blosc2 (shuffle+zstd) best ratio {b_ratio:.3f} at clevel {b_level}")
-        print(" level  plain   shardkit  gain   vs-blosc2 | save MB/s  zstd-only  frac"
-              " | load MB/s  zstd-only  frac")
+        print(" level  plain   shardkit  gain   vs-blosc2 | save MB/s  zstd-only  frac (med)"
+              " | load MB/s  zstd-only  frac (med)")
         rows = []
         for level in levels:
             plain = prep.nbytes / stored_size(prep.plain, level)
@@ -236,19 +245,20 @@ def main() -> int:
             stats = write_shard(prep, path, level, args.threads)
             ours = stats.ratio
             files = FreshFiles(tmp, f"save-{label}-{level}")
-            t_save, t_zstd, save_frac = alternate(
-                lambda lv=level, f=files, pr=prep: write_shard(pr, f.next(), lv, args.threads),
+            t_save, t_zstd, save_frac, save_med = alternate(
+                lambda lv=level, f=files, pr=prep: write_shard(pr, f.path, lv, args.threads),
                 lambda lv=level, pr=prep: zstd_compress(pr.shuffled, lv, pool),
                 args.repeat,
+                files.advance,
             )
-            files.next()
+            files.advance()
             with skz.SkzShard(path) as shard:
                 outs = [np.empty(a.shape, a.dtype) for a in prep.arrays]
                 requests = [(e, 0, e.nbytes, o) for e, o in zip(prep.layouts, outs)]
                 frames = [bytes(shard._stored(int(f["offset"]), int(f["stored"])))
                           for f in shard.header.frames if f["kind"] == skz.KIND_ZSTD]
                 sizes = [int(f["raw"]) for f in shard.header.frames if f["kind"] == skz.KIND_ZSTD]
-                t_load, t_unz, load_frac = alternate(
+                t_load, t_unz, load_frac, load_med = alternate(
                     lambda s=shard, r=requests: s.read_many(r, pool),
                     lambda fr=frames, sz=sizes: zstd_decompress(fr, sz, pool),
                     args.repeat,
@@ -258,24 +268,24 @@ def main() -> int:
             rows.append((level, ours, prep.nbytes / t_save / mb))
             print(f" {level:5d}  {plain:5.3f}  {ours:7.3f}  {ours / plain:5.3f}x  "
                   f"{ours / b_ratio:6.3f}x  | {prep.nbytes / t_save / mb:8.0f}  "
-                  f"{prep.nbytes / t_zstd / mb:9.0f}  {save_frac:4.2f} | "
+                  f"{prep.nbytes / t_zstd / mb:9.0f}  {save_frac:4.2f} ({save_med:4.2f}) | "
                   f"{prep.nbytes / t_load / mb:8.0f}  {prep.nbytes / t_unz / mb:9.0f}  "
-                  f"{load_frac:4.2f}")
+                  f"{load_frac:4.2f} ({load_med:4.2f})")
             if level != skz.DEFAULT_LEVEL:
                 continue  # the targets are for the default level; the others are for choosing it
             stored = open(path, "rb").read()
             wfiles = FreshFiles(tmp, f"write-{label}")
 
             def write_only(data: bytes = stored, f: FreshFiles = wfiles) -> None:
-                fd = os.open(f.next(), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+                fd = os.open(f.path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
                 try:
                     os.write(fd, data)
                 finally:
                     os.close(fd)
 
-            write_only()
-            t_write = min(timed(write_only) for _ in range(args.repeat))
-            wfiles.next()
+            timed(write_only, wfiles.advance)
+            t_write = min(timed(write_only, wfiles.advance) for _ in range(args.repeat))
+            wfiles.advance()
             print(f"        (writing the {len(stored) / mb:.1f} MB shard alone into a new file "
                   f"takes {t_write * 1e3:.1f} ms = {t_write / t_zstd:.0%} of zstd-alone's "
                   f"{t_zstd * 1e3:.1f} ms; the save does it on the same 2 cores)")

@@ -414,6 +414,31 @@ def test_zstd_damage_behind_a_valid_frame_hash_is_still_caught(tmp_path):
             shard.read_into(shard.entries["w"], 0, w.nbytes, np.empty(3000, np.float32))
 
 
+@pytest.mark.parametrize("damage", ["checksum", "content"])
+def test_damage_caught_when_decoding_into_the_thread_buffer(tmp_path, damage):
+    # read_many over several chunks decodes each into a reused per-thread buffer (streaming
+    # decoder), not through decompress(): zstd's checks must hold there too.
+    w = np.linspace(0, 1, 3000, dtype=np.float32)
+    write(tmp_path / "s.skz", {"w": w}, chunk_size=4096)
+    data = bytearray((tmp_path / "s.skz").read_bytes())
+    h = skz.decode_skz_header(data, len(data), "s.skz")
+    assert (h.frames["kind"] == skz.KIND_ZSTD).all() and len(h.frames) == 3
+    start, n = int(h.frames["offset"][1]), int(h.frames["stored"][1])
+    data[start + (n - 1 if damage == "checksum" else n // 2)] ^= 0xFF
+    frames = h.frames.copy()
+    frames["xxh3"][1] = xxhash.xxh3_64_intdigest(bytes(data[start : start + n]))
+    (tmp_path / "s.skz").write_bytes(with_frames(bytes(data), h, frames))
+    with skz.SkzShard(str(tmp_path / "s.skz")) as shard, ThreadPoolExecutor(2) as pool:
+        e = shard.entries["w"]
+        with pytest.raises(ChecksumError, match=r"frame 1 .*reading entry 'w'\) is corrupt"):
+            shard.read_many([(e, 0, e.nbytes, np.empty(3000, np.float32))], pool)
+        good = np.empty(2048, np.float32)  # frames 0 and 2 still decode, through the buffer
+        shard.read_many([(e, 0, 4096, good[:1024]), (e, 8192, e.nbytes, good[1024:1024 + 952])],
+                        pool)
+        assert good[:1024].tobytes() == w[:1024].tobytes()
+        assert good[1024:1976].tobytes() == w[2048:].tobytes()
+
+
 def test_open_checks_the_index_size(tmp_path):
     write(tmp_path / "s.skz", {"w": np.ones(100, np.float32)})
     size = (tmp_path / "s.skz").stat().st_size
@@ -468,6 +493,54 @@ def test_concurrent_reads_share_chunks_correctly(tmp_path):
 
         with ThreadPoolExecutor(4) as pool:
             assert all(pool.map(read, [k for _ in range(10) for k in state]))
+
+
+_FORK_SCRIPT = """
+import os, sys, time
+import numpy as np
+from shardkit import compression as skz
+from shardkit.format import layout_entries
+
+def save(path):
+    state = {"w": np.linspace(0, 1, 50_000, dtype=np.float32)}
+    layouts = layout_entries([(k, v.dtype, v.shape) for k, v in state.items()])
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    skz.write_zstd_shard(fd, path, layouts, [state["w"]], chunk_size=4096, threads=2)
+    os.close(fd)
+    with skz.SkzShard(path) as shard:
+        out = np.empty(50_000, np.float32)
+        shard.read_into(shard.entries["w"], 0, out.nbytes, out)
+        assert out.tobytes() == state["w"].tobytes()
+
+save(sys.argv[1] + "/parent.skz")  # starts the kept compression threads
+pid = os.fork()
+if pid == 0:
+    try:
+        save(sys.argv[1] + "/child.skz")
+    finally:
+        os._exit(0 if os.path.exists(sys.argv[1] + "/child.skz") else 3)
+for _ in range(300):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.1)
+os.kill(pid, 9)
+sys.exit("the forked child hung")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_save_in_a_forked_child_after_a_save_in_the_parent(tmp_path):
+    # The compression threads are kept between saves; a forked child has none of them and
+    # must start its own instead of waiting forever on the parent's. (In a fresh interpreter:
+    # this process has other threads, which make fork unsafe.)
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "child.skz").exists()
 
 
 def test_write_error_names_the_file(tmp_path):
@@ -606,8 +679,9 @@ def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path):
     tensors = dict(ia.tensors)
     for key, t in ib.tensors.items():
         tensors[key] = replace(t, slices=[replace(s, shard=1) for s in t.slices])
-    index = fmt.CheckpointIndex.from_tensors("merged", [replace(ia.shards[0], file=names[0]),
-                                           replace(ib.shards[0], file=names[1])], tensors)
+    index = fmt.CheckpointIndex.from_tensors(
+        "merged", [replace(ia.shards[0], file=names[0]), replace(ib.shards[0], file=names[1])],
+        tensors)
     (out / "index.json").write_bytes(fmt.encode_index(index))
     assert codecs(out) == ["raw", "zstd"]
     assert_same(api.load(out, verify=True), {**raw_part, **zstd_part})

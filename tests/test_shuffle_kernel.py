@@ -81,7 +81,7 @@ def test_unshuffle_scatter_inverts_gather_for_any_item_range(case, data):
 
 
 @pytest.mark.parametrize("s", ITEMSIZES)
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4099])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 1000, 4099])
 def test_fast_paths_every_tail_length(s, n):
     src = np.random.default_rng(n * 31 + s).integers(0, 256, n * s, dtype=np.uint8)
     out = np.empty(n * s, np.uint8)
@@ -164,3 +164,51 @@ def test_kernel_in_threads_matches_twin():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(r == expect.tobytes() for r in pool.map(run, range(8)))
+
+
+@pytest.mark.parametrize("s", ITEMSIZES)
+@pytest.mark.parametrize("shift", [0, 1, 2, 3, 4, 8, 12])
+def test_large_unshuffles_at_any_destination_alignment(s, shift):
+    # Pieces of at least NT_MIN_BYTES take the streaming-store path (after a few items written
+    # one by one up to 16-byte alignment, or the plain path when no item boundary is aligned);
+    # odd item counts and a partial item range leave tails on both sides.
+    n = kernel.NT_MIN_BYTES // s + 37
+    rng = np.random.default_rng(s * 100 + shift)
+    src = rng.integers(0, 256, n * s, dtype=np.uint8)
+    chunk = np.empty(n * s + 3, np.uint8)
+    kernel.gather_shuffle([src], i64(0), i64(0), i64(n * s), i64(s), chunk, i64(3))
+    assert chunk[3:].tobytes() == shuffled(src, s).tobytes()
+    for b, c in ((0, n), (5, n - 9)):
+        outs = []
+        for impl in (kernel, twin):
+            out = np.full(n * s + 32, 0xCD, np.uint8)
+            impl.unshuffle_scatter(chunk, i64(3), i64(n), i64(s), i64(b), i64(c), [out],
+                                   i64(0), i64(shift))
+            outs.append(out)
+        assert outs[0].tobytes() == outs[1].tobytes()
+        assert outs[0][shift : shift + c * s].tobytes() == src[b * s : (b + c) * s].tobytes()
+        assert (outs[0][:shift] == 0xCD).all() and (outs[0][shift + c * s :] == 0xCD).all()
+
+
+@pytest.mark.parametrize("s", ITEMSIZES)
+def test_unaligned_sources_and_many_pieces_match_twin(s):
+    # Sources and destinations at odd addresses, pieces just below and above NT_MIN_BYTES.
+    rng = np.random.default_rng(s)
+    big = kernel.NT_MIN_BYTES // s + 1
+    counts = [1, 15, 16, 17, 255, big - 2, big]
+    base = rng.integers(0, 256, sum(counts) * s + 1, dtype=np.uint8)
+    src = base[1:]  # an odd address
+    offs = np.cumsum([0, *counts[:-1]]).astype(np.int64) * s
+    lens = np.array(counts, np.int64) * s
+    chunk_k = np.zeros(int(lens.sum()) + 1, np.uint8)
+    chunk_t = chunk_k.copy()
+    args = (np.zeros(len(counts), np.int64), offs, lens, np.full(len(counts), s, np.int64))
+    kernel.gather_shuffle([src], *args, chunk_k, offs + 1)
+    twin.gather_shuffle([src], *args, chunk_t, offs + 1)
+    assert chunk_k.tobytes() == chunk_t.tobytes()
+    n = np.array(counts, np.int64)
+    dests = [np.zeros(int(c) * s + 1, np.uint8)[1:] for c in counts]
+    kernel.unshuffle_scatter(chunk_k, offs + 1, n, args[3], np.zeros_like(n), n, dests,
+                             np.arange(len(counts), dtype=np.int64), np.zeros_like(n))
+    for d, o, ln in zip(dests, offs, lens):
+        assert d.tobytes() == src[o : o + ln].tobytes()

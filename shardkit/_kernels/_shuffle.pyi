@@ -6,6 +6,8 @@ import numpy as np
 from numpy.typing import NDArray
 from typing_extensions import Buffer
 
+NT_MIN_BYTES: int
+
 def gather_shuffle(
     sources: Sequence[Buffer],
     src_index: NDArray[np.int64],

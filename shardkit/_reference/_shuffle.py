@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+# The kernel stores unshuffles of at least this many bytes with streaming stores (same bytes).
+NT_MIN_BYTES = 256 * 1024
+
 
 def _bytes_of(obj: Any, k: int, role: str, writable: bool) -> np.ndarray:
     """A flat uint8 view of a C-contiguous buffer, with the kernel's error for anything else."""
