@@ -22,7 +22,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import import_module
 from itertools import groupby, repeat
@@ -32,6 +31,7 @@ import numpy as np
 import xxhash
 
 from ._kernels import _views
+from ._threads import WorkerPool
 from .dtypes import numpy_dtype, safetensors_name
 from .errors import (
     CheckpointFormatError,
@@ -302,7 +302,7 @@ class CheckpointReader:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0  # reads in flight; close() waits for them before releasing files
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: WorkerPool | None = None
         self._closed = False
         if verify:
             try:
@@ -795,12 +795,12 @@ class CheckpointReader:
         for f in futures:
             f.result()
 
-    def _get_pool(self) -> ThreadPoolExecutor:
+    def _get_pool(self) -> WorkerPool:
         with self._lock:
             self._check_open()
             if self._pool is None:
                 workers = max(2, min(8, os.cpu_count() or 1))
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="shardkit-read")
+                self._pool = WorkerPool(workers, "shardkit-read")
                 weakref.finalize(self, self._pool.shutdown, wait=False)
             return self._pool
 

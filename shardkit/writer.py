@@ -33,6 +33,7 @@ import xxhash
 
 from . import format as fmt
 from ._kernels import _gather, _table
+from ._threads import run_parallel
 from .callback import TaskShard
 from .dtypes import safetensors_name
 from .errors import ShardkitError
@@ -404,61 +405,6 @@ def _run(
         run_parallel(work, regions, threads, meanwhile, stop)
     finally:
         _close_all(plans)
-
-
-def run_parallel(work: Callable[[Any], None], items: Sequence[Any], threads: int,
-                 meanwhile: Callable[[], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
-    """``work(item)`` for every item, on up to `threads` threads of our own, while the calling
-    thread runs `meanwhile`. The first error sets `stop` (work should check it), the other
-    threads finish the item in hand, and the error is raised here.
-
-    Plain threads, not a ThreadPoolExecutor: executors refuse new work once the interpreter
-    has begun to exit, and an asynchronous save still pending then must complete.
-    """
-    stop = stop or threading.Event()
-    count = min(threads, len(items))
-    if count <= 1 and meanwhile is None:
-        for item in items:
-            work(item)
-        return
-    errors: list[BaseException] = []
-    queue = iter(items)
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while not stop.is_set():
-            with lock:
-                item = next(queue, _DONE)
-            if item is _DONE:
-                return
-            try:
-                work(item)
-            except BaseException as e:
-                with lock:
-                    errors.append(e)
-                stop.set()
-                return
-
-    pool = [threading.Thread(target=worker, name=f"shardkit-writer-{i}", daemon=True)
-            for i in range(max(count, 1))]
-    for t in pool:
-        t.start()
-    try:
-        if meanwhile is not None:
-            meanwhile()
-        for t in pool:
-            t.join()
-    except BaseException:  # e.g. KeyboardInterrupt: stop the workers before leaving
-        stop.set()
-        for t in pool:
-            t.join()
-        raise
-    if errors:
-        raise errors[0]
-
-
-_DONE = object()
 
 
 def _write_region(

@@ -272,9 +272,11 @@ def test_interpreter_exit_waits_for_pending_write(tmp_path):
     assert load(tmp_path / "c-1")["s/x"].tolist() == [0, 1, 2, 3]
 
 
-def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path):
-    """Writer threads are started while the interpreter exits: a ThreadPoolExecutor would
-    refuse them ("cannot schedule new futures after interpreter shutdown")."""
+@pytest.mark.parametrize("compression", ["None", "'zstd'"])
+def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path, compression):
+    """Writer and compression threads are started while the interpreter exits: a
+    ThreadPoolExecutor would refuse them ("cannot schedule new futures after interpreter
+    shutdown")."""
     proc = run_script(tmp_path, """
         import sys, time
         import numpy as np
@@ -288,10 +290,10 @@ def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path):
             return real(*a, **k)
         api.save = slow
         state = {f"x{i}": np.full(1000, i, np.float32) for i in range(4)}
-        h = Checkpoint(s=state).save(sys.argv[1] + "/c",
-                                     CheckpointOptions(enable_async=True, threads=2))
+        h = Checkpoint(s=state).save(sys.argv[1] + "/c", CheckpointOptions(
+            enable_async=True, threads=2, compression=COMPRESSION))
         print("returned", h.done())
-    """)
+    """.replace("COMPRESSION", compression))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "returned False"
     assert "failed" not in proc.stderr, proc.stderr

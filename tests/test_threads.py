@@ -1,0 +1,103 @@
+"""shardkit._threads: the worker pool and run_parallel."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import CancelledError, wait
+
+import pytest
+
+from shardkit._threads import WorkerPool, run_parallel
+
+
+def test_pool_runs_work_on_at_most_its_threads_and_returns_results():
+    pool = WorkerPool(2, "test")
+    names: set[str] = set()
+    lock = threading.Lock()
+
+    def job(i: int) -> int:
+        with lock:
+            names.add(threading.current_thread().name)
+        time.sleep(0.01)
+        return i * i
+
+    futures = [pool.submit(job, i) for i in range(8)]
+    assert [f.result(timeout=5) for f in futures] == [i * i for i in range(8)]
+    assert names <= {"test-0", "test-1"} and len(names) == 2
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="test pool is shut down"):
+        pool.submit(job, 1)
+
+
+def test_pool_hands_errors_to_the_caller_and_keeps_working():
+    pool = WorkerPool(1, "test")
+
+    def boom() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        pool.submit(boom).result(timeout=5)
+    assert pool.submit(lambda: 7).result(timeout=5) == 7
+    pool.shutdown()
+
+
+def test_pool_shutdown_can_cancel_queued_work():
+    pool = WorkerPool(1, "test")
+    gate = threading.Event()
+    first = pool.submit(gate.wait, 5)
+    queued = [pool.submit(lambda: 1) for _ in range(3)]
+    time.sleep(0.05)  # the one worker is now inside gate.wait
+    pool.shutdown(wait=False, cancel_futures=True)
+    _, not_done = wait(queued, timeout=5)  # cancelled futures count as done at once
+    assert not not_done and all(f.cancelled() for f in queued)
+    with pytest.raises(CancelledError):
+        queued[0].result()
+    gate.set()
+    assert first.result(timeout=5) is True
+    pool.shutdown()
+    with pytest.raises(ValueError, match="at least 1"):
+        WorkerPool(0, "test")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_run_parallel_runs_every_item_and_the_meanwhile(threads):
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def work(i: int) -> None:
+        with lock:
+            done.append(i)
+
+    side: list[str] = []
+    run_parallel(work, list(range(20)), threads, meanwhile=lambda: side.append("x"))
+    assert sorted(done) == list(range(20)) and side == ["x"]
+
+
+def test_run_parallel_stops_at_the_first_error_and_raises_it():
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def work(i: int) -> None:
+        seen.append(i)
+        if i == 3:
+            raise ValueError("item 3 is bad")
+        time.sleep(0.005)
+
+    with pytest.raises(ValueError, match="item 3 is bad"):
+        run_parallel(work, list(range(200)), 2, stop=stop)
+    assert stop.is_set() and len(seen) < 200
+
+
+def test_run_parallel_error_in_meanwhile_stops_the_workers():
+    stop = threading.Event()
+
+    def work(i: int) -> None:
+        time.sleep(0.005)
+
+    def meanwhile() -> None:
+        raise KeyError("index")
+
+    with pytest.raises(KeyError):
+        run_parallel(work, list(range(500)), 2, meanwhile=meanwhile, stop=stop)
+    assert stop.is_set()
