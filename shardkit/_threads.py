@@ -79,14 +79,13 @@ class WorkerPool(Executor):
 
 
 def run_parallel(work: Callable[[Any], None], items: Sequence[Any], threads: int,
-                 meanwhile: Callable[[], None] | None = None,
                  stop: threading.Event | None = None) -> None:
-    """``work(item)`` for every item, on up to `threads` threads of our own, while the calling
-    thread runs `meanwhile`. The first error sets `stop` (work should check it), the other
-    threads finish the item in hand, and the error is raised here."""
+    """``work(item)`` for every item, on up to `threads` threads of our own. The first error
+    sets `stop` (work should check it), the other threads finish the item in hand, and the
+    error is raised here."""
     stop = stop or threading.Event()
     count = min(threads, len(items))
-    if count <= 1 and meanwhile is None:
+    if count <= 1:
         for item in items:
             work(item)
         return
@@ -109,12 +108,10 @@ def run_parallel(work: Callable[[Any], None], items: Sequence[Any], threads: int
                 return
 
     pool = [threading.Thread(target=worker, name=f"shardkit-writer-{i}", daemon=True)
-            for i in range(max(count, 1))]
+            for i in range(count)]
     for t in pool:
         t.start()
     try:
-        if meanwhile is not None:
-            meanwhile()
         for t in pool:
             t.join()
     except BaseException:  # e.g. KeyboardInterrupt: stop the workers before leaving

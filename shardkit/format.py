@@ -678,13 +678,6 @@ class CheckpointIndex:
                 self.dtypes, self.shapes, self.devices, per_tensor)))
         return got
 
-    def set_checksums(self, xxh3: list[str | None]) -> None:
-        """Replace `slice_xxh3` (the writer learns the checksums while writing)."""
-        if len(xxh3) != len(self.slice_tensor):
-            raise ValueError(f"{len(xxh3)} checksums for {len(self.slice_tensor)} slices")
-        self.slice_xxh3 = xxh3
-        self._cache.pop("tensors", None)
-
     def set_total_size(self, total: int) -> None:
         """Record the bytes of all tensors when the caller knows them already."""
         self._cache["total_size"] = int(total)
@@ -786,24 +779,7 @@ def encode_index(index: CheckpointIndex) -> bytes:
     ensure_ascii=False)``) and a newline. Column-wise, encoded by orjson (byte-identical to
     that json.dumps for these values, about 10x faster on 50,000 tensors).
 
-    Everything but the checksums may be encoded ahead with `prepare_index_encoding` (the
-    writer does it while the shards are being written and hashed).
     """
-    parts = index._cache.pop("encoded", None)
-    if parts is None:
-        parts = _index_parts(index)
-    parts[parts.index(None)] = orjson.dumps(index.slice_xxh3)
-    return b"".join(parts)
-
-
-def prepare_index_encoding(index: CheckpointIndex) -> None:
-    """Encode all of `index` but ``slice_xxh3`` now; `encode_index` adds it later. Nothing but
-    the checksums may change in between."""
-    index._cache["encoded"] = _index_parts(index)
-
-
-def _index_parts(index: CheckpointIndex) -> list[bytes | None]:
-    """The pieces of index.json, with None where the xxh3 column goes."""
     try:
         user_metadata = _dumps(index.user_metadata).encode("utf-8")
     except (TypeError, ValueError) as e:
@@ -833,7 +809,7 @@ def _index_parts(index: CheckpointIndex) -> list[bytes | None]:
     except TypeError:  # numpy integers in a shape
         shapes = orjson.dumps([list(map(int, s)) for s in index.shapes])
     dumps = orjson.dumps
-    return [
+    return b"".join((
         b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(index.version),
         b',"metadata":{"total_size":', str(index.total_size()).encode(),
         b'},"weight_map":', dumps(weight_map),
@@ -842,9 +818,9 @@ def _index_parts(index: CheckpointIndex) -> list[bytes | None]:
         b',"tensors":{"key":', dumps(index.keys), b',"dtype":', dumps(index.dtypes),
         b',"shape":', shapes, b',"device":', dumps(device_ids),
         b'},"slices":{"tensor":', dumps(index.slice_tensor), b',"spec":', dumps(index.slice_spec),
-        b',"shard":', dumps(index.slice_shard), b',"xxh3":', None,
+        b',"shard":', dumps(index.slice_shard), b',"xxh3":', dumps(index.slice_xxh3),
         b'},"user_metadata":', user_metadata, b"}}\n",
-    ]
+    ))
 
 
 def _dumps(value: Any) -> str:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import operator
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -198,15 +198,11 @@ def write_shards(
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
     bar = _progress_bar(total, progress)
     try:
-        if codec == "raw":  # sizes known: the index is built and encoded while writing
-            index = _index(plans, saved, description, checksum, user_metadata or {}, codec)
-            _run(plans, _regions(plans, threads), threads, durable, checksum, bar,
-                 meanwhile=lambda: fmt.prepare_index_encoding(index))
-            if checksum:
-                index.set_checksums(list(chain.from_iterable(p.xxh3 for p in plans)))
-            return index
-        _run_zstd(plans, threads, durable, checksum, bar,
-                  level=level, shuffle=shuffle, chunk_size=chunk_size)
+        if codec == "raw":
+            _run(plans, _regions(plans, threads), threads, durable, checksum, bar)
+        else:
+            _run_zstd(plans, threads, durable, checksum, bar,
+                      level=level, shuffle=shuffle, chunk_size=chunk_size)
     finally:
         if bar is not None:
             bar.close()
@@ -373,10 +369,8 @@ def _run(
     durable: bool,
     checksum: bool,
     bar: Any,
-    meanwhile: Callable[[], None] | None = None,
 ) -> None:
-    """Write `regions` on `threads` threads; `meanwhile` runs on the calling thread while
-    they write (the GIL is free most of that time)."""
+    """Write `regions` on `threads` threads."""
     stop = threading.Event()
     try:
         _open_all(plans)
@@ -402,7 +396,7 @@ def _run(
             finally:
                 _buffers.release(buf)
 
-        run_parallel(work, regions, threads, meanwhile, stop)
+        run_parallel(work, regions, threads, stop)
     finally:
         _close_all(plans)
 
