@@ -284,15 +284,17 @@ def _default_shards(
     shards: list[ShardColumns] = []
     for task, rows in groups.items():
         if len(groups) == 1:
-            k, a_, d_, n_ = keys, arrays, dtypes, nbytes
+            k, a_, d_, n_, s_ = keys, arrays, dtypes, nbytes, shapes
         else:  # this task's tensors, in the order given
             k = [keys[i] for i in rows]
             a_ = [arrays[i] for i in rows]
             d_ = [dtypes[i] for i in rows]
             n_ = nbytes[rows]
+            s_ = [shapes[i] for i in rows]
         for a, b in policy._bounds(n_):
-            shards.append(ShardColumns(task, k[a:b], [WHOLE] * (b - a), a_[a:b], d_[a:b],
-                                       n_[a:b], range(a, b) if len(groups) == 1 else rows[a:b]))
+            shards.append(ShardColumns(
+                task, k[a:b], [WHOLE] * (b - a), a_[a:b], dtypes=d_[a:b], nbytes=n_[a:b],
+                shapes=s_[a:b], rows=range(a, b) if len(groups) == 1 else rows[a:b]))
     names = {i: d.to_string() for i, d in by_id.items()}
     device_names = ([names[id(devices[0])]] * len(devices) if len(names) == 1
                     else list(map(names.__getitem__, map(id, devices))))

@@ -158,14 +158,19 @@ _second = operator.itemgetter(1)
 _third = operator.itemgetter(2)
 
 
+def entry_layouts(names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
+                  begins: list[int], ends: list[int]) -> list[EntryLayout]:
+    """EntryLayouts from columns, numbered in the order given."""
+    return _new_entry_layouts(names, dtype_names, shapes, begins, ends, range(len(names)))
+
+
 def entries_at(names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
                begins: list[int]) -> dict[str, EntryLayout]:
     """Entries by name, from columns: each starts at its begin and is as long as its dtype
     and shape make it."""
     sizes = map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtype_names))
     ends = list(map(operator.add, begins, sizes))
-    return dict(zip(names, _new_entry_layouts(names, dtype_names, shapes, begins, ends,
-                                              range(len(names)))))
+    return dict(zip(names, entry_layouts(names, dtype_names, shapes, begins, ends)))
 
 
 def data_size(layouts: Sequence[EntryLayout]) -> int:
@@ -193,7 +198,8 @@ def encode_safetensors_header(
 
 def encode_header_columns(
     names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
-    begins: list[int], ends: list[int], meta: Mapping[str, str] | None = None,
+    begins: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray,
+    meta: Mapping[str, str] | None = None,
 ) -> bytes:
     """`encode_safetensors_header` of entries given column-wise (in header order)."""
     if METADATA_KEY in names or len(set(names)) != len(names):
@@ -217,7 +223,8 @@ def encode_header_columns(
 
 def _header_text(
     names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
-    begins: Sequence[int], ends: Sequence[int], meta: Mapping[str, str],
+    begins: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray,
+    meta: Mapping[str, str],
 ) -> bytes:
     """The space-padded JSON header, byte-identical to ``json.dumps(header, separators=(",",
     ":"), ensure_ascii=False)``; the entries are encoded by the native kernel (~0.07 us each).

@@ -87,6 +87,7 @@ class ShardColumns:
     # known already when a planner works on columns (None: taken from the arrays)
     dtypes: list[np.dtype] | None = None
     nbytes: np.ndarray | None = None
+    shapes: list[tuple[int, ...]] | None = None
     rows: range | list[int] | None = None  # the entries' rows in SavedTensors (whole ones)
 
 
@@ -227,32 +228,28 @@ def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_
             header = fmt.encode_header_columns(names, dtype_names, shapes, begins, ends)
         else:
             header = b""
-            layouts = fmt._new_entry_layouts(names, dtype_names, shapes, begins, ends,
-                                             range(len(names)))
+            layouts = fmt.entry_layouts(names, dtype_names, shapes, begins.tolist(),
+                                        ends.tolist())
         start = len(header)
         name = fmt.shard_file_name(i, count, codec)
         plans.append(_ShardPlan(
             directory / name, name, shard.task, header, keys, specs, arrays,
-            [start + b for b in begins], list(map(operator.sub, ends, begins)), layouts,
-            start + (ends[-1] if ends else 0), [None] * len(keys), rows,
+            (begins + start).tolist(), (ends - begins).tolist(), layouts,
+            start + (int(ends[-1]) if len(ends) else 0), [None] * len(keys), rows,
         ))
     return plans
 
 
-def _layout(
-    shard: ShardColumns,
-) -> tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int], list[int] | None]:
+def _layout(shard: ShardColumns) -> tuple[
+    list[str], list[str], list[tuple[int, ...]], np.ndarray, np.ndarray, list[int] | None
+]:
     """`format.layout_entries` for numpy arrays, column-wise: entry names, dtype names, shapes,
-    begins, ends in layout order, and the input position of each (None: the input order).
-    Shapes and sizes come from the arrays themselves, so they need no checking."""
+    begins and ends (int64 arrays) in layout order, and the input position of each (None: the
+    input order). Shapes and sizes come from the arrays themselves, so they need no checking."""
     arrays = shard.arrays
+    # unique and not "__metadata__": checked when the header is encoded
     names = list(map(fmt.entry_name, shard.keys, shard.specs)) if any(shard.specs) else shard.keys
-    if fmt.METADATA_KEY in names or len(set(names)) != len(names):
-        seen = {fmt.METADATA_KEY}
-        for name in names:
-            if name in seen:
-                raise ValueError(f"entry name {name!r} is reserved or appears twice in one shard")
-            seen.add(name)
+    shapes = shard.shapes if shard.shapes is not None else list(map(_shape_of, arrays))
     dtypes = shard.dtypes if shard.dtypes is not None else list(map(_dtype_of, arrays))
     kinds = {d: (safetensors_name(d), d.itemsize) for d in set(dtypes)}
     nbytes = shard.nbytes if shard.nbytes is not None else _table.array_nbytes(arrays)
@@ -267,12 +264,11 @@ def _layout(
             order = perm.tolist()
             dtypes = [dtypes[j] for j in order]
             names = [names[j] for j in order]
-            arrays = [arrays[j] for j in order]
+            shapes = [shapes[j] for j in order]
             nbytes = nbytes[perm]
         dtype_names = [kinds[d][0] for d in dtypes]
     ends = np.cumsum(nbytes)
-    return (names, dtype_names, list(map(_shape_of, arrays)), (ends - nbytes).tolist(),
-            ends.tolist(), order)
+    return names, dtype_names, shapes, ends - nbytes, ends, order
 
 
 _dtype_of = operator.attrgetter("dtype")
