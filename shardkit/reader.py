@@ -413,12 +413,7 @@ class CheckpointReader:
             shapes = list(map(slice_shapes.__getitem__, slice_ids))
             views = None
             if isinstance(src, RawShard):  # codec sources (duck-typed) read, they do not map
-                if src.begins is not None:  # matched the index: offsets by position
-                    lo = index.shard_range(shard).start
-                    begins = [src.begins[j - lo] for j in slice_ids]
-                else:
-                    begins = [src.entries[entry_names[j]].begin for j in slice_ids]
-                views = src.whole_views(begins, dts, shapes)
+                views = src.whole_views(self._begins(src, shard, slice_ids), dts, shapes)
             if views is not None:
                 for i, view in zip(idx, views):
                     results[i] = view
@@ -455,11 +450,7 @@ class CheckpointReader:
             src = self._shard_for(index.keys[rows[0]], shard)
             if not isinstance(src, RawShard):
                 return None
-            if src.begins is not None:  # matched the index: offsets by position
-                begins = src.begins
-            else:
-                entries = src.entries
-                begins = [entries[name].begin for name in index.entry_names()[r.start : r.stop]]
+            begins = self._begins(src, shard, r)
             names = list(map(index.dtypes.__getitem__, rows))
             dts = ([dtypes[names[0]]] * len(names) if len(dtypes) == 1
                    else list(map(dtypes.__getitem__, names)))
@@ -472,6 +463,16 @@ class CheckpointReader:
                 for row, view in zip(rows, views):
                     results[row] = view
         return dict(zip(index.keys, results))
+
+    def _begins(self, src: RawShard, shard: int, slice_ids: Sequence[int]) -> list[int]:
+        """Where the entries of stored slices `slice_ids` (all in `shard`) start."""
+        if src.begins is not None:  # the header matched the index: offsets by position
+            lo = self.index.shard_range(shard).start
+            if isinstance(slice_ids, range) and slice_ids == range(lo, lo + len(src.begins)):
+                return src.begins
+            return [src.begins[j - lo] for j in slice_ids]
+        names = self.index.entry_names()
+        return [src.entries[names[j]].begin for j in slice_ids]
 
     def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
         """Decode whole tensors stored in compressed shards straight into their target arrays
