@@ -414,7 +414,8 @@ def _write_region(
         for i in range(region.start, region.stop):
             n = nbytes[i]
             if n < SMALL_ENTRY:
-                if first >= 0 and run_bytes + n > limit:
+                # a run fits the gather buffer and one pwritev (IOV_MAX buffers)
+                if first >= 0 and (run_bytes + n > limit or i - first >= _IOV_MAX):
                     _flush_group(fd, shard, first, i, buf, checksum, bar)
                     first = -1
                     if stop.is_set():
