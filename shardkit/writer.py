@@ -459,38 +459,27 @@ def _flush_group(
             shard.xxh3[first:stop] = map(digest, arrays)
         except (BufferError, ValueError):  # a non-contiguous array: hash its C-order bytes
             shard.xxh3[first:stop] = [digest(np.ascontiguousarray(a)) for a in arrays]
-    written = 0
-    if len(arrays) <= _IOV_MAX:
-        try:
-            written = _pwritev(fd, arrays, start)
-        except (BufferError, ValueError, TypeError):  # a non-contiguous array
-            written = 0
-    if written < total:
-        _gather_write(fd, arrays, shard.offsets[first:stop], start, written, total, buf)
+    try:
+        _gather.write_arrays(fd, arrays, start)  # vectored, from the arrays' own memory
+    except (ValueError, TypeError):  # a non-contiguous array (rare): gather a C-order copy
+        _gather_write(fd, arrays, shard.offsets[first:stop], start, total, buf)
     if bar is not None:
         bar.update(total)
 
 
-def _pwritev(fd: int, buffers: Any, offset: int) -> int:
-    return os.pwritev(fd, buffers, offset)  # numpy arrays are buffers; the stubs disagree
-
-
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
+_IOV_MAX = 1024  # buffers per vectored write (Linux's IOV_MAX)
 
 
 def _gather_write(fd: int, arrays: list[np.ndarray], offsets: list[int], start: int,
-                  done: int, total: int, buf: np.ndarray) -> None:
-    """Gather `arrays` (at `offsets`, absolute) into `buf` and write bytes ``[done, total)`` of
-    them at `start` + `done`; `buf` holds `total` bytes or more."""
+                  total: int, buf: np.ndarray) -> None:
+    """Gather `arrays` (at `offsets`, absolute) into `buf`, copying non-contiguous ones to C
+    order, and write the `total` bytes at `start`; `buf` holds `total` bytes or more."""
     rel = np.array(offsets, dtype=np.int64)
     rel -= start
-    try:
-        n = _gather.gather_buffers(arrays, rel, buf)
-    except ValueError:  # a non-contiguous array (rare): copy those to C order and retry
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-        n = _gather.gather_buffers(arrays, rel, buf)
+    arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+    n = _gather.gather_buffers(arrays, rel, buf)
     assert n == total
-    _pwrite_all(fd, buf[done:n], start + done)
+    _pwrite_all(fd, buf[:n], start)
 
 
 def _write_large(fd: int, shard: _ShardPlan, i: int, checksum: bool, stop: threading.Event,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
+import subprocess
+import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
@@ -208,3 +212,66 @@ def test_gather_buffers_accepts_readonly_and_scalars_rejects_strided(impl):
     ro_out.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         impl.gather_buffers(sources, np.array([0, 6, 14], np.int64), ro_out)
+
+
+# --- write_arrays: one vectored write from many arrays' own memory -------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_write_arrays_writes_the_bytes_back_to_back(impl, tmp_path):
+    rng = np.random.default_rng(5)
+    arrays = [rng.random(int(n), dtype=np.float32) for n in rng.integers(0, 300, 500)]
+    arrays += [np.zeros(0, np.int8), np.array(3.5), np.arange(6, dtype=ml_dtypes.bfloat16)]
+    path = tmp_path / "out.bin"
+    with open(path, "wb") as f:
+        f.write(b"\xff" * 8)
+        f.flush()
+        written = impl.write_arrays(f.fileno(), arrays, 8)
+    expected = b"".join(a.tobytes() for a in arrays)
+    assert written == len(expected)
+    assert path.read_bytes() == b"\xff" * 8 + expected
+    assert impl.write_arrays(0, [], 0) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_write_arrays_refuses_before_writing(impl, tmp_path):
+    path = tmp_path / "out.bin"
+    good = np.arange(4, dtype=np.uint8)
+    with open(path, "wb") as f:
+        with pytest.raises(ValueError, match="array 1 is not C-contiguous"):
+            impl.write_arrays(f.fileno(), [good, np.arange(10.0)[::2]], 0)
+        with pytest.raises(TypeError, match="array 0 is a bytes, not a numpy array"):
+            impl.write_arrays(f.fileno(), [b"abc"], 0)
+        with pytest.raises(ValueError, match="at most 1024"):
+            impl.write_arrays(f.fileno(), [good] * 1025, 0)
+    assert path.read_bytes() == b""
+    with pytest.raises(OSError) as info:
+        impl.write_arrays(-1, [good], 0)
+    assert info.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize("impl_name", ["kernel", "twin"])
+def test_write_arrays_continues_a_short_write_then_reports_the_error(tmp_path, impl_name):
+    """With RLIMIT_FSIZE below the data, pwritev writes what fits (a short write), and the
+    continuation fails with EFBIG: the bytes that fit are there and the error is raised."""
+    script = textwrap.dedent(f"""
+        import errno, resource, signal, sys
+        import numpy as np
+        from shardkit.{'_kernels' if impl_name == 'kernel' else '_reference'} import _gather
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, resource.RLIM_INFINITY))
+        arrays = [np.full(3000, i, np.uint8) for i in range(5)]
+        with open(sys.argv[1], "wb") as f:
+            try:
+                _gather.write_arrays(f.fileno(), arrays, 0)
+            except OSError as e:
+                print("error", e.errno == errno.EFBIG)
+    """)
+    out = tmp_path / "limited.bin"
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "error True"
+    data = out.read_bytes()
+    assert len(data) == 10_000
+    assert data == b"".join(bytes([i]) * 3000 for i in range(5))[:10_000]

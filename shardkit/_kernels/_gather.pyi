@@ -1,6 +1,7 @@
 """Stub of the compiled kernel module shardkit._kernels._gather (csrc/_gather.pyx)."""
 
 import sys
+from typing import Any
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
@@ -24,4 +25,10 @@ def gather_buffers(sources: list[Buffer], offsets: Buffer, out: Buffer) -> int:
     """Copy each C-contiguous buffer ``sources[i]`` to ``out[offsets[i]:]``; returns the bytes
     copied. `offsets` is an int64 buffer. Raises ValueError (nothing copied) if a source is not
     C-contiguous or does not fit.
+    """
+
+def write_arrays(fd: int, arrays: list[Any], offset: int) -> int:
+    """Write the bytes of `arrays` (exactly C-contiguous numpy arrays, at most 1024) back to
+    back at `offset` of file `fd` with pwritev, the GIL released; returns the bytes written.
+    TypeError / ValueError before anything is written for a bad array; OSError on failure.
     """

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
 from typing import Any
 
 import numpy as np
@@ -88,3 +90,34 @@ def gather_buffers(sources: list, offsets: Any, out: Any) -> int:
     for d, off in zip(data, offs):
         dest[off : off + len(d)] = d
     return sum(len(d) for d in data)
+
+
+_IOV_LIMIT = 1024
+
+
+def write_arrays(fd: int, arrays: list, offset: int) -> int:
+    """Write the bytes of `arrays` (exactly C-contiguous numpy arrays) back to back at `offset`
+    of file `fd`; returns the bytes written (short writes continued)."""
+    if not isinstance(arrays, list):
+        raise TypeError(f"arrays must be a list, got {type(arrays).__name__}")
+    if len(arrays) > _IOV_LIMIT:
+        raise ValueError(f"{len(arrays)} arrays in one call; at most {_IOV_LIMIT}")
+    for i, a in enumerate(arrays):
+        if type(a) is not np.ndarray:
+            raise TypeError(f"array {i} is a {type(a).__name__}, not a numpy array")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"array {i} is not C-contiguous")
+    views = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]
+    total = sum(len(v) for v in views)
+    done = 0
+    while done < total:
+        got = os.pwritev(fd, views, offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        done += got
+        while views and got >= len(views[0]):  # drop the finished buffers
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+    return total
