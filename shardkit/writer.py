@@ -5,8 +5,10 @@ How the bytes move (DESIGN.md section 5):
 - Large entries are written straight from the caller's memory with ``os.pwrite`` in chunks; the
   xxh3 of a chunk is updated just before the chunk is written, while it is still in cache. A
   non-contiguous input is copied to C order first, one tensor at a time (the only copy).
-- Small entries are gathered by the native kernel into a per-thread buffer of a few MiB and
-  written with one syscall per buffer, so 50,000 tiny tensors cost a few dozen syscalls.
+- Small entries leave in runs of a few MiB (at most IOV_MAX entries), each run one ``pwritev``
+  from the arrays' own memory (`_gather.write_arrays`, GIL released), so 50,000 tiny tensors
+  cost a few dozen syscalls and no copy. A run holding a non-contiguous array is gathered into
+  a per-thread buffer by the native kernel instead.
 - A pool of threads writes separate shard files at once; a shard much larger than the others is
   cut at entry boundaries into regions written by several threads. Every write, hash and gather
   releases the GIL. The first failure stops the other threads, and the caller (shardkit.api)
