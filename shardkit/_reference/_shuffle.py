@@ -17,6 +17,10 @@ NT_MIN_BYTES = 256 * 1024
 
 def _bytes_of(obj: Any, k: int, role: str, writable: bool) -> np.ndarray:
     """A flat uint8 view of a C-contiguous buffer, with the kernel's error for anything else."""
+    if isinstance(obj, np.ndarray) and obj.flags.c_contiguous and (
+            obj.flags.writeable or not writable):
+        # any dtype, ml_dtypes included (memoryview cannot export those)
+        return obj.reshape(-1).view(np.uint8)
     try:
         mv = memoryview(obj)
     except TypeError as e:
