@@ -274,10 +274,11 @@ def _default_shards(
     keys, arrays, devices, dtypes, nbytes, shapes = host_columns(state)
     if len(set(keys)) != len(keys):
         return None
-    by_id = dict(zip(map(id, devices), devices))
+    by_id = dict(zip(map(id, devices), devices))  # the distinct device objects
+    tasks = {d.task or 0 for d in by_id.values()}
     groups: dict[int, list[int]] = {}
-    if len({d.task or 0 for d in by_id.values()}) <= 1:  # one task (always, for numpy)
-        groups[next(iter(by_id.values())).task or 0 if by_id else 0] = list(range(len(keys)))
+    if len(tasks) <= 1:  # one task (always, for numpy arrays)
+        groups[tasks.pop() if tasks else 0] = list(range(len(keys)))
     else:
         for i, d in enumerate(devices):
             groups.setdefault(d.task or 0, []).append(i)
@@ -300,8 +301,6 @@ def _default_shards(
                     else list(map(names.__getitem__, map(id, devices))))
     saved = SavedTensors(keys, dtypes, shapes, device_names, int(nbytes.sum()))
     return shards, saved
-
-
 
 
 _KEYWORD_DEFAULTS = {
