@@ -24,6 +24,8 @@ cnp.import_array()
 cdef enum:
     _IOV_LIMIT = 1024  # POSIX guarantees at least 16; Linux allows 1024
 
+IOV_LIMIT = _IOV_LIMIT  # most arrays one write_arrays call takes
+
 
 cdef Py_ssize_t _first_bad_range(
     const int64_t[::1] offsets, const int64_t[::1] lengths, int64_t size

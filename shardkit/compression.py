@@ -338,11 +338,6 @@ class ChunkPlan:
         begin = i * self.chunk_size
         return begin, min(begin + self.chunk_size, self.data_size)
 
-    def chunks_covering(self, begin: int, end: int) -> range:
-        if end <= begin:
-            return range(0)
-        return range(begin // self.chunk_size, -(-end // self.chunk_size))
-
 
 def plan_chunks(layouts: Sequence[EntryLayout], chunk_size: int, shuffle: bool,
                 path: str = "<shard>") -> ChunkPlan:

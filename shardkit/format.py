@@ -785,7 +785,6 @@ def encode_index(index: CheckpointIndex) -> bytes:
     """index.json bytes: compact UTF-8 JSON (as ``json.dumps(doc, separators=(",", ":"),
     ensure_ascii=False)``) and a newline. Column-wise, encoded by orjson (byte-identical to
     that json.dumps for these values, about 10x faster on 50,000 tensors).
-
     """
     try:
         user_metadata = _dumps(index.user_metadata).encode("utf-8")

@@ -830,10 +830,6 @@ def _read_index(path: str) -> CheckpointIndex:
 
 
 _dtype_name_of = operator.attrgetter("dtype_name")
-_begin_of = operator.attrgetter("begin")
-_shard_of = operator.attrgetter("shard")
-_entry_of = operator.attrgetter("entry")
-_end_of = operator.attrgetter("end")
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
 

@@ -410,7 +410,7 @@ def _write_region(
             _pwrite_all(fd, shard.header, 0)
             if bar is not None:
                 bar.update(len(shard.header))
-        # Gather runs of small entries; write large ones in place.
+        # Runs of small entries leave in one vectored write each; large ones in chunks.
         first = -1  # start of the pending run of small entries
         run_bytes = 0
         for i in range(region.start, region.stop):
@@ -448,10 +448,9 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
 def _flush_group(
     fd: int, shard: _ShardPlan, first: int, stop: int, buf: np.ndarray, checksum: bool, bar: Any
 ) -> None:
-    """Write the consecutive small entries ``[first, stop)`` with one ``pwritev`` from their own
-    memory (the kernel copies each once, into the page cache); when the call cannot take them
-    all (too many buffers, a non-contiguous array, a short write), gather them into `buf` with
-    the native kernel and write that."""
+    """Write the consecutive small entries ``[first, stop)`` (at most IOV_MAX) with one
+    ``pwritev`` from their own memory; a run holding a non-contiguous array is gathered into
+    `buf` (that array copied to C order) and written from there."""
     arrays = shard.arrays[first:stop]
     start = shard.offsets[first]
     total = shard.offsets[stop - 1] + shard.nbytes[stop - 1] - start
@@ -469,7 +468,7 @@ def _flush_group(
         bar.update(total)
 
 
-_IOV_MAX = 1024  # buffers per vectored write (Linux's IOV_MAX)
+_IOV_MAX = _gather.IOV_LIMIT  # arrays per vectored write
 
 
 def _gather_write(fd: int, arrays: list[np.ndarray], offsets: list[int], start: int,

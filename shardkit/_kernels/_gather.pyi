@@ -27,6 +27,8 @@ def gather_buffers(sources: list[Buffer], offsets: Buffer, out: Buffer) -> int:
     C-contiguous or does not fit.
     """
 
+IOV_LIMIT: int  # most arrays one write_arrays call takes
+
 def write_arrays(fd: int, arrays: list[Any], offset: int) -> int:
     """Write the bytes of `arrays` (exactly C-contiguous numpy arrays, at most 1024) back to
     back at `offset` of file `fd` with pwritev, the GIL released; returns the bytes written.

@@ -92,7 +92,7 @@ def gather_buffers(sources: list, offsets: Any, out: Any) -> int:
     return sum(len(d) for d in data)
 
 
-_IOV_LIMIT = 1024
+IOV_LIMIT = 1024  # most arrays one write_arrays call takes
 
 
 def write_arrays(fd: int, arrays: list, offset: int) -> int:
@@ -100,8 +100,8 @@ def write_arrays(fd: int, arrays: list, offset: int) -> int:
     of file `fd`; returns the bytes written (short writes continued)."""
     if not isinstance(arrays, list):
         raise TypeError(f"arrays must be a list, got {type(arrays).__name__}")
-    if len(arrays) > _IOV_LIMIT:
-        raise ValueError(f"{len(arrays)} arrays in one call; at most {_IOV_LIMIT}")
+    if len(arrays) > IOV_LIMIT:
+        raise ValueError(f"{len(arrays)} arrays in one call; at most {IOV_LIMIT}")
     for i, a in enumerate(arrays):
         if type(a) is not np.ndarray:
             raise TypeError(f"array {i} is a {type(a).__name__}, not a numpy array")
