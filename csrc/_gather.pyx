@@ -1,159 +1,151 @@
-"""Gather many small buffers into one, and scatter one buffer back into many.
+"""Write many arrays to a file from their own memory, hashing each with xxh3-64 on the way.
 
-Sources and destinations are given as raw addresses (uint64) so that the copy loop touches no
-Python object and runs without the GIL. The caller (shardkit.writer / shardkit.reader) takes the
-addresses from arrays it keeps alive for the duration of the call and checks that destinations
-are writable; these functions check every range against the buffer they do own.
-`gather_buffers` takes the source objects themselves: it acquires their buffers first (with the
-GIL, about 0.1 us each, against microseconds for reading an address from Python), then copies
-without the GIL, then releases them.
+`write_arrays` is the raw-shard writer's hot loop: small arrays leave in vectored writes
+(``pwritev``, at most IOV_LIMIT buffers and about WRITE_BATCH bytes each), large ones in
+WRITE_BATCH chunks, and every byte is hashed just before it is written, while it is still in
+cache. The GIL is released for all of it. Arrays are read through numpy's C API, not the buffer
+protocol: numpy's buffer export costs microseconds per call on arrays another library (torch)
+has exported before, which thousands of tensors turn into a GIL-bound loop.
 """
 
 cimport numpy as cnp
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.unicode cimport PyUnicode_FromStringAndSize
 from libc.errno cimport EINTR, EIO, errno
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, strerror
+from libc.string cimport strerror
 from posix.uio cimport iovec, pwritev
-
-import numpy as np
+from posix.unistd cimport pwrite
 
 cnp.import_array()
 
+
+cdef extern from "xxh3.h" nogil:
+    ctypedef struct XXH3_state_t:
+        pass
+    uint64_t XXH3_64bits(const void* data, size_t length)
+    XXH3_state_t* XXH3_createState()
+    int XXH3_freeState(XXH3_state_t* state)
+    int XXH3_64bits_reset(XXH3_state_t* state)
+    int XXH3_64bits_update(XXH3_state_t* state, const void* data, size_t length)
+    uint64_t XXH3_64bits_digest(const XXH3_state_t* state)
+
+
 cdef enum:
     _IOV_LIMIT = 1024  # POSIX guarantees at least 16; Linux allows 1024
+    _WRITE_BATCH = 4 * 1024 * 1024  # hashed, then written while still in cache (L2/L3)
 
-IOV_LIMIT = _IOV_LIMIT  # most arrays one write_arrays call takes
-
-
-cdef Py_ssize_t _first_bad_range(
-    const int64_t[::1] offsets, const int64_t[::1] lengths, int64_t size
-) noexcept nogil:
-    """Index of the first range outside 0..size (or negative), -1 if all fit."""
-    cdef Py_ssize_t i
-    cdef int64_t off, n
-    for i in range(offsets.shape[0]):
-        off = offsets[i]
-        n = lengths[i]
-        if off < 0 or n < 0 or off > size or n > size - off:
-            return i
-    return -1
+IOV_LIMIT = _IOV_LIMIT  # most buffers in one pwritev
+WRITE_BATCH = _WRITE_BATCH  # bytes per write call (a larger array leaves in chunks of this)
 
 
-cdef void _check(
-    const uint64_t[::1] addresses,
-    const int64_t[::1] lengths,
-    const int64_t[::1] offsets,
-    int64_t size,
-    str what,
-) except *:
-    cdef Py_ssize_t bad
-    if not (addresses.shape[0] == lengths.shape[0] == offsets.shape[0]):
-        raise ValueError(
-            f"addresses, lengths and offsets must have equal lengths, got "
-            f"{addresses.shape[0]}, {lengths.shape[0]}, {offsets.shape[0]}"
-        )
-    with nogil:
-        bad = _first_bad_range(offsets, lengths, size)
-    if bad >= 0:
-        raise ValueError(
-            f"range {bad} (offset {offsets[bad]}, length {lengths[bad]}) lies outside the "
-            f"{size}-byte {what} buffer"
-        )
+cdef int _pwritev_all(int fd, iovec* iov, Py_ssize_t n, int64_t offset) noexcept nogil:
+    """Write all of ``iov[0:n]`` at `offset`, continuing short writes and retrying EINTR
+    (`iov` is consumed). Returns 0 or an errno."""
+    cdef Py_ssize_t k = 0
+    cdef ssize_t got
+    while k < n:
+        if iov[k].iov_len == 0:
+            k += 1
+            continue
+        got = pwritev(fd, iov + k, <int>(n - k), offset)
+        if got < 0:
+            if errno == EINTR:
+                continue
+            return errno
+        if got == 0:
+            return EIO
+        offset += got
+        while k < n and <size_t>got >= iov[k].iov_len:  # drop the finished buffers
+            got -= iov[k].iov_len
+            k += 1
+        if k < n and got:
+            iov[k].iov_base = <char*>iov[k].iov_base + got
+            iov[k].iov_len -= <size_t>got
+    return 0
 
 
-def gather(
-    const uint64_t[::1] addresses,
-    const int64_t[::1] lengths,
-    const int64_t[::1] offsets,
-    unsigned char[::1] out,
-) -> None:
-    """Copy ``lengths[i]`` bytes from address ``addresses[i]`` to ``out[offsets[i]:]``, for all i."""
-    _check(addresses, lengths, offsets, out.shape[0], "destination")
-    cdef Py_ssize_t i
-    cdef unsigned char* base = &out[0] if out.shape[0] else NULL
-    with nogil:
-        for i in range(addresses.shape[0]):
-            if lengths[i]:
-                memcpy(base + offsets[i], <const void*><uintptr_t>addresses[i], <size_t>lengths[i])
+cdef int _pwrite_all(int fd, const char* data, size_t n, int64_t offset) noexcept nogil:
+    cdef ssize_t got
+    while n:
+        got = pwrite(fd, data, n, offset)
+        if got < 0:
+            if errno == EINTR:
+                continue
+            return errno
+        if got == 0:
+            return EIO
+        data += got
+        n -= <size_t>got
+        offset += got
+    return 0
 
 
-def scatter(
-    const unsigned char[::1] src,
-    const int64_t[::1] offsets,
-    const int64_t[::1] lengths,
-    const uint64_t[::1] addresses,
-) -> None:
-    """Copy ``src[offsets[i]:offsets[i] + lengths[i]]`` to address ``addresses[i]``, for all i."""
-    _check(addresses, lengths, offsets, src.shape[0], "source")
-    cdef Py_ssize_t i
-    cdef const unsigned char* base = &src[0] if src.shape[0] else NULL
-    with nogil:
-        for i in range(addresses.shape[0]):
-            if lengths[i]:
-                memcpy(<void*><uintptr_t>addresses[i], base + offsets[i], <size_t>lengths[i])
+cdef int _write_hashed(int fd, iovec* iov, Py_ssize_t n, int64_t offset, uint64_t* digests,
+                       XXH3_state_t* state) noexcept nogil:
+    """Write ``iov[0:n]`` back to back at `offset`; with `digests`, the xxh3-64 of each buffer
+    into ``digests[i]``. Returns 0 or an errno."""
+    cdef Py_ssize_t i, first = 0  # ``iov[first:i]``: hashed, not yet written
+    cdef size_t size, pending = 0, step, done
+    cdef const char* data
+    cdef int err
+    for i in range(n):
+        size = iov[i].iov_len
+        if size <= _WRITE_BATCH:
+            if i - first == _IOV_LIMIT or pending + size > _WRITE_BATCH:
+                err = _pwritev_all(fd, iov + first, i - first, offset)
+                if err:
+                    return err
+                offset += pending
+                first, pending = i, 0
+            if digests != NULL:
+                digests[i] = XXH3_64bits(iov[i].iov_base, size)
+            pending += size
+            continue
+        # a large buffer: write what is pending, then this one chunk by chunk
+        err = _pwritev_all(fd, iov + first, i - first, offset)
+        if err:
+            return err
+        offset += pending
+        pending = 0
+        data = <const char*>iov[i].iov_base
+        if digests != NULL:
+            XXH3_64bits_reset(state)
+        done = 0
+        while done < size:
+            step = min(<size_t>_WRITE_BATCH, size - done)
+            if digests != NULL:
+                XXH3_64bits_update(state, data + done, step)
+            err = _pwrite_all(fd, data + done, step, offset)
+            if err:
+                return err
+            offset += step
+            done += step
+        if digests != NULL:
+            digests[i] = XXH3_64bits_digest(state)
+        first = i + 1
+    return _pwritev_all(fd, iov + first, n - first, offset)
 
 
-def gather_buffers(list sources, const int64_t[::1] offsets, unsigned char[::1] out) -> int:
-    """Copy the bytes of each C-contiguous buffer ``sources[i]`` to ``out[offsets[i]:]``.
+def write_arrays(int fd, list arrays not None, int64_t offset, uint64_t[::1] digests=None):
+    """Write the bytes of `arrays` back to back at `offset` of file `fd`, the GIL released;
+    with `digests`, store the xxh3-64 of array i in ``digests[i]``.
 
-    Returns the number of bytes copied. Raises ValueError (nothing copied) if a source is not
-    C-contiguous or does not fit in `out` at its offset.
-    """
-    cdef Py_ssize_t n = len(sources)
-    cdef Py_ssize_t i, acquired = 0
-    cdef int64_t size = out.shape[0]
-    cdef int64_t total = 0
-    cdef unsigned char* base = &out[0] if size else NULL
-    if offsets.shape[0] != n:
-        raise ValueError(
-            f"sources and offsets must have equal lengths, got {n} and {offsets.shape[0]}"
-        )
-    cdef Py_buffer* views = <Py_buffer*>malloc(n * sizeof(Py_buffer)) if n else NULL
-    if n and views == NULL:
-        raise MemoryError()
-    try:
-        for i in range(n):
-            PyObject_GetBuffer(sources[i], &views[i], PyBUF_SIMPLE)
-            acquired += 1
-            if offsets[i] < 0 or offsets[i] > size or views[i].len > size - offsets[i]:
-                raise ValueError(
-                    f"source {i} ({views[i].len} bytes at offset {offsets[i]}) does not fit in "
-                    f"the {size}-byte destination buffer"
-                )
-            total += views[i].len
-        with nogil:
-            for i in range(n):
-                if views[i].len:
-                    memcpy(base + offsets[i], views[i].buf, <size_t>views[i].len)
-    finally:
-        for i in range(acquired):
-            PyBuffer_Release(&views[i])
-        free(views)
-    return total
-
-
-def write_arrays(int fd, list arrays not None, int64_t offset):
-    """Write the bytes of `arrays` back to back at `offset` of file `fd` with ``pwritev``, the
-    GIL released; returns the bytes written (all of them: short writes are continued, EINTR
-    retried, any other failure raises OSError with its errno).
-
-    Each element must be exactly a C-contiguous numpy array (TypeError / ValueError otherwise,
-    before anything is written). Their memory is read through numpy's C API, not the buffer
-    protocol: numpy's buffer export costs microseconds per call on arrays another library
-    (torch) has exported before, and two writer threads doing thousands of them held the GIL
-    in turn for most of a save. At most IOV_MAX arrays per call.
+    Stops before the first element that is not a C-contiguous numpy array and returns how many
+    arrays it wrote (all of them normally); the caller deals with that one and calls again for
+    the rest. Short writes are continued and EINTR retried; any other failure raises OSError
+    with its errno (some bytes may have been written).
     """
     cdef Py_ssize_t n = len(arrays)
-    cdef Py_ssize_t i, k = 0
+    cdef Py_ssize_t i, count = 0
     cdef cnp.ndarray arr
-    cdef int64_t total = 0, done = 0
-    cdef ssize_t got
     cdef int err = 0
-    cdef type ndarray = np.ndarray
-    if n > _IOV_LIMIT:
-        raise ValueError(f"{n} arrays in one call; at most {_IOV_LIMIT}")
+    cdef uint64_t* out = NULL
+    cdef XXH3_state_t* state = NULL
+    if digests is not None:
+        if digests.shape[0] < n:
+            raise ValueError(f"digests holds {digests.shape[0]} values, {n} arrays given")
+        out = &digests[0] if n else NULL
     if n == 0:
         return 0
     cdef iovec* iov = <iovec*>malloc(n * sizeof(iovec))
@@ -162,34 +154,39 @@ def write_arrays(int fd, list arrays not None, int64_t offset):
     try:
         for i in range(n):
             a = arrays[i]
-            if type(a) is not ndarray:
-                raise TypeError(f"array {i} is a {type(a).__name__}, not a numpy array")
+            if not cnp.PyArray_Check(a):
+                break
             arr = <cnp.ndarray>a
             if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
-                raise ValueError(f"array {i} is not C-contiguous")
+                break
             iov[i].iov_base = cnp.PyArray_DATA(arr)
             iov[i].iov_len = <size_t>cnp.PyArray_NBYTES(arr)
-            total += cnp.PyArray_NBYTES(arr)
+            count += 1
+        if out != NULL:
+            state = XXH3_createState()
+            if state == NULL:
+                raise MemoryError()
         with nogil:  # `arrays` (held by the caller) keeps every array alive meanwhile
-            while done < total:
-                got = pwritev(fd, iov + k, <int>(n - k), offset + done)
-                if got < 0:
-                    if errno == EINTR:
-                        continue
-                    err = errno
-                    break
-                if got == 0:
-                    err = EIO
-                    break
-                done += got
-                while k < n and <size_t>got >= iov[k].iov_len:  # drop the finished buffers
-                    got -= iov[k].iov_len
-                    k += 1
-                if k < n and got:
-                    iov[k].iov_base = <char*>iov[k].iov_base + got
-                    iov[k].iov_len -= <size_t>got
+            err = _write_hashed(fd, iov, count, offset, out, state)
         if err:
             raise OSError(err, strerror(err).decode())
-        return total
+        return count
     finally:
+        XXH3_freeState(state)
         free(iov)
+
+
+def hex_digests(const uint64_t[::1] values):
+    """Each value as 16 lowercase hex digits (xxhash's ``hexdigest`` spelling), as a list."""
+    cdef Py_ssize_t i, j
+    cdef uint64_t v
+    cdef char text[16]
+    cdef const char* digits = b"0123456789abcdef"
+    out = [None] * values.shape[0]
+    for i in range(values.shape[0]):
+        v = values[i]
+        for j in range(15, -1, -1):
+            text[j] = digits[v & 15]
+            v >>= 4
+        out[i] = PyUnicode_FromStringAndSize(text, 16)
+    return out

@@ -3,7 +3,8 @@
 ``concurrent.futures.ThreadPoolExecutor`` refuses new work once interpreter shutdown has begun
 ("cannot schedule new futures after interpreter shutdown"), but an asynchronous save still
 pending at exit runs exactly then and must complete. `WorkerPool` is an Executor of plain
-daemon threads without that rule; `run_parallel` runs one function over items on a few threads.
+daemon threads without that rule; `run_parallel` runs one function over items on a few threads,
+and `ParallelRun` does the same in the background.
 """
 
 from __future__ import annotations
@@ -80,47 +81,60 @@ class WorkerPool(Executor):
 
 def run_parallel(work: Callable[[Any], None], items: Sequence[Any], threads: int,
                  stop: threading.Event | None = None) -> None:
-    """``work(item)`` for every item, on up to `threads` threads of our own. The first error
-    sets `stop` (work should check it), the other threads finish the item in hand, and the
-    error is raised here."""
-    stop = stop or threading.Event()
-    count = min(threads, len(items))
-    if count <= 1:
+    """``work(item)`` for every item, on up to `threads` threads of our own (in this thread
+    when one is enough). The first error sets `stop` (work should check it), the other threads
+    finish the item in hand, and the error is raised here."""
+    if min(threads, len(items)) <= 1:
         for item in items:
             work(item)
         return
-    errors: list[BaseException] = []
-    todo = iter(items)
-    lock = threading.Lock()
+    ParallelRun(work, items, threads, stop).wait()
 
-    def worker() -> None:
-        while not stop.is_set():
-            with lock:
-                item = next(todo, _DONE)
+
+class ParallelRun:
+    """``work(item)`` for every item on up to `threads` new daemon threads, started at once;
+    `wait` joins them and raises the first error. The caller's thread is free meanwhile."""
+
+    def __init__(self, work: Callable[[Any], None], items: Sequence[Any], threads: int,
+                 stop: threading.Event | None = None) -> None:
+        self.stop = stop or threading.Event()
+        self._errors: list[BaseException] = []
+        self._todo = iter(items)
+        self._lock = threading.Lock()
+        self._work = work
+        self._pool = [threading.Thread(target=self._worker, name=f"shardkit-writer-{i}",
+                                       daemon=True)
+                      for i in range(max(1, min(threads, len(items))))]
+        for t in self._pool:
+            t.start()
+
+    def _worker(self) -> None:
+        while not self.stop.is_set():
+            with self._lock:
+                item = next(self._todo, _DONE)
             if item is _DONE:
                 return
             try:
-                work(item)
+                self._work(item)
             except BaseException as e:
-                with lock:
-                    errors.append(e)
-                stop.set()
+                with self._lock:
+                    self._errors.append(e)
+                self.stop.set()
                 return
 
-    pool = [threading.Thread(target=worker, name=f"shardkit-writer-{i}", daemon=True)
-            for i in range(count)]
-    for t in pool:
-        t.start()
-    try:
-        for t in pool:
-            t.join()
-    except BaseException:  # e.g. KeyboardInterrupt: stop the workers before leaving
-        stop.set()
-        for t in pool:
-            t.join()
-        raise
-    if errors:
-        raise errors[0]
+    def wait(self) -> None:
+        """Join the threads; raise the first error any of them met."""
+        try:
+            for t in self._pool:
+                t.join()
+        except BaseException:  # e.g. KeyboardInterrupt: stop the workers before leaving
+            self.stop.set()
+            for t in self._pool:
+                t.join()
+            raise
+        if self._errors:
+            raise self._errors[0]
+
 
 
 _DONE = object()

@@ -240,7 +240,7 @@ def _save(
         shards, saved = planned
 
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
-        index = write_shards(
+        index, index_bytes = write_shards(
             staging.path,
             shards,
             saved,
@@ -255,7 +255,6 @@ def _save(
             shuffle=opts.shuffle,
             chunk_size=opts.chunk_size,
         )
-        index_bytes = fmt.encode_index(index)
         staging.commit(index_bytes)
     target = str(staging.target)
     opts.run_write_callbacks(target)

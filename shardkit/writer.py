@@ -1,22 +1,21 @@
 """Write validated shards as shard files, in parallel, with per-entry xxh3-64 checksums.
 
-How the bytes move (DESIGN.md section 5):
+How the bytes move (DESIGN.md section 5; docs/ARCHITECTURE.md for where this differs):
 
-- Large entries are written straight from the caller's memory with ``os.pwrite`` in chunks; the
-  xxh3 of a chunk is updated just before the chunk is written, while it is still in cache. A
-  non-contiguous input is copied to C order first, one tensor at a time (the only copy).
-- Small entries leave in runs of a few MiB (at most IOV_MAX entries), each run one ``pwritev``
-  from the arrays' own memory (`_gather.write_arrays`, GIL released), so 50,000 tiny tensors
-  cost a few dozen syscalls and no copy. A run holding a non-contiguous array is gathered into
-  a per-thread buffer by the native kernel instead.
+- Every entry is written straight from the caller's memory by the native kernel
+  (`_gather.write_arrays`, GIL released): small entries in vectored writes of up to IOV_MAX
+  buffers and a few MiB, large ones in chunks of that size, so 50,000 tiny tensors cost a few
+  hundred syscalls and no copy. The kernel hashes each buffer with xxh3-64 just before writing
+  it, while it is still in cache. A non-contiguous input is copied to C order first, one
+  tensor at a time (the only copy).
 - A pool of threads writes separate shard files at once; a shard much larger than the others is
-  cut at entry boundaries into regions written by several threads. Every write, hash and gather
-  releases the GIL. The first failure stops the other threads, and the caller (shardkit.api)
-  removes the temp directory, so nothing partial survives.
+  cut at entry boundaries into regions written by several threads. The first failure stops the
+  other threads, and the caller (shardkit.api) removes the temp directory, so nothing partial
+  survives.
 
-Memory: one gather buffer per thread (kept between saves) plus, for non-contiguous inputs, one
-tensor copy per thread. Compressed shards (``compression="zstd"``) are written one after the
-other by shardkit.compression, which compresses each shard's chunks on `threads` threads.
+Memory: for non-contiguous inputs, one tensor copy per thread. Compressed shards
+(``compression="zstd"``) are written one after the other by shardkit.compression, which
+compresses each shard's chunks on `threads` threads.
 """
 
 from __future__ import annotations
@@ -24,57 +23,27 @@ from __future__ import annotations
 import operator
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-import xxhash
 
 from . import format as fmt
 from ._kernels import _gather, _table
-from ._threads import run_parallel
+from ._threads import ParallelRun
 from .callback import TaskShard
 from .dtypes import safetensors_name
 from .errors import ShardkitError
 from .slices import parse_slice_spec
 from .tensors import ShardableTensor
 
-SMALL_ENTRY = 256 * 1024  # entries below this are gathered into a buffer
-GATHER_BUFFER = 4 * 1024 * 1024  # bytes per gather buffer (per thread)
-HASH_CHUNK = 8 * 1024 * 1024  # large entries: hash + write per chunk (two chunks fit in L3)
-RAW_CHUNK = 64 * 1024 * 1024  # ...or of this size without checksums
+_T = TypeVar("_T")
+
+WRITE_GROUP = 64 * 1024 * 1024  # bytes per kernel call: progress and stop requests in between
 MIN_REGION = 64 * 1024 * 1024  # a shard is cut into regions for several threads above this
-
-
-class _BufferPool:
-    """Gather buffers kept between saves: touching fresh memory costs more than writing it on
-    some VMs (first-touch page faults), and every save would otherwise fault in new buffers."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._keep = keep
-
-    def acquire(self) -> np.ndarray:
-        with self._lock:
-            while self._free:
-                buf = self._free.pop()
-                if len(buf) == GATHER_BUFFER:
-                    return buf
-        return np.empty(GATHER_BUFFER, dtype=np.uint8)
-
-    def release(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if len(buf) != GATHER_BUFFER:  # the size was changed meanwhile
-                self._free.clear()
-            elif len(self._free) < self._keep:
-                self._free.append(buf)
-
-
-_buffers = _BufferPool()
 
 
 @dataclass(slots=True)
@@ -133,7 +102,8 @@ def shard_columns(task_shards: Sequence[TaskShard]) -> list[ShardColumns]:
 @dataclass(slots=True)
 class _ShardPlan:
     """A shard in its on-disk order: entry i is ``keys[i]`` / ``specs[i]`` / ``arrays[i]`` at
-    absolute file offset ``offsets[i]``, ``nbytes[i]`` long."""
+    absolute file offsets ``offsets[i]`` to ``ends[i]``; a raw shard's writers put the entry's
+    xxh3-64 in ``digests[i]``."""
 
     path: Path
     file: str
@@ -142,12 +112,13 @@ class _ShardPlan:
     keys: list[str]
     specs: list[str]
     arrays: list[np.ndarray]
-    offsets: list[int]
-    nbytes: list[int]
+    offsets: np.ndarray  # int64
+    ends: np.ndarray  # int64
     layouts: list[fmt.EntryLayout] | None  # only for compressed shards
     size: int
-    xxh3: list[str | None]
+    digests: np.ndarray  # uint64
     rows: range | list[int] | None  # the entries' rows in SavedTensors, when known
+    xxh3: list[str | None] | None = None  # compressed shards: the entry checksums, in hex
     fd: int = -1
     pending: int = 0  # regions not yet written
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -184,14 +155,14 @@ def write_shards(
     level: int | None = None,
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
-) -> fmt.CheckpointIndex:
+) -> tuple[fmt.CheckpointIndex, bytes]:
     """Write `shards` (validated callback output) into `directory` as shard files.
 
     Raw safetensors shards, or zstd shards (``.skz``, shardkit.compression) when `compression`
-    is ``"zstd"``. Returns the checkpoint index describing them; writing ``index.json`` and
-    publishing the directory is the caller's job (shardkit.commit). `saved` gives the order,
-    dtypes, full shapes and devices of the saved tensors. With `durable`, each shard file is
-    fsynced once complete.
+    is ``"zstd"``. Returns the checkpoint index describing them and its ``index.json`` bytes;
+    writing that file and publishing the directory is the caller's job (shardkit.commit).
+    `saved` gives the order, dtypes, full shapes and devices of the saved tensors. With
+    `durable`, each shard file is fsynced once complete.
     """
     if compression not in (None, "zstd"):
         raise ValueError(f"unknown compression {compression!r}; use None or 'zstd'")
@@ -200,16 +171,24 @@ def write_shards(
     plans = _plan(Path(directory), shards, codec)
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
     bar = _progress_bar(total, progress)
+
+    def describe() -> tuple[fmt.CheckpointIndex, tuple[bytes, bytes]]:
+        index = _index(plans, saved, description, user_metadata or {}, codec)
+        return index, fmt.encode_index_parts(index)
+
     try:
-        if codec == "raw":
-            _run(plans, _regions(plans, threads), threads, durable, checksum, bar)
-        else:
+        if codec == "raw":  # all but the checksums is described while the data is written
+            index, parts = _run(plans, _regions(plans, threads), threads, durable, checksum, bar,
+                                describe)
+        else:  # a compressed shard's size is known once it is written
             _run_zstd(plans, threads, durable, checksum, bar,
                       level=level, shuffle=shuffle, chunk_size=chunk_size)
+            index, parts = describe()
     finally:
         if bar is not None:
             bar.close()
-    return _index(plans, saved, description, checksum, user_metadata or {}, codec)
+    index.set_checksums(_checksums(plans, checksum))
+    return index, fmt.encode_index(index, parts)
 
 
 def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_ShardPlan]:
@@ -236,8 +215,8 @@ def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_
         name = fmt.shard_file_name(i, count, codec)
         plans.append(_ShardPlan(
             directory / name, name, shard.task, header, keys, specs, arrays,
-            (begins + start).tolist(), (ends - begins).tolist(), layouts,
-            start + (int(ends[-1]) if len(ends) else 0), [None] * len(keys), rows,
+            begins + start, ends + start, layouts, start + (int(ends[-1]) if len(ends) else 0),
+            np.zeros(len(keys), np.uint64), rows,
         ))
     return plans
 
@@ -299,7 +278,7 @@ def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
         target = p.size / parts
         made = first = 0
         nbytes = len(p.header)
-        for i, n in enumerate(p.nbytes):
+        for i, n in enumerate((p.ends - p.offsets).tolist()):
             if i > first and made < parts - 1 and nbytes + n / 2 > target:
                 out.append(_Region(p, first, i, nbytes, made == 0))
                 made += 1
@@ -367,8 +346,10 @@ def _run(
     durable: bool,
     checksum: bool,
     bar: Any,
-) -> None:
-    """Write `regions` on `threads` threads."""
+    meanwhile: Callable[[], _T],
+) -> _T:
+    """Write `regions` on `threads` threads; returns what `meanwhile` returns, which runs in
+    this thread while they write."""
     stop = threading.Event()
     try:
         _open_all(plans)
@@ -376,9 +357,8 @@ def _run(
         def work(region: _Region) -> None:
             if stop.is_set():
                 return
-            buf = _buffers.acquire()
             try:
-                _write_region(region, buf, checksum, stop, bar)
+                _write_region(region, checksum, stop, bar)
                 shard = region.shard
                 with shard.lock:
                     shard.pending -= 1
@@ -391,49 +371,43 @@ def _run(
             except BaseException:
                 stop.set()
                 raise
-            finally:
-                _buffers.release(buf)
 
-        run_parallel(work, regions, threads, stop)
+        running = ParallelRun(work, regions, threads, stop)
+        try:
+            return meanwhile()
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            running.wait()
     finally:
         _close_all(plans)
 
 
-def _write_region(
-    region: _Region, buf: np.ndarray, checksum: bool, stop: threading.Event, bar: Any
-) -> None:
+def _write_region(region: _Region, checksum: bool, stop: threading.Event, bar: Any) -> None:
+    """Write (and hash) the entries of `region` with the native kernel, in groups of about
+    WRITE_GROUP bytes so that progress is reported and a failure elsewhere stops this thread."""
     shard = region.shard
-    fd = shard.fd
-    nbytes, limit = shard.nbytes, len(buf)
+    fd, arrays, offsets, ends = shard.fd, shard.arrays, shard.offsets, shard.ends
+    digests = shard.digests if checksum else None
     try:
         if region.with_header:
             _pwrite_all(fd, shard.header, 0)
             if bar is not None:
                 bar.update(len(shard.header))
-        # Runs of small entries leave in one vectored write each; large ones in chunks.
-        first = -1  # start of the pending run of small entries
-        run_bytes = 0
-        for i in range(region.start, region.stop):
-            n = nbytes[i]
-            if n < SMALL_ENTRY:
-                # a run fits the gather buffer and one pwritev (IOV_MAX buffers)
-                if first >= 0 and (run_bytes + n > limit or i - first >= _IOV_MAX):
-                    _flush_group(fd, shard, first, i, buf, checksum, bar)
-                    first = -1
-                    if stop.is_set():
-                        return
-                if first < 0:
-                    first, run_bytes = i, 0
-                run_bytes += n
-            else:
-                if first >= 0:
-                    _flush_group(fd, shard, first, i, buf, checksum, bar)
-                    first = -1
-                _write_large(fd, shard, i, checksum, stop, bar)
-                if stop.is_set():
-                    return
-        if first >= 0:
-            _flush_group(fd, shard, first, region.stop, buf, checksum, bar)
+        i, last = region.start, region.stop
+        while i < last and not stop.is_set():
+            j = min(last, int(np.searchsorted(ends, offsets[i] + WRITE_GROUP)) + 1)
+            done = i + _gather.write_arrays(fd, arrays[i:j], offsets[i],
+                                            None if digests is None else digests[i:j])
+            if done < j:  # a non-contiguous array: write (and hash) a C-order copy of it
+                copy = [np.ascontiguousarray(arrays[done])]
+                _gather.write_arrays(fd, copy, offsets[done],
+                                     None if digests is None else digests[done : done + 1])
+                j = done + 1
+            if bar is not None:
+                bar.update(int(ends[j - 1] - offsets[i]))
+            i = j
     except OSError as e:
         raise _io_error(e, "writing", shard.path) from e
 
@@ -443,63 +417,6 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array.reshape(-1).view(np.uint8)
-
-
-def _flush_group(
-    fd: int, shard: _ShardPlan, first: int, stop: int, buf: np.ndarray, checksum: bool, bar: Any
-) -> None:
-    """Write the consecutive small entries ``[first, stop)`` (at most IOV_MAX) with one
-    ``pwritev`` from their own memory; a run holding a non-contiguous array is gathered into
-    `buf` (that array copied to C order) and written from there."""
-    arrays = shard.arrays[first:stop]
-    start = shard.offsets[first]
-    total = shard.offsets[stop - 1] + shard.nbytes[stop - 1] - start
-    if checksum:
-        digest: Any = xxhash.xxh3_64_hexdigest  # numpy arrays are buffers; the stubs disagree
-        try:
-            shard.xxh3[first:stop] = map(digest, arrays)
-        except (BufferError, ValueError):  # a non-contiguous array: hash its C-order bytes
-            shard.xxh3[first:stop] = [digest(np.ascontiguousarray(a)) for a in arrays]
-    try:
-        _gather.write_arrays(fd, arrays, start)  # vectored, from the arrays' own memory
-    except (ValueError, TypeError):  # a non-contiguous array (rare): gather a C-order copy
-        _gather_write(fd, arrays, shard.offsets[first:stop], start, total, buf)
-    if bar is not None:
-        bar.update(total)
-
-
-_IOV_MAX = _gather.IOV_LIMIT  # arrays per vectored write
-
-
-def _gather_write(fd: int, arrays: list[np.ndarray], offsets: list[int], start: int,
-                  total: int, buf: np.ndarray) -> None:
-    """Gather `arrays` (at `offsets`, absolute) into `buf`, copying non-contiguous ones to C
-    order, and write the `total` bytes at `start`; `buf` holds `total` bytes or more."""
-    rel = np.array(offsets, dtype=np.int64)
-    rel -= start
-    arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-    n = _gather.gather_buffers(arrays, rel, buf)
-    assert n == total
-    _pwrite_all(fd, buf[:n], start)
-
-
-def _write_large(fd: int, shard: _ShardPlan, i: int, checksum: bool, stop: threading.Event,
-                 bar: Any) -> None:
-    data = _as_bytes(shard.arrays[i])
-    offset, n = shard.offsets[i], shard.nbytes[i]
-    step = HASH_CHUNK if checksum else RAW_CHUNK
-    hasher = xxhash.xxh3_64() if checksum else None
-    for begin in range(0, n, step):
-        chunk = data[begin : begin + step]
-        if hasher is not None:
-            hasher.update(chunk)  # type: ignore[arg-type]
-        _pwrite_all(fd, chunk, offset + begin)
-        if bar is not None:
-            bar.update(len(chunk))
-        if stop.is_set():
-            return
-    if hasher is not None:
-        shard.xxh3[i] = hasher.hexdigest()
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:
@@ -529,10 +446,10 @@ def _index(
     plans: list[_ShardPlan],
     saved: SavedTensors,
     description: str,
-    checksum: bool,
     user_metadata: dict[str, Any],
     codec: str,
 ) -> fmt.CheckpointIndex:
+    """The index of the shards `plans`, without checksums (see `_checksums`)."""
     keys, dtypes, shapes, devices = saved.keys, saved.dtypes, saved.shapes, saved.devices
     rows: dict[str, int] | None = None
     if not all(p.rows is not None for p in plans):  # find each entry's tensor by its key
@@ -547,7 +464,6 @@ def _index(
     slice_tensor: list[int] = []
     slice_spec: list[str] = []
     slice_shard: list[int] = []
-    slice_xxh3: list[str | None] = []
     for number, p in enumerate(plans):  # entries are in data-region order
         if rows is None:
             assert p.rows is not None
@@ -560,7 +476,6 @@ def _index(
                                     "tensor") from None
         slice_spec += p.specs
         slice_shard += repeat(number, len(p.keys))
-        slice_xxh3 += p.xxh3 if checksum else repeat(None, len(p.keys))
     stored = np.bincount(np.asarray(slice_tensor, np.int64), minlength=len(keys))
     if len(keys) and stored.min() == 0:
         key = keys[int(np.argmin(stored))]
@@ -571,11 +486,22 @@ def _index(
     shards = [fmt.ShardInfo(p.file, p.task, codec, p.size) for p in plans]
     index = fmt.CheckpointIndex(
         description, shards, keys, dtype_names, shapes, devices,
-        slice_tensor, slice_spec, slice_shard, slice_xxh3, user_metadata,
+        slice_tensor, slice_spec, slice_shard, [None] * len(slice_tensor), user_metadata,
     )
     if saved.total_size is not None:
         index.set_total_size(saved.total_size)
     return index
+
+
+def _checksums(plans: list[_ShardPlan], checksum: bool) -> list[str | None]:
+    """The index's checksum column: the xxh3-64 of every entry, shard by shard, in hex."""
+    column: list[str | None] = []
+    for p in plans:
+        if not checksum:
+            column += repeat(None, len(p.keys))
+        else:
+            column += p.xxh3 if p.xxh3 is not None else _gather.hex_digests(p.digests)
+    return column
 
 
 def _full_shape(t: ShardableTensor) -> tuple[int, ...]:

@@ -7,6 +7,9 @@ import json
 import os
 import re
 import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import ml_dtypes
@@ -244,7 +247,9 @@ def test_every_builtin_policy_round_trips(tmp_path, rng):
         assert index["shardkit"]["callback"] == policy.description
 
 
-def test_many_small_tensors_are_gathered(tmp_path, rng, monkeypatch):
+def test_many_small_tensors_leave_in_one_kernel_call(tmp_path, rng, monkeypatch):
+    """3000 small tensors: the header, then one call of the native kernel (which batches them
+    into vectored writes itself, see tests/test_write_kernel.py)."""
     flat = {f"t{i:05d}": _random(rng, np.dtype(np.float32), (int(rng.integers(0, 40)),))
             for i in range(3000)}
     calls = []
@@ -253,12 +258,10 @@ def test_many_small_tensors_are_gathered(tmp_path, rng, monkeypatch):
         os, "pwrite", lambda fd, b, o: calls.append(1) or real_pwrite(fd, b, o)
     )
     monkeypatch.setattr(writer._gather, "write_arrays",
-                        lambda fd, arrays, o: calls.append(len(arrays))
-                        or real_write_arrays(fd, arrays, o))
+                        lambda fd, arrays, o, d: calls.append(len(arrays))
+                        or real_write_arrays(fd, arrays, o, d))
     api.save(tmp_path / "ckpt", flat, durable=False, threads=1)
-    # the header, then the 3000 entries (< 4 MiB) in runs of at most IOV_MAX buffers
-    assert len(calls) == 1 + -(-3000 // writer._IOV_MAX)
-    assert sum(calls) == 1 + 3000
+    assert calls == [1, 3000]
     _check_checkpoint(tmp_path / "ckpt", flat)
 
 
@@ -269,11 +272,8 @@ def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, mon
     flat["nc"] = _random(rng, np.dtype(np.float64), (50, 40))[:, ::3]
     api.save(tmp_path / "ref", flat, durable=False, threads=1,
              sharding_callback=_OneShard())
-    # Small buffers and regions: many gathers, large-entry chunks, one shard cut into regions.
-    monkeypatch.setattr(writer, "GATHER_BUFFER", 4096)
-    monkeypatch.setattr(writer, "SMALL_ENTRY", 1024)
-    monkeypatch.setattr(writer, "HASH_CHUNK", 1000)
-    monkeypatch.setattr(writer, "RAW_CHUNK", 1000)
+    # Small groups and regions: many kernel calls, one shard cut into regions.
+    monkeypatch.setattr(writer, "WRITE_GROUP", 4096)
     monkeypatch.setattr(writer, "MIN_REGION", 8000)
     for checksum in (True, False):
         path = tmp_path / f"t{threads}{checksum}"
@@ -299,9 +299,10 @@ class _OneShard(ShardingCallback):
 def test_regions_split_a_big_shard_between_threads(monkeypatch):
     monkeypatch.setattr(writer, "MIN_REGION", 100)
     n = 10
+    offsets = np.arange(n, dtype=np.int64) * 100 + 8
     plan = writer._ShardPlan(Path("x"), "x", 0, b"12345678", [f"k{i}" for i in range(n)],
-                             [""] * n, [np.zeros(0)] * n, [8 + 100 * i for i in range(n)],
-                             [100] * n, None, 1008, [None] * n, None)
+                             [""] * n, [np.zeros(0)] * n, offsets, offsets + 100, None, 1008,
+                             np.zeros(n, np.uint64), None)
     regions = writer._regions([plan], threads=2)
     assert [(r.start, r.stop) for r in regions] == [(0, 5), (5, 10)]
     assert [r.with_header for r in regions] == [True, False]
@@ -387,19 +388,21 @@ def test_existing_path_without_overwrite(tmp_path, rng):
 def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch, fail_after):
     earlier = {"w": _random(rng, np.dtype(np.float32), (1000,))}
     api.save(tmp_path / "ckpt", earlier, durable=False)
-    monkeypatch.setattr(writer, "HASH_CHUNK", 4096)
-    monkeypatch.setattr(writer, "SMALL_ENTRY", 1024)
-    real_pwrite = os.pwrite
+    monkeypatch.setattr(writer, "WRITE_GROUP", 4096)
+    real_pwrite, real_write_arrays = os.pwrite, writer._gather.write_arrays
     count = [0]
 
-    def pwrite(fd, data, offset):
-        count[0] += 1
-        if count[0] > fail_after:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_pwrite(fd, data, offset)
+    def failing(real):
+        def write(*args):
+            count[0] += 1
+            if count[0] > fail_after:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(*args)
+        return write
 
-    monkeypatch.setattr(os, "pwrite", pwrite)
-    big = {f"w{i}": _random(rng, np.dtype(np.float32), (40000,)) for i in range(4)}
+    monkeypatch.setattr(os, "pwrite", failing(real_pwrite))
+    monkeypatch.setattr(writer._gather, "write_arrays", failing(real_write_arrays))
+    big = {f"w{i}": _random(rng, np.dtype(np.float32), (40000,)) for i in range(8)}
     with pytest.raises(OSError, match=r"writing shard file: No space left on device") as err:
         api.save(tmp_path / "ckpt", big, overwrite=True, threads=2)
     assert err.value.errno == errno.ENOSPC
@@ -407,6 +410,34 @@ def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch,
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert _same(load(tmp_path / "ckpt", verify=True)["w"], earlier["w"])
+
+
+def test_a_real_write_failure_mid_save_keeps_earlier_checkpoint(tmp_path):
+    """No mocks: the file-size limit makes the native kernel's own write fail part way through
+    a shard (EFBIG). The error names the shard file, the earlier checkpoint stays, no temp
+    directory is left."""
+    script = textwrap.dedent("""
+        import errno, resource, signal, sys
+        import numpy as np
+        import shardkit
+        path = sys.argv[1]
+        shardkit.save(path, {"w": np.arange(1000, dtype=np.float32)}, durable=False)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, resource.RLIM_INFINITY))
+        big = {f"t{i}": np.full(3000, i, np.float32) for i in range(200)}  # 2.4 MB
+        try:
+            shardkit.save(path, big, overwrite=True, threads=2)
+        except OSError as e:
+            print(e.errno == errno.EFBIG, "writing shard file" in str(e), e.filename)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    efbig, named, filename = proc.stdout.split()
+    assert (efbig, named) == ("True", "True")
+    assert re.search(r"shard-0000\d-of-0000\d\.safetensors$", filename)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _same(load(tmp_path / "ckpt", verify=True)["w"], np.arange(1000, dtype=np.float32))
 
 
 def test_progress_bar(tmp_path, rng, capsys):
@@ -530,10 +561,11 @@ def test_tasks_get_their_own_shards_numbered_globally(tmp_path, rng):
     policy = api.DefaultShardingPolicy(threads=2)
     task_shards = shard_tensors(policy, tensors)
     with commit.stage(tmp_path / "ckpt", overwrite=False, durable=False) as staging:
-        index = writer.write_shards(staging.path, writer.shard_columns(task_shards),
+        index, index_bytes = writer.write_shards(staging.path, writer.shard_columns(task_shards),
                                     writer.SavedTensors.of(tensors),
                                     description=policy.description, threads=2, durable=False)
-        staging.commit(fmt.encode_index(index))
+        assert index_bytes == fmt.encode_index(index)
+        staging.commit(index_bytes)
     assert [(s.file, s.task) for s in index.shards] == [
         ("shard-00000-of-00002.safetensors", 0), ("shard-00001-of-00002.safetensors", 1)]
     assert index.tensors["t3"].device == "/job:worker/task:1/device:CPU:0"
