@@ -344,3 +344,64 @@ def describe_arrays(list values not None, storable not None):
         if len(values) != n:
             raise RuntimeError("values changed size during the call")
     return dtypes, nbytes, shapes
+
+
+from collections.abc import Mapping as _Mapping
+
+cdef enum:
+    _MAX_DEPTH = 200  # deeper states take the Python walk (no C recursion limit to hit)
+
+
+cdef int _walk(object node, str base, str sep, list keys, list values, int depth) except -1:
+    """Append the leaves under `node` (a dict, list or tuple) to `keys` / `values`, depth-first
+    in insertion order. Returns 1 when the state needs the Python walk instead: a key that is
+    not exactly a str, a mapping that is not a dict, or nesting deeper than _MAX_DEPTH."""
+    cdef Py_ssize_t i
+    cdef int found
+    if depth > _MAX_DEPTH:
+        return 1
+    if type(node) is dict:
+        for k, v in (<dict>node).items():
+            if type(k) is not str:
+                return 1
+            found = _leaf_or_node(base + <str>k, v, sep, keys, values, depth)
+            if found:
+                return found
+    else:
+        for i in range(len(node)):
+            found = _leaf_or_node(base + str(i), node[i], sep, keys, values, depth)
+            if found:
+                return found
+    return 0
+
+
+cdef int _leaf_or_node(str key, object v, str sep, list keys, list values,
+                       int depth) except -1:
+    if type(v) is ndarray_type:
+        keys.append(key)
+        values.append(v)
+        return 0
+    if type(v) is dict or isinstance(v, (list, tuple)):
+        return _walk(v, key + sep, sep, keys, values, depth + 1)
+    if isinstance(v, _Mapping):
+        return 1
+    keys.append(key)
+    values.append(v)
+    return 0
+
+
+ndarray_type = np.ndarray
+
+
+def flatten_plain(state, str sep not None):
+    """``(keys, leaves)`` of a state made of dicts with str keys, lists and tuples, as
+    shardkit.tensors.flatten would give them (keys joined with `sep`, lists indexed ``0, 1,
+    ...``, depth-first in insertion order); None when the state needs that Python walk
+    (another kind of mapping or key, or very deep nesting)."""
+    if type(state) is not dict:
+        return None
+    cdef list keys = []
+    cdef list values = []
+    if _walk(state, "", sep, keys, values, 0):
+        return None
+    return keys, values

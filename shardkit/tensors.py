@@ -105,14 +105,12 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColu
     policy does not need them)."""
     default = DeviceSpec.from_string(DEFAULT_DEVICE)
     fixed = None if device is None or callable(device) else _as_device(device)
-    leaves = flatten(state)
-    keys = [k for k, _ in leaves]
-    arrays = [v for _, v in leaves]
+    keys, arrays = flatten_columns(state)
     devices: list[DeviceSpec] = [default] * len(keys)
     described = _table.describe_arrays(arrays, STORABLE)  # one pass over plain numpy leaves
     if described is None:  # framework tensors, other types or byte orders: convert those
         ndarray, storable = np.ndarray, STORABLE
-        for i, (key, value) in enumerate(leaves):
+        for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in storable):
                 arrays[i], dev = to_host(value, key)
                 if dev is not None:
@@ -184,6 +182,16 @@ def _gc_paused() -> Iterator[None]:
 
 def _as_device(device: str | DeviceSpec) -> DeviceSpec:
     return device if isinstance(device, DeviceSpec) else DeviceSpec.from_string(device)
+
+
+def flatten_columns(state: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
+    """`flatten` as two lists, joined keys and leaves; native for plain dicts, lists and
+    tuples."""
+    got = _table.flatten_plain(state, SEPARATOR)
+    if got is not None:
+        return got
+    leaves = flatten(state)
+    return [k for k, _ in leaves], [v for _, v in leaves]
 
 
 def flatten(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -245,3 +245,50 @@ def test_describe_arrays_one_pass(impl):
         assert impl.describe_arrays([values[0], odd], STORABLE) is None
     with pytest.raises(TypeError):
         impl.describe_arrays((values[0],), STORABLE)
+
+
+# --- flatten_plain: the state walk of shardkit.tensors.flatten, for plain containers ---------
+
+_leaves = st.one_of(st.integers(0, 9).map(lambda n: np.arange(n, dtype=np.float32)),
+                    st.just("text"), st.none(), st.floats(allow_nan=False))
+_states = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.dictionaries(st.text(max_size=4), children, max_size=4),
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+    ),
+    max_leaves=30,
+)
+
+
+@given(st.dictionaries(st.text(max_size=4), _states, max_size=5))
+def test_flatten_plain_is_flatten(state):
+    from shardkit.tensors import SEPARATOR, flatten
+
+    expected = flatten(state)
+    for impl in (kernel, twin):
+        keys, values = impl.flatten_plain(state, SEPARATOR)
+        assert keys == [k for k, _ in expected]
+        assert all(a is b for a, (_, b) in zip(values, expected, strict=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_flatten_plain_leaves_other_states_to_python(impl):
+    """Anything but plain dicts with str keys, lists and tuples: None (the Python walk
+    handles it, and raises its errors)."""
+    from collections import OrderedDict
+    from types import MappingProxyType
+
+    a = np.zeros(2)
+    deep: dict = {"x": a}
+    for _ in range(300):
+        deep = {"d": deep}
+    for state in ({"a": {1: a}}, {"a": OrderedDict(b=a)}, {"a": [MappingProxyType({"b": a})]},
+                  OrderedDict(a=a), [a], deep):
+        assert impl.flatten_plain(state, "/") is None
+    assert impl.flatten_plain({"a": {"b": a}, "c": [a, (a,)]}, ".") == (
+        ["a.b", "c.0", "c.1.0"], [a, a, a])
+    assert impl.flatten_plain({}, "/") == ([], [])
+    with pytest.raises(TypeError):
+        impl.flatten_plain({}, None)

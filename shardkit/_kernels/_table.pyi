@@ -28,3 +28,7 @@ def describe_arrays(
 ) -> tuple[list[np.dtype[Any]], npt.NDArray[np.int64], list[tuple[int, ...]]] | None:
     """``(dtypes, nbytes, shapes)`` of `values` in one pass, when every value is exactly a
     numpy array whose dtype is in `storable`; None as soon as one is not."""
+
+def flatten_plain(state: Any, sep: str) -> tuple[list[str], list[Any]] | None:
+    """``(keys, leaves)`` of a state made of dicts with str keys, lists and tuples, as
+    shardkit.tensors.flatten would give them; None when the state needs that Python walk."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Mapping
 from json.encoder import encode_basestring
 from typing import Any
 
@@ -109,3 +110,41 @@ def describe_arrays(
     if not all(type(a) is np.ndarray and a.dtype in storable for a in values):
         return None
     return ([a.dtype for a in values], array_nbytes(values), [a.shape for a in values])
+
+
+def flatten_plain(state: Any, sep: str) -> tuple[list[str], list[Any]] | None:
+    """``(keys, leaves)`` of a state made of dicts with str keys, lists and tuples, as
+    shardkit.tensors.flatten would give them; None when the state needs that Python walk
+    (another kind of mapping or key, or very deep nesting)."""
+    if not isinstance(sep, str):
+        raise TypeError(f"sep must be a str, got {type(sep).__name__}")
+    if type(state) is not dict:
+        return None
+    keys: list[str] = []
+    values: list[Any] = []
+
+    def walk(node: Any, base: str, depth: int) -> bool:
+        if depth > _MAX_DEPTH:
+            return False
+        items = node.items() if type(node) is dict else enumerate(node)
+        for k, v in items:
+            if type(node) is dict and type(k) is not str:
+                return False
+            key = base + (k if type(k) is str else str(k))
+            if type(v) is np.ndarray:
+                keys.append(key)
+                values.append(v)
+            elif type(v) is dict or isinstance(v, (list, tuple)):
+                if not walk(v, key + sep, depth + 1):
+                    return False
+            elif isinstance(v, Mapping):
+                return False
+            else:
+                keys.append(key)
+                values.append(v)
+        return True
+
+    return (keys, values) if walk(state, "", 0) else None
+
+
+_MAX_DEPTH = 200  # deeper states take the Python walk
