@@ -270,17 +270,18 @@ def _default_shards(
     tensor. Its output is valid by construction (every input once, as given, on its own
     task), which is what `shard_tensors` would check. None when keys repeat: the general path
     then reports it."""
-    keys, arrays, devices, dtypes, nbytes, shapes = host_columns(state)
+    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state)
     if len(set(keys)) != len(keys):
         return None
-    by_id = dict(zip(map(id, devices), devices))  # the distinct device objects
-    tasks = {d.task or 0 for d in by_id.values()}
-    groups: dict[int, list[int]] = {}
+    tasks = {d.task or 0 for d in distinct}
+    groups: dict[int, range | list[int]]
     if len(tasks) <= 1:  # one task (always, for numpy arrays)
-        groups[tasks.pop() if tasks else 0] = list(range(len(keys)))
+        groups = {tasks.pop() if tasks else 0: range(len(keys))}
     else:
+        by_task: dict[int, list[int]] = {}
         for i, d in enumerate(devices):
-            groups.setdefault(d.task or 0, []).append(i)
+            by_task.setdefault(d.task or 0, []).append(i)
+        groups = {**by_task}
     shards: list[ShardColumns] = []
     for task, rows in groups.items():
         if len(groups) == 1:
@@ -295,7 +296,7 @@ def _default_shards(
             shards.append(ShardColumns(
                 task, k[a:b], [WHOLE] * (b - a), a_[a:b], dtypes=d_[a:b], nbytes=n_[a:b],
                 shapes=s_[a:b], rows=range(a, b) if len(groups) == 1 else rows[a:b]))
-    names = {i: d.to_string() for i, d in by_id.items()}
+    names = {id(d): d.to_string() for d in distinct}
     device_names = ([names[id(devices[0])]] * len(devices) if len(names) == 1
                     else list(map(names.__getitem__, map(id, devices))))
     saved = SavedTensors(keys, dtypes, shapes, device_names, int(nbytes.sum()))

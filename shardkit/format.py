@@ -202,7 +202,8 @@ def encode_header_columns(
     meta: Mapping[str, str] | None = None,
 ) -> bytes:
     """`encode_safetensors_header` of entries given column-wise (in header order)."""
-    if METADATA_KEY in names or len(set(names)) != len(names):
+    unique = set(names)
+    if len(unique) != len(names) or METADATA_KEY in unique:
         seen = {METADATA_KEY}
         for name in names:
             if name in seen:
@@ -543,7 +544,8 @@ def _match_header(
     sizes = list(map(_ITEMSIZE.__getitem__, dtype_names))
     if any(map(operator.lt, sizes, sizes[1:])):  # not in layout order: decode instead
         return None
-    if METADATA_KEY in names or len(set(names)) != len(names):
+    unique = set(names)
+    if len(unique) != len(names) or METADATA_KEY in unique:
         return None
     ends = list(accumulate(map(operator.mul, map(math.prod, shapes), sizes)))
     if region != (ends[-1] if ends else 0):

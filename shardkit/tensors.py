@@ -90,7 +90,8 @@ def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None) -> lis
 
 class HostColumns(NamedTuple):
     """The leaves of a state, column-wise, as host arrays: key, array, device, and the
-    array's dtype, size in bytes and shape."""
+    array's dtype, size in bytes and shape; and the distinct device objects among `devices`
+    (by identity, in order of first use)."""
 
     keys: list[str]
     arrays: list[np.ndarray]
@@ -98,6 +99,7 @@ class HostColumns(NamedTuple):
     dtypes: list[np.dtype]
     nbytes: np.ndarray
     shapes: list[tuple[int, ...]]
+    distinct_devices: list[DeviceSpec]
 
 
 def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColumns:
@@ -107,6 +109,7 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColu
     fixed = None if device is None or callable(device) else _as_device(device)
     keys, arrays = flatten_columns(state)
     devices: list[DeviceSpec] = [default] * len(keys)
+    moved = False  # a leaf came from a device of its own
     described = _table.describe_arrays(arrays, STORABLE)  # one pass over plain numpy leaves
     if described is None:  # framework tensors, other types or byte orders: convert those
         ndarray, storable = np.ndarray, STORABLE
@@ -115,6 +118,7 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColu
                 arrays[i], dev = to_host(value, key)
                 if dev is not None:
                     devices[i] = dev
+                    moved = True
         described = _table.describe_arrays(arrays, STORABLE) or (
             list(map(_dtype_of, arrays)), _table.array_nbytes(arrays),
             list(map(_shape_of, arrays)))
@@ -122,7 +126,11 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColu
         devices = [fixed] * len(keys)
     elif device is not None:
         devices = [_as_device(device(key)) for key in keys]  # type: ignore[operator]
-    return HostColumns(keys, arrays, devices, *described)
+    if fixed is not None or (device is None and not moved):
+        distinct = devices[:1]  # all the same object
+    else:
+        distinct = list(dict(zip(map(id, devices), devices)).values())
+    return HostColumns(keys, arrays, devices, *described, distinct)
 
 
 _dtype_of = operator.attrgetter("dtype")
