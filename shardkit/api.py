@@ -240,7 +240,7 @@ def _save(
         shards, saved = planned
 
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
-        index, index_bytes = write_shards(
+        index, index_chunks = write_shards(
             staging.path,
             shards,
             saved,
@@ -255,11 +255,11 @@ def _save(
             shuffle=opts.shuffle,
             chunk_size=opts.chunk_size,
         )
-        staging.commit(index_bytes)
+        staging.commit(index_chunks)
     target = str(staging.target)
     opts.run_write_callbacks(target)
     files = (*(s.file for s in index.shards), fmt.INDEX_FILE)
-    total = sum(s.bytes for s in index.shards) + len(index_bytes)
+    total = sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
     return SaveInfo(target, files, total, time.perf_counter() - started)
 
 

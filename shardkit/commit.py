@@ -31,6 +31,7 @@ import re
 import secrets
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -109,14 +110,15 @@ class Staging:
                 os.close(self._lock_fd)
                 self._lock_fd = None
 
-    def commit(self, index_bytes: bytes) -> None:
-        """Write ``index.json`` last and publish the temp directory at `target`."""
+    def commit(self, index_bytes: bytes | Sequence[bytes]) -> None:
+        """Write ``index.json`` last and publish the temp directory at `target`. `index_bytes`
+        may come in pieces, written back to back."""
         if self._lock_fd is None:
             raise ShardkitError(f"cannot commit {self.target}: the save was already aborted")
         index = self.path / INDEX_NAME
         fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, index_bytes)
+            _write_all(fd, [index_bytes] if isinstance(index_bytes, bytes) else index_bytes)
             if self.durable:
                 os.fsync(fd)
         finally:
@@ -273,10 +275,15 @@ def _same_inode(path: Path, fd: int) -> bool:
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _write_all(fd: int, chunks: Sequence[bytes]) -> None:
+    views = [memoryview(c) for c in chunks if c]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _remove_tree(path: Path) -> None:

@@ -108,7 +108,7 @@ class _ShardPlan:
     path: Path
     file: str
     task: int
-    header: bytes
+    header: list[bytes]  # pieces, written back to back
     keys: list[str]
     specs: list[str]
     arrays: list[np.ndarray]
@@ -155,11 +155,12 @@ def write_shards(
     level: int | None = None,
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
-) -> tuple[fmt.CheckpointIndex, bytes]:
+) -> tuple[fmt.CheckpointIndex, list[bytes]]:
     """Write `shards` (validated callback output) into `directory` as shard files.
 
     Raw safetensors shards, or zstd shards (``.skz``, shardkit.compression) when `compression`
-    is ``"zstd"``. Returns the checkpoint index describing them and its ``index.json`` bytes;
+    is ``"zstd"``. Returns the checkpoint index describing them and its ``index.json`` bytes
+    (in pieces, `format.index_chunks`);
     writing that file and publishing the directory is the caller's job (shardkit.commit).
     `saved` gives the order, dtypes, full shapes and devices of the saved tensors. With
     `durable`, each shard file is fsynced once complete.
@@ -172,7 +173,7 @@ def write_shards(
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
     bar = _progress_bar(total, progress)
 
-    def describe() -> tuple[fmt.CheckpointIndex, tuple[bytes, bytes]]:
+    def describe() -> tuple[fmt.CheckpointIndex, tuple[list[bytes], list[bytes]]]:
         index = _index(plans, saved, description, user_metadata or {}, codec)
         return index, fmt.encode_index_parts(index)
 
@@ -188,7 +189,7 @@ def write_shards(
         if bar is not None:
             bar.close()
     index.set_checksums(_checksums(plans, checksum))
-    return index, fmt.encode_index(index, parts)
+    return index, fmt.index_chunks(index, parts)
 
 
 def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_ShardPlan]:
@@ -206,12 +207,12 @@ def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_
                 rows = [rows[j] for j in order]
         layouts = None
         if codec == "raw":
-            header = fmt.encode_header_columns(names, dtype_names, shapes, begins, ends)
+            header = fmt.header_parts(names, dtype_names, shapes, begins, ends)
         else:
-            header = b""
+            header = []
             layouts = fmt.entry_layouts(names, dtype_names, shapes, begins.tolist(),
                                         ends.tolist())
-        start = len(header)
+        start = sum(map(len, header))
         name = fmt.shard_file_name(i, count, codec)
         plans.append(_ShardPlan(
             directory / name, name, shard.task, header, keys, specs, arrays,
@@ -277,7 +278,7 @@ def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
             continue
         target = p.size / parts
         made = first = 0
-        nbytes = len(p.header)
+        nbytes = int(p.offsets[0]) if len(p.offsets) else p.size
         for i, n in enumerate((p.ends - p.offsets).tolist()):
             if i > first and made < parts - 1 and nbytes + n / 2 > target:
                 out.append(_Region(p, first, i, nbytes, made == 0))
@@ -394,7 +395,7 @@ def _write_region(region: _Region, checksum: bool, stop: threading.Event, bar: A
         if region.with_header:
             _pwrite_all(fd, shard.header, 0)
             if bar is not None:
-                bar.update(len(shard.header))
+                bar.update(sum(map(len, shard.header)))
         i, last = region.start, region.stop
         while i < last and not stop.is_set():
             j = min(last, int(np.searchsorted(ends, offsets[i] + WRITE_GROUP)) + 1)
@@ -419,14 +420,19 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
+def _pwrite_all(fd: int, chunks: list[bytes], offset: int) -> None:
+    """Write `chunks` back to back at `offset` (short writes continued)."""
+    views = [memoryview(c) for c in chunks if c]
+    while views:
+        n = os.pwritev(fd, views, offset)
         if n <= 0:
-            raise OSError(0, "pwrite wrote nothing")
-        view = view[n:]
+            raise OSError(0, "pwritev wrote nothing")
         offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _io_error(e: OSError, doing: str, path: Path) -> OSError:
