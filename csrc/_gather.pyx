@@ -10,7 +10,7 @@ has exported before, which thousands of tensors turn into a GIL-bound loop.
 
 cimport numpy as cnp
 from cpython.unicode cimport PyUnicode_FromStringAndSize
-from libc.errno cimport EINTR, EIO, errno
+from libc.errno cimport EINTR, EINVAL, EIO, ENOSYS, EOPNOTSUPP, errno
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport strerror
@@ -29,6 +29,20 @@ cdef extern from "xxh3.h" nogil:
     int XXH3_64bits_reset(XXH3_state_t* state)
     int XXH3_64bits_update(XXH3_state_t* state, const void* data, size_t length)
     uint64_t XXH3_64bits_digest(const XXH3_state_t* state)
+
+
+cdef extern from *:
+    """
+    #if defined(__linux__)
+    #include <fcntl.h>
+    static int shardkit_fallocate(int fd, long long size) {
+        return fallocate(fd, 0, 0, (off_t)size) == 0 ? 0 : errno;
+    }
+    #else
+    static int shardkit_fallocate(int fd, long long size) { return EOPNOTSUPP; }
+    #endif
+    """
+    int shardkit_fallocate(int fd, long long size) nogil
 
 
 cdef enum:
@@ -190,3 +204,20 @@ def hex_digests(const uint64_t[::1] values):
             v >>= 4
         out[i] = PyUnicode_FromStringAndSize(text, 16)
     return out
+
+
+def preallocate(int fd, int64_t size) -> bool:
+    """Reserve the first `size` bytes of file `fd` on disk (Linux ``fallocate``), so that a
+    full disk fails here, before anything is written, and the writes that follow skip the file
+    system's delayed allocation. False (nothing done) where the file system or OS cannot;
+    OSError with its errno otherwise (ENOSPC: the data would not fit)."""
+    cdef int err
+    if size <= 0:
+        return False
+    with nogil:
+        err = shardkit_fallocate(fd, size)
+    if err == 0:
+        return True
+    if err == EOPNOTSUPP or err == ENOSYS or err == EINVAL:
+        return False
+    raise OSError(err, strerror(err).decode())

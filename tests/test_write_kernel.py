@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import os
 import subprocess
 import sys
 import textwrap
@@ -175,3 +176,20 @@ def test_hex_digests(impl):
         xxhash.xxh3_64_hexdigest(b"x"),
     ]
     assert impl.hex_digests(np.zeros(0, np.uint64)) == []
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_preallocate(impl, tmp_path):
+    with open(tmp_path / "f.bin", "wb") as f:
+        if not sys.platform.startswith("linux"):  # no fallocate: nothing done
+            assert impl.preallocate(f.fileno(), 12345) is False
+            return
+        assert impl.preallocate(f.fileno(), 12345) is True
+        assert os.fstat(f.fileno()).st_size == 12345
+        assert impl.preallocate(f.fileno(), 0) is False
+        with pytest.raises(OSError) as info:  # far beyond any file-size limit
+            impl.preallocate(f.fileno(), 1 << 62)
+        assert info.value.errno in (errno.EFBIG, errno.ENOSPC)
+    with pytest.raises(OSError) as info:
+        impl.preallocate(-1, 10)
+    assert info.value.errno == errno.EBADF

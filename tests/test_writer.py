@@ -412,29 +412,68 @@ def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch,
     assert _same(load(tmp_path / "ckpt", verify=True)["w"], earlier["w"])
 
 
-def test_a_real_write_failure_mid_save_keeps_earlier_checkpoint(tmp_path):
-    """No mocks: the file-size limit makes the native kernel's own write fail part way through
-    a shard (EFBIG). The error names the shard file, the earlier checkpoint stays, no temp
-    directory is left."""
-    script = textwrap.dedent("""
+def test_disk_too_small_fails_before_writing(tmp_path, rng, monkeypatch):
+    """Reserving a shard's size reports a full disk before any data is written; the error
+    names the shard file and the earlier checkpoint stays."""
+    earlier = {"w": _random(rng, np.dtype(np.float32), (1000,))}
+    api.save(tmp_path / "ckpt", earlier, durable=False)
+    written = []
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writer._gather, "preallocate", full)
+    monkeypatch.setattr(writer._gather, "write_arrays", lambda *a: written.append(a))
+    big = {f"w{i}": _random(rng, np.dtype(np.float32), (4000,)) for i in range(8)}
+    with pytest.raises(OSError, match=r"reserving \d+ bytes for shard file: No space left") as err:
+        api.save(tmp_path / "ckpt", big, overwrite=True)
+    assert err.value.errno == errno.ENOSPC
+    assert re.search(r"shard-0000\d-of-0000\d\.safetensors$", err.value.filename)
+    assert written == []
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _same(load(tmp_path / "ckpt", verify=True)["w"], earlier["w"])
+
+
+def test_shard_files_have_their_exact_size(tmp_path, rng):
+    """Preallocation reserves exactly the bytes the shard holds: sizes match the index."""
+    flat = {f"t{i}": _random(rng, np.dtype(np.float16), (int(rng.integers(0, 999)),))
+            for i in range(300)}
+    api.save(tmp_path / "ckpt", flat, durable=False, threads=3)
+    index = _check_checkpoint(tmp_path / "ckpt", flat)
+    for shard in index["shardkit"]["shards"]:
+        assert (tmp_path / "ckpt" / shard["file"]).stat().st_size == shard["bytes"]
+
+
+@pytest.mark.parametrize("fallocate", [True, False], ids=["reserve", "no-fallocate"])
+def test_a_real_write_failure_keeps_earlier_checkpoint(tmp_path, fallocate):
+    """No mocked writes: a file-size limit makes the save fail with EFBIG, when it reserves a
+    shard's space or, where the file system cannot reserve (simulated), inside the native
+    kernel's writes part way through a shard. The error names the shard file, the earlier
+    checkpoint stays, no temp directory is left."""
+    script = textwrap.dedent(f"""
         import errno, resource, signal, sys
         import numpy as np
         import shardkit
+        from shardkit import writer
+        if not {fallocate}:
+            writer._gather.preallocate = lambda fd, size: False
         path = sys.argv[1]
-        shardkit.save(path, {"w": np.arange(1000, dtype=np.float32)}, durable=False)
+        shardkit.save(path, {{"w": np.arange(1000, dtype=np.float32)}}, durable=False)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, resource.RLIM_INFINITY))
-        big = {f"t{i}": np.full(3000, i, np.float32) for i in range(200)}  # 2.4 MB
+        big = {{f"t{{i}}": np.full(3000, i, np.float32) for i in range(200)}}  # 2.4 MB
         try:
             shardkit.save(path, big, overwrite=True, threads=2)
         except OSError as e:
-            print(e.errno == errno.EFBIG, "writing shard file" in str(e), e.filename)
+            print(e.errno == errno.EFBIG, e.strerror.split(" shard file:")[0], e.filename, sep="|")
     """)
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    efbig, named, filename = proc.stdout.split()
-    assert (efbig, named) == ("True", "True")
+    efbig, doing, filename = proc.stdout.strip().split("|")
+    assert efbig == "True"
+    assert re.fullmatch(r"reserving \d+ bytes for" if fallocate else "writing", doing), doing
     assert re.search(r"shard-0000\d-of-0000\d\.safetensors$", filename)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert _same(load(tmp_path / "ckpt", verify=True)["w"], np.arange(1000, dtype=np.float32))

@@ -14,3 +14,7 @@ def write_arrays(fd: int, arrays: list[Any], offset: int, digests: Any = None) -
 
 def hex_digests(values: Any) -> list[str]:
     """Each uint64 of `values` as 16 lowercase hex digits, as a list."""
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve the first `size` bytes of file `fd` on disk (Linux ``fallocate``); False
+    (nothing done) where the file system or OS cannot; OSError otherwise (e.g. ENOSPC)."""

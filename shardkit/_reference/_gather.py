@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -50,3 +52,18 @@ def write_arrays(fd: int, arrays: list, offset: int, digests: Any = None) -> int
 def hex_digests(values: Any) -> list[str]:
     """Each value as 16 lowercase hex digits (xxhash's ``hexdigest`` spelling), as a list."""
     return [f"{v:016x}" for v in np.asarray(values, dtype=np.uint64).tolist()]
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve the first `size` bytes of file `fd` on disk (Linux ``fallocate``); False
+    (nothing done) where the file system or OS cannot; OSError otherwise (e.g. ENOSPC)."""
+    if size <= 0 or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if libc.fallocate(fd, 0, 0, size) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
