@@ -15,7 +15,6 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport strerror
 from posix.uio cimport iovec, pwritev
-from posix.unistd cimport pwrite
 
 cnp.import_array()
 
@@ -80,19 +79,10 @@ cdef int _pwritev_all(int fd, iovec* iov, Py_ssize_t n, int64_t offset) noexcept
 
 
 cdef int _pwrite_all(int fd, const char* data, size_t n, int64_t offset) noexcept nogil:
-    cdef ssize_t got
-    while n:
-        got = pwrite(fd, data, n, offset)
-        if got < 0:
-            if errno == EINTR:
-                continue
-            return errno
-        if got == 0:
-            return EIO
-        data += got
-        n -= <size_t>got
-        offset += got
-    return 0
+    cdef iovec one
+    one.iov_base = <void*>data
+    one.iov_len = n
+    return _pwritev_all(fd, &one, 1, offset)
 
 
 cdef int _write_hashed(int fd, iovec* iov, Py_ssize_t n, int64_t offset, uint64_t* digests,
