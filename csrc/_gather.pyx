@@ -1,4 +1,5 @@
-"""Write many arrays to a file from their own memory, hashing each with xxh3-64 on the way.
+"""Write many arrays to a file from their own memory, hashing each with xxh3-64 on the way;
+read many arrays back the same way.
 
 `write_arrays` is the raw-shard writer's hot loop: small arrays leave in vectored writes
 (``pwritev``, at most IOV_LIMIT buffers and about WRITE_BATCH bytes each), large ones in
@@ -14,7 +15,7 @@ from libc.errno cimport EINTR, EINVAL, EIO, ENOSYS, EOPNOTSUPP, errno
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport strerror
-from posix.uio cimport iovec, pwritev
+from posix.uio cimport iovec, preadv, pwritev
 
 cnp.import_array()
 
@@ -211,3 +212,58 @@ def preallocate(int fd, int64_t size) -> bool:
     if err == EOPNOTSUPP or err == ENOSYS or err == EINVAL:
         return False
     raise OSError(err, strerror(err).decode())
+
+
+def read_arrays(int fd, list arrays not None, int64_t offset):
+    """Fill `arrays` back to back from `offset` of file `fd` with ``preadv`` (at most IOV_LIMIT
+    buffers a call), the GIL released. Returns the bytes read: less than the arrays hold only
+    when the file ends first. Each element must be a writable C-contiguous numpy array
+    (TypeError / ValueError otherwise, before anything is read); OSError on a failed read.
+    """
+    cdef Py_ssize_t n = len(arrays)
+    cdef Py_ssize_t i, k = 0, stop
+    cdef cnp.ndarray arr
+    cdef int64_t total = 0, done = 0
+    cdef ssize_t got
+    cdef int err = 0
+    if n == 0:
+        return 0
+    cdef iovec* iov = <iovec*>malloc(n * sizeof(iovec))
+    if iov == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            a = arrays[i]
+            if not cnp.PyArray_Check(a):
+                raise TypeError(f"array {i} is a {type(a).__name__}, not a numpy array")
+            arr = <cnp.ndarray>a
+            if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISWRITEABLE(arr):
+                raise ValueError(f"array {i} is not a writable C-contiguous array")
+            iov[i].iov_base = cnp.PyArray_DATA(arr)
+            iov[i].iov_len = <size_t>cnp.PyArray_NBYTES(arr)
+            total += cnp.PyArray_NBYTES(arr)
+        with nogil:  # `arrays` (held by the caller) keeps every array alive meanwhile
+            while done < total:
+                while k < n and iov[k].iov_len == 0:
+                    k += 1
+                stop = min(n, k + _IOV_LIMIT)
+                got = preadv(fd, iov + k, <int>(stop - k), offset + done)
+                if got < 0:
+                    if errno == EINTR:
+                        continue
+                    err = errno
+                    break
+                if got == 0:  # end of file
+                    break
+                done += got
+                while k < n and <size_t>got >= iov[k].iov_len:  # drop the filled buffers
+                    got -= iov[k].iov_len
+                    k += 1
+                if k < n and got:
+                    iov[k].iov_base = <char*>iov[k].iov_base + got
+                    iov[k].iov_len -= <size_t>got
+        if err:
+            raise OSError(err, strerror(err).decode())
+        return done
+    finally:
+        free(iov)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ._kernels import _views
+from ._kernels import _gather, _table, _views
 from ._threads import WorkerPool
 from .dtypes import numpy_dtype, safetensors_name
 from .errors import (
@@ -154,13 +154,33 @@ class RawShard(ShardSource):
         start = self.data_start + entry.begin
         return memoryview(self._map)[start + begin : start + end]
 
-    def whole_views(self, begins: Sequence[int], dtypes: Sequence[np.dtype],
-                    shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray] | None:
-        """Read-only arrays over the map for whole entries at `begins` (None without a map)."""
-        if self._map is None:
-            return None
-        base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
-        return _views.make_views(base, self.data_start, list(begins), list(dtypes), list(shapes))
+    def whole_arrays(self, begins: Sequence[int], dtypes: Sequence[np.dtype],
+                     shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+        """The whole entries at `begins` (data-region offsets): read-only views of the map, or
+        without one new arrays, filled by one vectored read per run of adjacent entries."""
+        if self._map is not None:
+            base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
+            return _views.make_views(base, self.data_start, list(begins), list(dtypes),
+                                     list(shapes))
+        arrays = list(map(np.empty, shapes, dtypes))
+        if not arrays:
+            return arrays
+        starts = np.asarray(begins, np.int64)
+        order = np.argsort(starts, kind="stable")
+        starts = starts[order]
+        ends = starts + _table.array_nbytes(arrays)[order]
+        cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # a run ends where a gap begins
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]):
+            run = [arrays[j] for j in order[lo:hi].tolist()]
+            at = self.data_start + int(starts[lo])
+            want = int(ends[hi - 1] - starts[lo])
+            got = _gather.read_arrays(self._fd, run, at)
+            if got != want:
+                raise TruncatedShardError(
+                    f"{self.path}: unexpected end of file at byte {at + got} "
+                    f"(needed {want - got} more bytes)"
+                )
+        return arrays
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
         start = self.data_start + entry.begin
@@ -411,12 +431,10 @@ class CheckpointReader:
             slice_ids = list(map(firsts.__getitem__, idx))
             dts = list(map(dtypes.__getitem__, map(dtype_names.__getitem__, idx)))
             shapes = list(map(slice_shapes.__getitem__, slice_ids))
-            views = None
-            if isinstance(src, RawShard):  # codec sources (duck-typed) read, they do not map
-                views = src.whole_views(self._begins(src, shard, slice_ids), dts, shapes)
-            if views is not None:
-                for i, view in zip(idx, views):
-                    results[i] = view
+            if isinstance(src, RawShard):  # codec sources (duck-typed) decode instead
+                for i, a in zip(idx, src.whole_arrays(self._begins(src, shard, slice_ids), dts,
+                                                      shapes)):
+                    results[i] = a
                 continue
             for i, j, dtype, shape in zip(idx, slice_ids, dts, shapes):
                 entry = src.entries[entry_names[j]]  # checked on open
@@ -433,8 +451,9 @@ class CheckpointReader:
         return dict(zip(keys, results))
 
     def _get_everything(self) -> dict[str, np.ndarray] | None:
-        """Every tensor, when each is stored whole in a mapped raw shard: views made shard by
-        shard straight from the index columns. None otherwise (the general path decides)."""
+        """Every tensor, when each is stored whole in a raw shard: views of the maps (or arrays
+        read in runs, with ``mmap=False``) made shard by shard straight from the index columns.
+        None otherwise (the general path decides)."""
         index = self.index
         if len(index.slice_tensor) != len(index.keys) or any(index.slice_spec):
             return None
@@ -454,9 +473,7 @@ class CheckpointReader:
             names = list(map(index.dtypes.__getitem__, rows))
             dts = ([dtypes[names[0]]] * len(names) if len(dtypes) == 1
                    else list(map(dtypes.__getitem__, names)))
-            views = src.whole_views(begins, dts, slice_shapes[r.start : r.stop])
-            if views is None:
-                return None
+            views = src.whole_arrays(begins, dts, slice_shapes[r.start : r.stop])
             if rows[0] == r.start and rows[-1] == r.stop - 1 and rows == list(r):
                 results[r.start : r.stop] = views
             else:

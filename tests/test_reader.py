@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_format import row_slices, whole, write_checkpoint
 
+from shardkit import api
 from shardkit import format as fmt
 from shardkit import reader as rd
 from shardkit.errors import (
@@ -20,6 +21,7 @@ from shardkit.errors import (
     ReaderClosedError,
     RestoreMismatchError,
     SliceIndexError,
+    TruncatedShardError,
 )
 from shardkit.slices import format_slice_spec
 from shardkit.tensors import flatten, unflatten
@@ -688,3 +690,37 @@ def test_zstd_shards_are_read_through_the_codec_hook(tmp_path, use_mmap):
         w = dict(flatten(state))["model/w"]
         _same(r.get_slice("model/w", np.s_[5:290:4, 3]), w[5:290:4, 3])
         assert r.verify() == len(r.keys())
+
+
+def test_pread_mode_reads_runs_of_adjacent_entries(tmp_path, monkeypatch):
+    """mmap=False: a run of adjacent entries is filled by one vectored read, not one read per
+    tensor; entries skipped by the request split the runs."""
+    flat = {f"t{i:04d}": _sample(np.float32, (i % 7 + 1,)) for i in range(3000)}
+    api.save(tmp_path / "c", flat, durable=False, threads=1)
+    calls = []
+    real = rd._gather.read_arrays
+    monkeypatch.setattr(rd._gather, "read_arrays",
+                        lambda fd, arrays, at: calls.append(len(arrays)) or real(fd, arrays, at))
+    got = rd.load(tmp_path / "c", mmap=False)
+    assert calls == [3000]
+    for k, v in flat.items():
+        _same(got[k], v)
+    calls.clear()
+    some = [f"t{i:04d}" for i in (*range(10, 20), *range(30, 35))]
+    got = rd.load(tmp_path / "c", keys=some, mmap=False)
+    assert sorted(calls) == [5, 10]
+    for k in some:
+        _same(got[k], flat[k])
+        assert got[k].flags.writeable and got[k].flags.owndata
+
+
+def test_pread_mode_notices_a_shard_cut_short_after_opening(tmp_path):
+    flat = {f"t{i}": _sample(np.int16, (50,)) for i in range(20)}
+    api.save(tmp_path / "c", flat, durable=False, threads=1)
+    (shard,) = (tmp_path / "c").glob("*.safetensors")
+    with rd.CheckpointReader(tmp_path / "c", mmap=False) as r:
+        _same(r["t0"], flat["t0"])  # the shard is open (its size checked) from here on
+        os.truncate(shard, shard.stat().st_size - 30)
+        with pytest.raises(TruncatedShardError, match=r"unexpected end of file at byte \d+ "
+                           r"\(needed 30 more bytes\)"):
+            r._get_many(None)

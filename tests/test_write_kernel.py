@@ -193,3 +193,40 @@ def test_preallocate(impl, tmp_path):
     with pytest.raises(OSError) as info:
         impl.preallocate(-1, 10)
     assert info.value.errno == errno.EBADF
+
+
+# --- read_arrays: the reverse, many arrays filled by vectored reads --------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_read_arrays_fills_back_to_back(impl, tmp_path):
+    rng = np.random.default_rng(7)
+    arrays = [rng.random(int(n), dtype=np.float32) for n in rng.integers(0, 900, 2500)]
+    arrays += [np.zeros(0, np.int8), np.array(3.5), np.arange(6, dtype=ml_dtypes.bfloat16)]
+    _, data, _ = _write(impl, tmp_path / "src.bin", arrays, 5, b"hdr..")
+    out = [np.empty_like(a) for a in arrays]
+    with open(tmp_path / "src.bin", "rb") as f:
+        assert impl.read_arrays(f.fileno(), out, 5) == len(data) - 5
+        assert impl.read_arrays(f.fileno(), [], 0) == 0
+        # the file ends early: the bytes there are read, the count says how many
+        tail = [np.zeros(10, np.uint8), np.zeros(10, np.uint8)]
+        assert impl.read_arrays(f.fileno(), tail, len(data) - 15) == 15
+        assert tail[0].tobytes() == data[-15:-5] and tail[1][:5].tobytes() == data[-5:]
+    assert all(a.tobytes() == b.tobytes() and a.dtype == b.dtype for a, b in zip(arrays, out))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_read_arrays_refuses_before_reading(impl, tmp_path):
+    (tmp_path / "f").write_bytes(bytes(range(64)))
+    ro = np.zeros(4, np.uint8)
+    ro.flags.writeable = False
+    good = np.zeros(4, np.uint8)
+    with open(tmp_path / "f", "rb") as f:
+        for bad, error in ((ro, ValueError), (np.zeros(8)[::2], ValueError),
+                           (bytearray(4), TypeError)):
+            with pytest.raises(error):
+                impl.read_arrays(f.fileno(), [good, bad], 0)
+            assert not good.any()
+    with pytest.raises(OSError) as info:
+        impl.read_arrays(-1, [good], 0)
+    assert info.value.errno == errno.EBADF

@@ -18,3 +18,10 @@ def hex_digests(values: Any) -> list[str]:
 def preallocate(fd: int, size: int) -> bool:
     """Reserve the first `size` bytes of file `fd` on disk (Linux ``fallocate``); False
     (nothing done) where the file system or OS cannot; OSError otherwise (e.g. ENOSPC)."""
+
+def read_arrays(fd: int, arrays: list[Any], offset: int) -> int:
+    """Fill `arrays` (writable C-contiguous numpy arrays) back to back from `offset` of file
+    `fd` with preadv, the GIL released; returns the bytes read, less than their total only when
+    the file ends first. TypeError / ValueError before reading for a bad array; OSError on
+    failure.
+    """

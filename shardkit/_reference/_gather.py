@@ -67,3 +67,28 @@ def preallocate(fd: int, size: int) -> bool:
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         return False
     raise OSError(err, os.strerror(err))
+
+
+def read_arrays(fd: int, arrays: list, offset: int) -> int:
+    """Fill `arrays` (writable C-contiguous numpy arrays) back to back from `offset` of file
+    `fd`; returns the bytes read, less than their total only when the file ends first."""
+    if not isinstance(arrays, list):
+        raise TypeError(f"arrays must be a list, got {type(arrays).__name__}")
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"array {i} is a {type(a).__name__}, not a numpy array")
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            raise ValueError(f"array {i} is not a writable C-contiguous array")
+    views = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes]
+    done = 0
+    while views:
+        got = os.preadv(fd, views[:IOV_LIMIT], offset + done)
+        if got == 0:
+            break
+        done += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+    return done
