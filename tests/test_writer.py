@@ -253,9 +253,9 @@ def test_many_small_tensors_leave_in_one_kernel_call(tmp_path, rng, monkeypatch)
     flat = {f"t{i:05d}": _random(rng, np.dtype(np.float32), (int(rng.integers(0, 40)),))
             for i in range(3000)}
     calls = []
-    real_pwritev, real_write_arrays = os.pwritev, writer._gather.write_arrays
+    real_header, real_write_arrays = writer._pwrite_all, writer._gather.write_arrays
     monkeypatch.setattr(
-        os, "pwritev", lambda fd, b, o: calls.append(1) or real_pwritev(fd, b, o)
+        writer, "_pwrite_all", lambda fd, b, o: calls.append(1) or real_header(fd, b, o)
     )
     monkeypatch.setattr(writer._gather, "write_arrays",
                         lambda fd, arrays, o, d: calls.append(len(arrays))
