@@ -302,6 +302,31 @@ def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path, compre
     assert len(list((tmp_path / "c-1").glob("shard-*"))) >= 2
 
 
+def test_restore_while_the_interpreter_exits(tmp_path):
+    """Reads that use the reader's thread pool (zstd chunks decoded in parallel, large preads
+    cut into pieces) still work from an atexit handler, when a ThreadPoolExecutor would refuse
+    new work."""
+    proc = run_script(tmp_path, """
+        import atexit, sys
+        import numpy as np
+        import shardkit
+        big = np.arange(6_000_000, dtype=np.float32)  # 24 MB: preads in parallel pieces
+        shardkit.save(sys.argv[1] + "/raw", {"w": big}, durable=False)
+        shardkit.save(sys.argv[1] + "/z", {"w": big}, durable=False, compression="zstd",
+                      chunk_size="1MiB")
+        def at_exit():
+            with shardkit.open(sys.argv[1] + "/raw", mmap=False) as reader:
+                got = reader["w"]
+                reader.verify()
+            target = {"w": np.zeros_like(big)}
+            shardkit.restore_into(sys.argv[1] + "/z", target, verify=True)
+            print("same", np.array_equal(got, big), np.array_equal(target["w"], big))
+        atexit.register(at_exit)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "same True True", proc.stderr
+
+
 def test_unreported_error_printed_at_exit(tmp_path):
     proc = run_script(tmp_path, """
         import sys
