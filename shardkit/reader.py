@@ -23,6 +23,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from importlib import import_module
 from itertools import groupby, repeat
 from typing import Any
@@ -66,6 +67,7 @@ from .tensors import _gc_paused, flatten, to_host
 
 READ_CHUNK = 8 * 1024 * 1024  # bytes per pread job; big enough that syscall cost vanishes
 _PARALLEL_MIN = 2 * READ_CHUNK
+_PARALLEL_MIN_ENTRY = 256 * 1024  # mean entry size from which whole-entry reads go in parallel
 
 
 # --- shard sources ------------------------------------------------------------------------------
@@ -155,9 +157,12 @@ class RawShard(ShardSource):
         return memoryview(self._map)[start + begin : start + end]
 
     def whole_arrays(self, begins: Sequence[int], dtypes: Sequence[np.dtype],
-                     shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+                     shapes: Sequence[tuple[int, ...]],
+                     run: Callable[[Sequence[Callable[[], None]]], None] | None = None
+                     ) -> list[np.ndarray]:
         """The whole entries at `begins` (data-region offsets): read-only views of the map, or
-        without one new arrays, filled by one vectored read per run of adjacent entries."""
+        without one new arrays, filled by vectored reads of about READ_CHUNK bytes over runs of
+        adjacent entries; `run` executes those reads (default: one after the other)."""
         if self._map is not None:
             base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
             return _views.make_views(base, self.data_start, list(begins), list(dtypes),
@@ -170,17 +175,25 @@ class RawShard(ShardSource):
         starts = starts[order]
         ends = starts + _table.array_nbytes(arrays)[order]
         cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # a run ends where a gap begins
+        reads = []
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]):
-            run = [arrays[j] for j in order[lo:hi].tolist()]
-            at = self.data_start + int(starts[lo])
-            want = int(ends[hi - 1] - starts[lo])
-            got = _gather.read_arrays(self._fd, run, at)
-            if got != want:
-                raise TruncatedShardError(
-                    f"{self.path}: unexpected end of file at byte {at + got} "
-                    f"(needed {want - got} more bytes)"
-                )
+            run_arrays = [arrays[j] for j in order[lo:hi].tolist()]
+            for bufs, at, want in _read_pieces(run_arrays, self.data_start + int(starts[lo]),
+                                               READ_CHUNK):
+                reads.append(partial(self._read_arrays, bufs, at, want))
+        # Many small arrays are bound by per-array work under the GIL: threads do not help them.
+        parallel = run is not None and int(ends.sum() - starts.sum()) >= len(arrays) * (
+            _PARALLEL_MIN_ENTRY)
+        (run if parallel and run is not None else _run_each)(reads)
         return arrays
+
+    def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
+        got = _gather.read_arrays(self._fd, bufs, at)
+        if got != want:
+            raise TruncatedShardError(
+                f"{self.path}: unexpected end of file at byte {at + got} "
+                f"(needed {want - got} more bytes)"
+            )
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
         start = self.data_start + entry.begin
@@ -206,6 +219,39 @@ class RawShard(ShardSource):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _read_pieces(arrays: list[np.ndarray], start: int, chunk: int
+                 ) -> list[tuple[list[np.ndarray], int, int]]:
+    """Cut adjacent arrays (the first at file offset `start`) into reads of about `chunk`
+    bytes: (buffers, offset, bytes). An array that does not fit a read is cut into byte views."""
+    out: list[tuple[list[np.ndarray], int, int]] = []
+    bufs: list[np.ndarray] = []
+    at, size = start, 0
+    for a in arrays:
+        n = a.nbytes
+        if size + n <= chunk:  # the usual case: whole arrays, no views made
+            bufs.append(a)
+            size += n
+            continue
+        flat = a.reshape(-1).view(np.uint8)
+        pos = 0
+        while pos < n:
+            take = min(n - pos, chunk - size)
+            bufs.append(flat[pos : pos + take])
+            size += take
+            pos += take
+            if size == chunk:
+                out.append((bufs, at, size))
+                at, bufs, size = at + size, [], 0
+    if bufs:
+        out.append((bufs, at, size))
+    return out
+
+
+def _run_each(calls: Sequence[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
 
 
 def _open_shard_fd(path: str) -> int:
@@ -433,7 +479,7 @@ class CheckpointReader:
             shapes = list(map(slice_shapes.__getitem__, slice_ids))
             if isinstance(src, RawShard):  # codec sources (duck-typed) decode instead
                 for i, a in zip(idx, src.whole_arrays(self._begins(src, shard, slice_ids), dts,
-                                                      shapes)):
+                                                      shapes, self._run_reads)):
                     results[i] = a
                 continue
             for i, j, dtype, shape in zip(idx, slice_ids, dts, shapes):
@@ -473,7 +519,8 @@ class CheckpointReader:
             names = list(map(index.dtypes.__getitem__, rows))
             dts = ([dtypes[names[0]]] * len(names) if len(dtypes) == 1
                    else list(map(dtypes.__getitem__, names)))
-            views = src.whole_arrays(begins, dts, slice_shapes[r.start : r.stop])
+            views = src.whole_arrays(begins, dts, slice_shapes[r.start : r.stop],
+                                     self._run_reads)
             if rows[0] == r.start and rows[-1] == r.stop - 1 and rows == list(r):
                 results[r.start : r.stop] = views
             else:
@@ -811,6 +858,15 @@ class CheckpointReader:
         pool = self._get_pool()
         futures = [pool.submit(src.read_into, e, b, n, d) for src, e, b, n, d in pieces]
         for f in futures:
+            f.result()
+
+    def _run_reads(self, reads: Sequence[Callable[[], None]]) -> None:
+        """Run independent reads, on the pool when there are several (they release the GIL)."""
+        if len(reads) < 2:
+            _run_each(reads)
+            return
+        pool = self._get_pool()
+        for f in [pool.submit(read) for read in reads]:
             f.result()
 
     def _get_pool(self) -> WorkerPool:

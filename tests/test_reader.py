@@ -724,3 +724,34 @@ def test_pread_mode_notices_a_shard_cut_short_after_opening(tmp_path):
         with pytest.raises(TruncatedShardError, match=r"unexpected end of file at byte \d+ "
                            r"\(needed 30 more bytes\)"):
             r._get_many(None)
+
+
+def test_read_pieces_cut_runs_into_reads_of_a_chunk():
+    arrays = [np.zeros(n, np.uint8) for n in (3, 10, 0, 2, 25)]
+    pieces = rd._read_pieces(arrays, 100, 8)
+    assert [(at, size) for _, at, size in pieces] == [(100, 8), (108, 8), (116, 8), (124, 8),
+                                                      (132, 8)]
+    assert [[b.nbytes for b in bufs] for bufs, _, _ in pieces] == [
+        [3, 5], [5, 0, 2, 1], [8], [8], [8]]
+    assert pieces[0][0][0] is arrays[0]  # whole arrays go as they are
+    assert all(np.shares_memory(b, arrays[4]) for b in pieces[2][0])
+    one = np.zeros(4, np.uint8)
+    ((bufs, at, size),) = rd._read_pieces([one], 7, 8)
+    assert bufs[0] is one and (at, size) == (7, 4)
+    assert rd._read_pieces([], 7, 8) == []
+
+
+def test_pread_mode_large_tensors_read_in_parallel_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(rd, "READ_CHUNK", 4096)
+    monkeypatch.setattr(rd, "_PARALLEL_MIN_ENTRY", 1024)
+    flat = {"big": _sample(np.float32, (300, 41)), "bf": _sample(ml_dtypes.bfloat16, (9000,)),
+            "small": _sample(np.int8, (5,))}
+    api.save(tmp_path / "c", flat, durable=False, threads=1)
+    threads = set()
+    real = rd._gather.read_arrays
+    monkeypatch.setattr(rd._gather, "read_arrays", lambda fd, bufs, at: threads.add(
+        threading.current_thread().name) or real(fd, bufs, at))
+    got = rd.load(tmp_path / "c", mmap=False)
+    for k, v in flat.items():
+        _same(got[k], v)
+    assert threads and all(name.startswith("shardkit-read") for name in threads)
