@@ -170,10 +170,11 @@ class RawShard(ShardSource):
         arrays = list(map(np.empty, shapes, dtypes))
         if not arrays:
             return arrays
+        nbytes = _table.array_nbytes(arrays)
         starts = np.asarray(begins, np.int64)
         order = np.argsort(starts, kind="stable")
         starts = starts[order]
-        ends = starts + _table.array_nbytes(arrays)[order]
+        ends = starts + nbytes[order]
         cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # a run ends where a gap begins
         reads = []
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]):
@@ -182,9 +183,9 @@ class RawShard(ShardSource):
                                                READ_CHUNK):
                 reads.append(partial(self._read_arrays, bufs, at, want))
         # Many small arrays are bound by per-array work under the GIL: threads do not help them.
-        parallel = run is not None and int(ends.sum() - starts.sum()) >= len(arrays) * (
-            _PARALLEL_MIN_ENTRY)
-        (run if parallel and run is not None else _run_each)(reads)
+        if run is None or int(nbytes.sum()) < len(arrays) * _PARALLEL_MIN_ENTRY:
+            run = _run_each
+        run(reads)
         return arrays
 
     def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
