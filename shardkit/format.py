@@ -567,7 +567,8 @@ def _match_header(
     except (ValueError, TypeError, UnicodeEncodeError):  # bad names: decode instead
         return None
     same = (len(body) == len(head) + len(entries) + len(tail) and body.startswith(head)
-            and body.endswith(tail) and body[len(head) : len(body) - len(tail)] == entries)
+            and body.endswith(tail)
+            and memoryview(body)[len(head) : len(body) - len(tail)] == entries)  # no copy
     return begins if same else None
 
 
