@@ -132,6 +132,23 @@ cdef int _write_hashed(int fd, iovec* iov, Py_ssize_t n, int64_t offset, uint64_
     return _pwritev_all(fd, iov + first, n - first, offset)
 
 
+cdef Py_ssize_t _describe_buffers(list arrays, iovec* iov, bint writable) except -1:
+    """Fill ``iov`` with the memory of the leading elements of `arrays` that are C-contiguous
+    (and, if asked, writable) numpy arrays; returns how many there are."""
+    cdef Py_ssize_t i
+    cdef cnp.ndarray arr
+    for i in range(len(arrays)):
+        a = arrays[i]
+        if not cnp.PyArray_Check(a):
+            return i
+        arr = <cnp.ndarray>a
+        if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or (writable and not cnp.PyArray_ISWRITEABLE(arr)):
+            return i
+        iov[i].iov_base = cnp.PyArray_DATA(arr)
+        iov[i].iov_len = <size_t>cnp.PyArray_NBYTES(arr)
+    return len(arrays)
+
+
 def write_arrays(int fd, list arrays not None, int64_t offset, uint64_t[::1] digests=None):
     """Write the bytes of `arrays` back to back at `offset` of file `fd`, the GIL released;
     with `digests`, store the xxh3-64 of array i in ``digests[i]``.
@@ -142,8 +159,7 @@ def write_arrays(int fd, list arrays not None, int64_t offset, uint64_t[::1] dig
     with its errno (some bytes may have been written).
     """
     cdef Py_ssize_t n = len(arrays)
-    cdef Py_ssize_t i, count = 0
-    cdef cnp.ndarray arr
+    cdef Py_ssize_t count
     cdef int err = 0
     cdef uint64_t* out = NULL
     cdef XXH3_state_t* state = NULL
@@ -157,16 +173,7 @@ def write_arrays(int fd, list arrays not None, int64_t offset, uint64_t[::1] dig
     if iov == NULL:
         raise MemoryError()
     try:
-        for i in range(n):
-            a = arrays[i]
-            if not cnp.PyArray_Check(a):
-                break
-            arr = <cnp.ndarray>a
-            if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
-                break
-            iov[i].iov_base = cnp.PyArray_DATA(arr)
-            iov[i].iov_len = <size_t>cnp.PyArray_NBYTES(arr)
-            count += 1
+        count = _describe_buffers(arrays, iov, False)
         if out != NULL:
             state = XXH3_createState()
             if state == NULL:
@@ -222,7 +229,6 @@ def read_arrays(int fd, list arrays not None, int64_t offset):
     """
     cdef Py_ssize_t n = len(arrays)
     cdef Py_ssize_t i, k = 0, stop
-    cdef cnp.ndarray arr
     cdef int64_t total = 0, done = 0
     cdef ssize_t got
     cdef int err = 0
@@ -232,16 +238,14 @@ def read_arrays(int fd, list arrays not None, int64_t offset):
     if iov == NULL:
         raise MemoryError()
     try:
-        for i in range(n):
+        i = _describe_buffers(arrays, iov, True)
+        if i < n:
             a = arrays[i]
             if not cnp.PyArray_Check(a):
                 raise TypeError(f"array {i} is a {type(a).__name__}, not a numpy array")
-            arr = <cnp.ndarray>a
-            if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISWRITEABLE(arr):
-                raise ValueError(f"array {i} is not a writable C-contiguous array")
-            iov[i].iov_base = cnp.PyArray_DATA(arr)
-            iov[i].iov_len = <size_t>cnp.PyArray_NBYTES(arr)
-            total += cnp.PyArray_NBYTES(arr)
+            raise ValueError(f"array {i} is not a writable C-contiguous array")
+        for i in range(n):
+            total += <int64_t>iov[i].iov_len
         with nogil:  # `arrays` (held by the caller) keeps every array alive meanwhile
             while done < total:
                 while k < n and iov[k].iov_len == 0:
