@@ -53,6 +53,18 @@ IOV_LIMIT = _IOV_LIMIT  # most buffers in one pwritev
 WRITE_BATCH = _WRITE_BATCH  # bytes per write call (a larger array leaves in chunks of this)
 
 
+cdef Py_ssize_t _consume(iovec* iov, Py_ssize_t k, Py_ssize_t n, size_t done) noexcept nogil:
+    """Drop `done` transferred bytes from the front of ``iov[k:n]``; returns the index of the
+    first buffer not yet complete."""
+    while k < n and done >= iov[k].iov_len:
+        done -= iov[k].iov_len
+        k += 1
+    if k < n and done:
+        iov[k].iov_base = <char*>iov[k].iov_base + done
+        iov[k].iov_len -= done
+    return k
+
+
 cdef int _pwritev_all(int fd, iovec* iov, Py_ssize_t n, int64_t offset) noexcept nogil:
     """Write all of ``iov[0:n]`` at `offset`, continuing short writes and retrying EINTR
     (`iov` is consumed). Returns 0 or an errno."""
@@ -70,12 +82,7 @@ cdef int _pwritev_all(int fd, iovec* iov, Py_ssize_t n, int64_t offset) noexcept
         if got == 0:
             return EIO
         offset += got
-        while k < n and <size_t>got >= iov[k].iov_len:  # drop the finished buffers
-            got -= iov[k].iov_len
-            k += 1
-        if k < n and got:
-            iov[k].iov_base = <char*>iov[k].iov_base + got
-            iov[k].iov_len -= <size_t>got
+        k = _consume(iov, k, n, <size_t>got)
     return 0
 
 
@@ -260,12 +267,7 @@ def read_arrays(int fd, list arrays not None, int64_t offset):
                 if got == 0:  # end of file
                     break
                 done += got
-                while k < n and <size_t>got >= iov[k].iov_len:  # drop the filled buffers
-                    got -= iov[k].iov_len
-                    k += 1
-                if k < n and got:
-                    iov[k].iov_base = <char*>iov[k].iov_base + got
-                    iov[k].iov_len -= <size_t>got
+                k = _consume(iov, k, n, <size_t>got)
         if err:
             raise OSError(err, strerror(err).decode())
         return done
