@@ -35,6 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+import numpy as np
+
+from ._kernels import _gather
 from .errors import CheckpointExistsError, ShardkitError
 
 INDEX_NAME: Final = "index.json"
@@ -118,7 +121,8 @@ class Staging:
         index = self.path / INDEX_NAME
         fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, [index_bytes] if isinstance(index_bytes, bytes) else index_bytes)
+            chunks = [index_bytes] if isinstance(index_bytes, bytes) else index_bytes
+            _gather.write_arrays(fd, [np.frombuffer(c, np.uint8) for c in chunks], 0)
             if self.durable:
                 os.fsync(fd)
         finally:
@@ -273,17 +277,6 @@ def _same_inode(path: Path, fd: int) -> bool:
         return False
     fst = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
-
-
-def _write_all(fd: int, chunks: Sequence[bytes]) -> None:
-    views = [memoryview(c) for c in chunks if c]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
 
 
 def _remove_tree(path: Path) -> None:

@@ -400,7 +400,7 @@ def _write_region(region: _Region, checksum: bool, stop: threading.Event, bar: A
     digests = shard.digests if checksum else None
     try:
         if region.with_header:
-            _pwrite_all(fd, shard.header, 0)
+            _gather.write_arrays(fd, [np.frombuffer(c, np.uint8) for c in shard.header], 0)
             if bar is not None:
                 bar.update(sum(map(len, shard.header)))
         i, last = region.start, region.stop
@@ -425,21 +425,6 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array.reshape(-1).view(np.uint8)
-
-
-def _pwrite_all(fd: int, chunks: list[bytes], offset: int) -> None:
-    """Write `chunks` back to back at `offset` (short writes continued)."""
-    views = [memoryview(c) for c in chunks if c]
-    while views:
-        n = os.pwritev(fd, views, offset)
-        if n <= 0:
-            raise OSError(0, "pwritev wrote nothing")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
 
 
 def _io_error(e: OSError, doing: str, path: Path) -> OSError:
