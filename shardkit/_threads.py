@@ -3,8 +3,8 @@
 ``concurrent.futures.ThreadPoolExecutor`` refuses new work once interpreter shutdown has begun
 ("cannot schedule new futures after interpreter shutdown"), but an asynchronous save still
 pending at exit runs exactly then and must complete. `WorkerPool` is an Executor of plain
-daemon threads without that rule; `run_parallel` runs one function over items on a few threads,
-and `ParallelRun` does the same in the background.
+daemon threads without that rule; `ParallelRun` runs one function over items on a few threads
+of its own, in the background.
 """
 
 from __future__ import annotations
@@ -77,18 +77,6 @@ class WorkerPool(Executor):
                 else:
                     future.set_result(result)
             del future, fn, args, kwargs  # drop the references while idle
-
-
-def run_parallel(work: Callable[[Any], None], items: Sequence[Any], threads: int,
-                 stop: threading.Event | None = None) -> None:
-    """``work(item)`` for every item, on up to `threads` threads of our own (in this thread
-    when one is enough). The first error sets `stop` (work should check it), the other threads
-    finish the item in hand, and the error is raised here."""
-    if min(threads, len(items)) <= 1:
-        for item in items:
-            work(item)
-        return
-    ParallelRun(work, items, threads, stop).wait()
 
 
 class ParallelRun:

@@ -1,4 +1,4 @@
-"""shardkit._threads: the worker pool and run_parallel."""
+"""shardkit._threads: the worker pool and ParallelRun."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import CancelledError, wait
 
 import pytest
 
-from shardkit._threads import WorkerPool, run_parallel
+from shardkit._threads import ParallelRun, WorkerPool
 
 
 def test_pool_runs_work_on_at_most_its_threads_and_returns_results():
@@ -61,7 +61,7 @@ def test_pool_shutdown_can_cancel_queued_work():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_run_parallel_runs_every_item_once(threads):
+def test_parallel_run_runs_every_item_once(threads):
     done: list[int] = []
     lock = threading.Lock()
     names: set[str] = set()
@@ -71,11 +71,11 @@ def test_run_parallel_runs_every_item_once(threads):
             done.append(i)
             names.add(threading.current_thread().name)
 
-    run_parallel(work, list(range(20)), threads)
+    ParallelRun(work, list(range(20)), threads).wait()
     assert sorted(done) == list(range(20)) and len(names) <= threads
 
 
-def test_run_parallel_stops_at_the_first_error_and_raises_it():
+def test_parallel_run_stops_at_the_first_error_and_raises_it():
     stop = threading.Event()
     seen: list[int] = []
 
@@ -86,5 +86,5 @@ def test_run_parallel_stops_at_the_first_error_and_raises_it():
         time.sleep(0.005)
 
     with pytest.raises(ValueError, match="item 3 is bad"):
-        run_parallel(work, list(range(200)), 2, stop=stop)
+        ParallelRun(work, list(range(200)), 2, stop=stop).wait()
     assert stop.is_set() and len(seen) < 200
