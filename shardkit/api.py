@@ -25,8 +25,9 @@ from . import commit
 from . import format as fmt
 from .callback import Shard, ShardingCallback, callback_description, shard_tensors
 from .options import CheckpointOptions, check_threads
-from .reader import load, restore_into
+from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
+from .restore import restore_into
 from .slices import WHOLE
 from .tensors import ShardableTensor, _gc_paused, host_columns, shardable_tensors
 from .writer import (

@@ -15,25 +15,20 @@ from __future__ import annotations
 
 import difflib
 import math
-import mmap as _mmap
 import operator
 import os
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
-from importlib import import_module
 from itertools import groupby, repeat
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from ._kernels import _gather, _table, _views
 from ._threads import WorkerPool
-from .dtypes import numpy_dtype, safetensors_name
+from .dtypes import numpy_dtype
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -41,285 +36,36 @@ from .errors import (
     CorruptHeaderError,
     CorruptIndexError,
     KeyNotFoundError,
-    MissingShardError,
     ReaderClosedError,
-    RestoreMismatchError,
-    SliceIndexError,
-    TruncatedShardError,
-    UnknownCodecError,
-    UnsupportedDTypeError,
 )
 from .format import (
     INDEX_FILE,
     MAX_INDEX_BYTES,
     CheckpointIndex,
     EntryLayout,
-    ShardInfo,
     SliceInfo,
     TensorInfo,
     decode_index,
-    entries_at,
-    read_expected_safetensors_header,
-    read_safetensors_header,
 )
 from .slices import SliceSpec, parse_slice_spec
-from .tensors import _gc_paused, flatten, to_host
-
-READ_CHUNK = 8 * 1024 * 1024  # bytes per pread job; big enough that syscall cost vanishes
-_PARALLEL_MIN = 2 * READ_CHUNK
-_PARALLEL_MIN_ENTRY = 256 * 1024  # mean entry size from which whole-entry reads go in parallel
-
-
-# --- shard sources ------------------------------------------------------------------------------
-
-
-class ShardSource:
-    """Byte access to the entries of one opened shard file (the codec extension point).
-
-    `entries` maps entry name -> EntryLayout (offsets relative to the logical data region).
-    `read_into` copies bytes ``[begin, end)`` of an entry (relative to the entry's start) into the
-    writable byte buffer `dest`; it must be safe to call from several threads at once.
-    `view` returns a zero-copy read-only buffer of those bytes, or None if the codec cannot.
-    `read_granularity`: the reader cuts large reads at multiples of it in data-region
-    coordinates (e.g. a codec's chunk size). Ranges the reader asks for always hold whole items
-    of the entry's dtype.
-    """
-
-    path: str
-    info: ShardInfo
-    entries: dict[str, EntryLayout]
-    read_granularity: int = READ_CHUNK
-
-    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
-        raise NotImplementedError
-
-    def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class RawShard(ShardSource):
-    """A raw (safetensors) shard, memory-mapped (`mmap=True`) or read with ``os.preadv``."""
-
-    def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True,
-                 expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None = None
-                 ) -> None:
-        """`expected`: the entries (names, dtype names, shapes, in data-region order) the index
-        says the shard holds; when the header is exactly the writer's encoding of them it is
-        taken without parsing, `begins` holds their offsets and `matches_index` is True (see
-        read_expected_safetensors_header)."""
-        self.path = path
-        self.info = info
-        self.begins: list[int] | None = None
-        self._entries: dict[str, EntryLayout] | None = None
-        self._expected = expected
-        self._map: _mmap.mmap | None = None
-        self._fd = _open_shard_fd(path)
-        try:
-            size = os.fstat(self._fd).st_size
-            check_shard_size(path, size, info)
-            if expected is None:
-                self._entries, self.metadata, self.data_start = read_safetensors_header(
-                    self._fd, size, path
-                )
-            else:
-                self._entries, self.metadata, self.data_start, self.begins = (
-                    read_expected_safetensors_header(self._fd, size, path, *expected)
-                )
-            if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
-                self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
-        except BaseException:
-            os.close(self._fd)
-            self._fd = -1
-            raise
-        if self._map is not None:
-            os.close(self._fd)
-            self._fd = -1
-        self._size = size
-
-    @property
-    def matches_index(self) -> bool:
-        return self.begins is not None
-
-    @property
-    def entries(self) -> dict[str, EntryLayout]:  # type: ignore[override]
-        if self._entries is None:  # matched the index: built from it on first use
-            assert self._expected is not None and self.begins is not None
-            self._entries = entries_at(*self._expected, self.begins)
-        return self._entries
-
-    def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
-        if self._map is None:
-            return None
-        start = self.data_start + entry.begin
-        return memoryview(self._map)[start + begin : start + end]
-
-    def whole_arrays(self, begins: Sequence[int], dtypes: Sequence[np.dtype],
-                     shapes: Sequence[tuple[int, ...]],
-                     run: Callable[[Sequence[Callable[[], None]]], None] | None = None
-                     ) -> list[np.ndarray]:
-        """The whole entries at `begins` (data-region offsets): read-only views of the map, or
-        without one new arrays, filled by vectored reads of about READ_CHUNK bytes over runs of
-        adjacent entries; `run` executes those reads (default: one after the other)."""
-        if self._map is not None:
-            base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
-            return _views.make_views(base, self.data_start, list(begins), list(dtypes),
-                                     list(shapes))
-        arrays = list(map(np.empty, shapes, dtypes))
-        if not arrays:
-            return arrays
-        nbytes = _table.array_nbytes(arrays)
-        starts = np.asarray(begins, np.int64)
-        order = np.argsort(starts, kind="stable")
-        starts = starts[order]
-        ends = starts + nbytes[order]
-        cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # a run ends where a gap begins
-        reads = []
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]):
-            run_arrays = [arrays[j] for j in order[lo:hi].tolist()]
-            for bufs, at, want in _read_pieces(run_arrays, self.data_start + int(starts[lo]),
-                                               READ_CHUNK):
-                reads.append(partial(self._read_arrays, bufs, at, want))
-        # Many small arrays are bound by per-array work under the GIL: threads do not help them.
-        if run is None or int(nbytes.sum()) < len(arrays) * _PARALLEL_MIN_ENTRY:
-            run = _run_each
-        run(reads)
-        return arrays
-
-    def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
-        got = _gather.read_arrays(self._fd, bufs, at)
-        if got != want:
-            raise TruncatedShardError(
-                f"{self.path}: unexpected end of file at byte {at + got} "
-                f"(needed {want - got} more bytes)"
-            )
-
-    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
-        start = self.data_start + entry.begin
-        if self._map is not None:  # numpy's copy releases the GIL, so pool threads run in parallel
-            n = end - begin
-            np.copyto(np.frombuffer(dest, np.uint8, n),
-                      np.frombuffer(self._map, np.uint8, n, start + begin))
-            return
-        pread_into(self._fd, dest[: end - begin], start + begin, self.path)
-
-    def __del__(self) -> None:  # a reader dropped without close() must not leak descriptors
-        if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # views are alive: the map is unmapped when the last one dies
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _read_pieces(arrays: list[np.ndarray], start: int, chunk: int
-                 ) -> list[tuple[list[np.ndarray], int, int]]:
-    """Cut adjacent arrays (the first at file offset `start`) into reads of about `chunk`
-    bytes: (buffers, offset, bytes). An array that does not fit a read is cut into byte views."""
-    out: list[tuple[list[np.ndarray], int, int]] = []
-    bufs: list[np.ndarray] = []
-    at, size = start, 0
-    for a in arrays:
-        n = a.nbytes
-        if size + n <= chunk:  # the usual case: whole arrays, no views made
-            bufs.append(a)
-            size += n
-            continue
-        flat = a.reshape(-1).view(np.uint8)
-        pos = 0
-        while pos < n:
-            take = min(n - pos, chunk - size)
-            bufs.append(flat[pos : pos + take])
-            size += take
-            pos += take
-            if size == chunk:
-                out.append((bufs, at, size))
-                at, bufs, size = at + size, [], 0
-    if bufs:
-        out.append((bufs, at, size))
-    return out
-
-
-def _run_each(calls: Sequence[Callable[[], None]]) -> None:
-    for call in calls:
-        call()
-
-
-def _open_shard_fd(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise MissingShardError(
-            f"{path}: shard file listed in {INDEX_FILE} is missing from the checkpoint"
-        ) from None
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot open shard file: {e.strerror}") from None
-
-
-def check_shard_size(path: str, size: int, info: ShardInfo) -> None:
-    """The shard file must be exactly as long as index.json recorded."""
-    if size < info.bytes:
-        raise TruncatedShardError(
-            f"{path}: shard is truncated: file has {size} bytes, {INDEX_FILE} records {info.bytes}"
-        )
-    if size > info.bytes:
-        raise CheckpointFormatError(
-            f"{path}: shard file has {size} bytes, but {INDEX_FILE} records {info.bytes} "
-            "(replaced or appended to after the checkpoint was written)"
-        )
-
-
-def pread_into(fd: int, dest: memoryview, offset: int, path: str) -> None:
-    """Fill `dest` from `fd` at `offset` (os.preadv releases the GIL); short file -> error."""
-    done, n = 0, len(dest)
-    while done < n:
-        got = os.preadv(fd, [dest[done:]], offset + done)
-        if got == 0:
-            raise TruncatedShardError(
-                f"{path}: unexpected end of file at byte {offset + done} "
-                f"(needed {n - done} more bytes)"
-            )
-        done += got
-
-
-Opener = Callable[..., ShardSource]
-_OPENERS: dict[str, Opener] = {"raw": RawShard}
-# codec -> (module, function) imported on first use; the function has the Opener signature
-_LAZY_CODECS: dict[str, tuple[str, str]] = {"zstd": ("shardkit.compression", "open_zstd_shard")}
-_codec_lock = threading.Lock()
-
-
-def register_codec(codec: str, opener: Opener) -> None:
-    """Make `opener(path, info, *, mmap)` -> ShardSource read shards stored with `codec`."""
-    with _codec_lock:
-        _OPENERS[codec] = opener
-
-
-def _opener(codec: str, path: str) -> Opener:
-    with _codec_lock:
-        opener = _OPENERS.get(codec)
-        if opener is None and codec in _LAZY_CODECS:
-            module, name = _LAZY_CODECS[codec]
-            opener = _OPENERS[codec] = getattr(import_module(module), name)
-    if opener is None:
-        raise UnknownCodecError(
-            f"{path}: shard codec {codec!r} is not supported by this shardkit "
-            f"(known: {', '.join(sorted(set(_OPENERS) | set(_LAZY_CODECS)))})"
-        )
-    return opener
-
-
-# --- the reader ---------------------------------------------------------------------------------
+from .slicing import (
+    MAX_PIECES,
+    byte_span,
+    c_strides,
+    normalize_index,
+    plan_piece,
+    refine,
+    span_shape,
+)
+from .sources import (
+    _PARALLEL_MIN,
+    READ_CHUNK,
+    RawShard,
+    ShardSource,
+    _opener,
+    _run_each,
+)
+from .tensors import _gc_paused
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,7 +354,7 @@ class CheckpointReader:
     def _get_slice(self, key: str, index: Any) -> np.ndarray:
         t = self._tensor(key)
         dtype = numpy_dtype(t.dtype)
-        ranges, final_shape = _normalize_index(index, t.shape, key)
+        ranges, final_shape = normalize_index(index, t.shape, key)
         box_shape = tuple(len(r) for r in ranges)
         if math.prod(box_shape) == 0:
             return np.empty(final_shape, dtype)
@@ -616,23 +362,23 @@ class CheckpointReader:
         pieces: list[tuple[tuple[slice, ...], np.ndarray, bool]] = []
         jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
         for s, spec in zip(t.slices, self._slice_specs(key, t)):
-            plan = _plan_piece(ranges, spec)
+            plan = plan_piece(ranges, spec)
             if plan is None:
                 continue
-            strides = _c_strides(spec.shape, item)
+            strides = c_strides(spec.shape, item)
             src, entry = self._entry(key, s)
             out_index, lo, hi, local = plan
-            b0, b1 = _byte_span(lo, hi, strides, item)
+            b0, b1 = byte_span(lo, hi, strides, item)
             view = src.view(entry, b0, b1)
             if view is not None:  # mapped: only the pages touched are ever read
-                box = np.ndarray(_span_shape(lo, hi), dtype, buffer=view, strides=strides)
+                box = np.ndarray(span_shape(lo, hi), dtype, buffer=view, strides=strides)
                 pieces.append((out_index, box[local], True))
                 continue
-            for out_index, lo, hi, local in _refine(plan, strides, item, [_MAX_PIECES]):
-                b0, b1 = _byte_span(lo, hi, strides, item)
+            for out_index, lo, hi, local in refine(plan, strides, item, [MAX_PIECES]):
+                b0, b1 = byte_span(lo, hi, strides, item)
                 buf = np.empty(b1 - b0, np.uint8)
                 jobs.append((src, entry, b0, b1, buf.data))
-                box = np.ndarray(_span_shape(lo, hi), dtype, buffer=buf, strides=strides)
+                box = np.ndarray(span_shape(lo, hi), dtype, buffer=buf, strides=strides)
                 pieces.append((out_index, box[local], False))
         self._read_jobs(jobs)
         if len(pieces) == 1 and pieces[0][2] and pieces[0][1].shape == box_shape:
@@ -913,14 +659,6 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     return a.reshape(-1).view(np.uint8).data
 
 
-def _c_strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
-    strides = []
-    acc = item
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
-
 
 def _xxh3_of(src: ShardSource, entry: EntryLayout) -> str:
     n = entry.nbytes
@@ -937,137 +675,6 @@ def _xxh3_of(src: ShardSource, entry: EntryLayout) -> str:
         h.update(mv[:k])
         pos += k
     return h.hexdigest()
-
-
-# --- index arithmetic for get_slice -------------------------------------------------------------
-
-
-def _normalize_index(
-    index: Any, shape: tuple[int, ...], key: str
-) -> tuple[list[range], tuple[int, ...]]:
-    """Per-axis ranges of a basic index and the shape of the result."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    n_ellipsis = sum(1 for it in items if it is Ellipsis)
-    if n_ellipsis > 1:
-        raise SliceIndexError(f"{key!r}: an index can only have a single ellipsis ('...')")
-    n_axes = sum(1 for it in items if it is not None and it is not Ellipsis)
-    if n_axes > len(shape):
-        raise SliceIndexError(
-            f"{key!r}: too many indices: {n_axes} for a tensor of shape {list(shape)}"
-        )
-    if n_ellipsis == 0:
-        items.append(Ellipsis)
-    ranges: list[range] = []
-    final: list[int] = []
-    axis = 0
-    for it in items:
-        if it is None:
-            final.append(1)
-        elif it is Ellipsis:
-            for _ in range(len(shape) - n_axes):
-                ranges.append(range(shape[axis]))
-                final.append(shape[axis])
-                axis += 1
-        elif isinstance(it, slice):
-            r = range(*it.indices(shape[axis]))
-            ranges.append(r)
-            final.append(len(r))
-            axis += 1
-        elif isinstance(it, (int, np.integer)) and not isinstance(it, (bool, np.bool_)):
-            dim, i = shape[axis], int(it)
-            if not -dim <= i < dim:
-                raise SliceIndexError(
-                    f"{key!r}: index {i} is out of bounds for axis {axis} with size {dim}"
-                )
-            i %= dim
-            ranges.append(range(i, i + 1))
-            axis += 1
-        else:
-            raise SliceIndexError(
-                f"{key!r}: get_slice takes basic indices only (ints, slices, ..., None), "
-                f"got {type(it).__name__} {it!r}"
-            )
-    return ranges, tuple(final)
-
-
-def _positions(r: range, lo: int, hi: int) -> tuple[int, int]:
-    """The positions p (an interval) of `r` whose values r[p] lie in [lo, hi)."""
-    n, start, step = len(r), r.start, r.step
-    if step > 0:
-        p0 = -((start - lo) // step)  # ceil((lo - start) / step)
-        p1 = -((start - hi) // step)
-    else:
-        s = -step
-        p0 = (start - hi) // s + 1
-        p1 = (start - lo) // s + 1
-    return max(0, p0), min(n, p1)
-
-
-Plan = tuple[tuple[slice, ...], list[int], list[int], tuple[slice, ...]]
-_MAX_PIECES = 4096  # most separate reads one get_slice call makes to avoid reading gaps
-_GAP_MIN = 1024 * 1024  # spans up to this size are read whole, gaps and all
-
-
-def _byte_span(lo: list[int], hi: list[int], strides: tuple[int, ...], item: int
-               ) -> tuple[int, int]:
-    """Byte range, relative to the entry, from element `lo` to element `hi` inclusive."""
-    b0 = sum(i * st for i, st in zip(lo, strides))
-    return b0, sum(i * st for i, st in zip(hi, strides)) + item
-
-
-def _span_shape(lo: list[int], hi: list[int]) -> tuple[int, ...]:
-    return tuple(h - low + 1 for low, h in zip(lo, hi))
-
-
-def _refine(plan: Plan, strides: tuple[int, ...], item: int, budget: list[int]) -> list[Plan]:
-    """Split a piece along its outermost axis with several selected indices when its byte span
-    is mostly gaps (more than 8x the needed bytes and over 1 MiB), one read per index, within
-    a budget of reads; applied recursively to the parts."""
-    out_index, lo, hi, local = plan
-    b0, b1 = _byte_span(lo, hi, strides, item)
-    counts = [len(range(*sl.indices(h - low + 1))) for sl, low, h in zip(local, lo, hi)]
-    needed = math.prod(counts) * item
-    if b1 - b0 <= max(_GAP_MIN, 8 * needed):
-        return [plan]
-    axis = next((k for k, c in enumerate(counts) if c > 1), None)
-    if axis is None or counts[axis] > budget[0]:
-        return [plan]
-    budget[0] -= counts[axis]
-    sl = local[axis]
-    start, step = sl.indices(hi[axis] - lo[axis] + 1)[0], sl.step or 1
-    out_start = out_index[axis].start
-    parts: list[Plan] = []
-    for i in range(counts[axis]):
-        at = lo[axis] + start + i * step  # element index along `axis` in the stored slice
-        o, l2, h2, loc = list(out_index), list(lo), list(hi), list(local)
-        o[axis] = slice(out_start + i, out_start + i + 1)
-        l2[axis] = h2[axis] = at
-        loc[axis] = slice(0, 1)
-        parts.extend(_refine((tuple(o), l2, h2, tuple(loc)), strides, item, budget))
-    return parts
-
-
-def _plan_piece(ranges: list[range], spec: SliceSpec) -> Plan | None:
-    """How one stored slice contributes: (index into the output box, lowest and highest local
-    element touched per axis, index into the dense local span box), or None if disjoint."""
-    out_index, lo, hi, local = [], [], [], []
-    for r, off, length in zip(ranges, spec.offsets, spec.lengths):
-        p0, p1 = _positions(r, off, off + length)
-        if p0 >= p1:
-            return None
-        sub = r[p0:p1]
-        first, last = sub[0] - off, sub[-1] - off
-        low, high = min(first, last), max(first, last)
-        out_index.append(slice(p0, p1))
-        lo.append(low)
-        hi.append(high)
-        start = first - low
-        stop = start + (len(sub) - 1) * sub.step + (1 if sub.step > 0 else -1)
-        local.append(slice(start, stop if stop >= 0 else None, sub.step))
-    return tuple(out_index), lo, hi, tuple(local)
-
-
-# --- functional front door ----------------------------------------------------------------------
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True) -> CheckpointReader:
@@ -1098,85 +705,3 @@ def load(
         if verify:
             reader.verify(keys)
         return reader._get_many(keys)
-
-
-def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
-                 verify: bool = False) -> list[str]:
-    """Copy the stored value of every leaf of `state` (numpy arrays, torch tensors) into it, in
-    place. Every leaf is checked (key present, shape, dtype) before anything is copied.
-    Returns the restored keys."""
-    leaves = flatten(state)
-    with CheckpointReader(path) as reader:
-        plans = []
-        for key, leaf in leaves:
-            t = reader._tensor(key)
-            target, writeback = _restore_target(leaf, key)
-            expected = numpy_dtype(t.dtype)
-            found = target.dtype
-            if found.byteorder == ">":
-                found = found.newbyteorder("<")
-            if tuple(target.shape) != t.shape or found != expected:
-                raise RestoreMismatchError(
-                    f"cannot restore key {key!r} from {reader.path}: the checkpoint has "
-                    f"shape {list(t.shape)} dtype {_dtype_label(expected)}, the target has "
-                    f"shape {list(target.shape)} dtype {_dtype_label(target.dtype)}"
-                )
-            if writeback is None and not target.flags.writeable:
-                raise RestoreMismatchError(
-                    f"cannot restore key {key!r}: the target array is read-only"
-                )
-            plans.append((key, target, writeback))
-        if verify:
-            reader.verify([key for key, _, _ in plans])
-        direct = reader._read_direct([(key, target) for key, target, _ in plans])
-        for key, target, writeback in plans:
-            if key in direct:
-                if writeback is not None:
-                    _torch_copy_back(writeback, target)
-                continue
-            stored = reader.get(key)
-            if target.dtype.byteorder == ">":
-                np.copyto(target, stored, casting="equiv")
-            else:
-                np.copyto(target, stored, casting="no")
-            if writeback is not None:
-                _torch_copy_back(writeback, target)
-    return [key for key, _, _ in plans]
-
-
-def _dtype_label(dt: np.dtype) -> str:
-    try:
-        return f"{safetensors_name(dt)} ({dt})"
-    except UnsupportedDTypeError:
-        return str(dt)
-
-
-def _restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any]:
-    """A numpy array sharing memory with `leaf`, and the torch tensor to copy back into when
-    the leaf does not live in host memory (else None)."""
-    if isinstance(leaf, np.ndarray):
-        return leaf, None
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(leaf, torch.Tensor):
-        if leaf.device.type == "cpu" and not (leaf.is_conj() or leaf.is_neg()):
-            array, _ = to_host(leaf, key)  # a view of the tensor's memory on CPU
-            return array, None
-        array, _ = to_host(leaf, key)
-        return np.array(array), leaf
-    raise RestoreMismatchError(
-        f"cannot restore key {key!r} in place into a {type(leaf).__name__}: only numpy arrays "
-        "and torch tensors can be restored in place (use load() for a new dict)"
-    )
-
-
-def _torch_copy_back(tensor: Any, host: np.ndarray) -> None:
-    import torch
-
-    if tensor.dtype in (torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
-                        getattr(torch, "float8_e5m2", None)):
-        carrier = np.int16 if host.dtype.itemsize == 2 else np.uint8
-        src = torch.from_numpy(host.view(carrier)).view(tensor.dtype)
-    else:
-        src = torch.from_numpy(host)
-    with torch.no_grad():
-        tensor.copy_(src)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_format import row_slices, whole, write_checkpoint
 
-from shardkit import api
+from shardkit import api, restore, slicing, sources
 from shardkit import format as fmt
 from shardkit import reader as rd
 from shardkit.errors import (
@@ -23,6 +23,7 @@ from shardkit.errors import (
     SliceIndexError,
     TruncatedShardError,
 )
+from shardkit.restore import restore_into
 from shardkit.slices import format_slice_spec
 from shardkit.tensors import flatten, unflatten
 
@@ -172,7 +173,7 @@ def test_split_tensor_is_assembled(tmp_path, dtype, use_mmap):
 def test_row_split_across_shards_large_enough_for_parallel_reads(tmp_path, monkeypatch):
     # Small chunk size so the pool path and chunk splitting run on a small array.
     monkeypatch.setattr(rd, "_PARALLEL_MIN", 1024)
-    monkeypatch.setattr(rd.RawShard, "read_granularity", 1000)
+    monkeypatch.setattr(sources.RawShard, "read_granularity", 1000)
     a = _sample(np.float64, (64, 33))
     b = _sample(np.int16, (10_001,))
     write_checkpoint(tmp_path, row_slices("a", a, 3, [0, 1, 2]) + whole({"b": b}))
@@ -217,18 +218,18 @@ def test_get_slice_hypothesis(tmp_path_factory):
                       st.none() | st.integers(-4, 4).filter(bool)),
         )
 
-    gap_min = rd._GAP_MIN
+    gap_min = slicing._GAP_MIN
 
     @hyp.settings(max_examples=200, deadline=None)
     @hyp.given(st.tuples(axis_index(6), axis_index(5), axis_index(4)), st.booleans(),
                st.booleans())
     def check(index, use_mmap, skip_gaps):
-        rd._GAP_MIN = 0 if skip_gaps else gap_min
+        slicing._GAP_MIN = 0 if skip_gaps else gap_min
         try:
             with rd.CheckpointReader(path, mmap=use_mmap) as r:
                 _same(r.get_slice("t", index), a[index])
         finally:
-            rd._GAP_MIN = gap_min
+            slicing._GAP_MIN = gap_min
 
     check()
 
@@ -249,13 +250,13 @@ def test_get_slice_reads_only_needed_bytes(tmp_path, monkeypatch):
     a = _sample(np.float64, (100, 50))
     write_checkpoint(tmp_path, row_slices("a", a, 4, [0, 1, 2, 3]))
     reads = []
-    orig = rd.RawShard.read_into
+    orig = sources.RawShard.read_into
 
     def spy(self, entry, begin, end, dest):
         reads.append((entry.name, begin, end))
         return orig(self, entry, begin, end, dest)
 
-    monkeypatch.setattr(rd.RawShard, "read_into", spy)
+    monkeypatch.setattr(sources.RawShard, "read_into", spy)
     with rd.CheckpointReader(tmp_path, mmap=False) as r:
         _same(r.get_slice("a", np.s_[30:32, 10:12]), a[30:32, 10:12])
     # rows 30..31 lie in the second slice (rows 25..49); bytes of local rows 5..6, cols 10..11
@@ -266,26 +267,26 @@ def test_get_slice_skips_large_gaps_in_pread_mode(tmp_path, monkeypatch):
     a = _sample(np.int16, (40, 30, 20))
     write_checkpoint(tmp_path, row_slices("a", a, 2, [0, 1]))
     reads: list[int] = []
-    orig = rd.RawShard.read_into
+    orig = sources.RawShard.read_into
 
     def spy(self, entry, begin, end, dest):
         reads.append(end - begin)
         return orig(self, entry, begin, end, dest)
 
-    monkeypatch.setattr(rd.RawShard, "read_into", spy)
+    monkeypatch.setattr(sources.RawShard, "read_into", spy)
     with rd.CheckpointReader(tmp_path, mmap=False) as r:
         _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
         # rows 3 and 13 are in the first stored slice (rows 0..19), row 23 in the second.
         # Under 1 MiB a span is read whole, gaps included: rows 3..13 of column 5.
         assert reads == [(10 * 30 * 20 + 20) * 2, 20 * 2]
         reads.clear()
-        monkeypatch.setattr(rd, "_GAP_MIN", 0)
+        monkeypatch.setattr(slicing, "_GAP_MIN", 0)
         _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
         assert reads == [20 * 2] * 3  # one 20-element row per selected index
         reads.clear()
         _same(r.get_slice("a", np.s_[::13, ::-7, 3]), a[::13, ::-7, 3])
         assert reads == [2] * 20  # 4 rows x 5 columns, one element each
-        monkeypatch.setattr(rd, "_MAX_PIECES", 1)
+        monkeypatch.setattr(rd, "MAX_PIECES", 1)
         reads.clear()
         _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
         assert reads == [(10 * 30 * 20 + 20) * 2, 20 * 2]  # over budget: not split
@@ -293,7 +294,7 @@ def test_get_slice_skips_large_gaps_in_pread_mode(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("index", INDEXES, ids=[repr(i) for i in INDEXES])
 def test_get_slice_with_gap_skipping_matches_numpy(tmp_path, monkeypatch, index):
-    monkeypatch.setattr(rd, "_GAP_MIN", 0)
+    monkeypatch.setattr(slicing, "_GAP_MIN", 0)
     a = _sample(np.float32, (5, 7, 3))
     _split_ckpt(tmp_path, a)
     with rd.CheckpointReader(tmp_path, mmap=False) as r:
@@ -397,7 +398,7 @@ def test_close_waits_for_reads_in_other_threads(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, whole({"a": a}))
     started, release = threading.Event(), threading.Event()
     events: list[str] = []
-    orig = rd.RawShard.read_into
+    orig = sources.RawShard.read_into
 
     def slow(self, entry, begin, end, dest):
         started.set()
@@ -405,7 +406,7 @@ def test_close_waits_for_reads_in_other_threads(tmp_path, monkeypatch):
         orig(self, entry, begin, end, dest)
         events.append("read done")
 
-    monkeypatch.setattr(rd.RawShard, "read_into", slow)
+    monkeypatch.setattr(sources.RawShard, "read_into", slow)
     r = rd.CheckpointReader(tmp_path, mmap=False)
     result: list[np.ndarray] = []
     reader_thread = threading.Thread(target=lambda: result.append(r["a"]))
@@ -431,7 +432,7 @@ def test_concurrent_gets_open_each_shard_once(tmp_path):
     arrays = {f"k{i}": _sample(np.float32, (50,)) for i in range(16)}
     write_checkpoint(tmp_path, whole(arrays, n_shards=4))
     opened = []
-    orig = rd.RawShard.__init__
+    orig = sources.RawShard.__init__
 
     def counting(self, *a, **kw):
         opened.append(a[0])
@@ -439,7 +440,7 @@ def test_concurrent_gets_open_each_shard_once(tmp_path):
 
     errors = []
     with rd.CheckpointReader(tmp_path) as r:
-        rd.RawShard.__init__ = counting  # type: ignore[method-assign]
+        sources.RawShard.__init__ = counting  # type: ignore[method-assign]
         try:
             def work():
                 try:
@@ -454,7 +455,7 @@ def test_concurrent_gets_open_each_shard_once(tmp_path):
             for t in threads:
                 t.join()
         finally:
-            rd.RawShard.__init__ = orig  # type: ignore[method-assign]
+            sources.RawShard.__init__ = orig  # type: ignore[method-assign]
     assert not errors
     assert sorted(opened) == sorted(set(opened)) and len(opened) == 4
 
@@ -509,7 +510,7 @@ def test_restore_into_numpy_in_place(tmp_path):
     state = {"model": {"w": np.zeros((4, 6), np.float32), "b": np.zeros(3, ml_dtypes.bfloat16)},
              "step": np.array(0)}
     w_before = state["model"]["w"]
-    restored = rd.restore_into(tmp_path, state, verify=True)
+    restored = restore_into(tmp_path, state, verify=True)
     assert restored == ["model/w", "model/b", "step"]
     assert state["model"]["w"] is w_before
     _same(state["model"]["w"], a)
@@ -521,7 +522,7 @@ def test_restore_into_big_endian_target(tmp_path):
     a = np.arange(5, dtype="<i4")
     write_checkpoint(tmp_path, whole({"a": a}))
     target = np.zeros(5, ">i4")
-    rd.restore_into(tmp_path, {"a": target})
+    restore_into(tmp_path, {"a": target})
     assert target.tolist() == a.tolist()
 
 
@@ -531,19 +532,19 @@ def test_restore_into_mismatches(tmp_path):
     with pytest.raises(RestoreMismatchError,
                        match=r"key 'w' .*checkpoint has shape \[2, 3\] dtype F32 \(float32\), "
                              r"the target has shape \[3, 2\] dtype F32"):
-        rd.restore_into(tmp_path, {"w": np.zeros((3, 2), np.float32)})
+        restore_into(tmp_path, {"w": np.zeros((3, 2), np.float32)})
     with pytest.raises(RestoreMismatchError,
                        match=r"key 'w' .*target has shape \[2, 3\] dtype F64"):
-        rd.restore_into(tmp_path, {"w": np.zeros((2, 3))})
+        restore_into(tmp_path, {"w": np.zeros((2, 3))})
     with pytest.raises(KeyNotFoundError, match="'missing' is not in checkpoint"):
-        rd.restore_into(tmp_path, {"w": good, "missing": np.zeros(1)})
+        restore_into(tmp_path, {"w": good, "missing": np.zeros(1)})
     assert not good.any()  # nothing copied before the error
     ro = np.zeros((2, 3), np.float32)
     ro.flags.writeable = False
     with pytest.raises(RestoreMismatchError, match="target array is read-only"):
-        rd.restore_into(tmp_path, {"w": ro})
+        restore_into(tmp_path, {"w": ro})
     with pytest.raises(RestoreMismatchError, match="in place into a float"):
-        rd.restore_into(tmp_path, {"s": 1.0})
+        restore_into(tmp_path, {"s": 1.0})
 
 
 def test_restore_into_torch(tmp_path):
@@ -559,7 +560,7 @@ def test_restore_into_torch(tmp_path):
         "s": torch.zeros((), dtype=torch.bfloat16),
         "i": torch.zeros(8, dtype=torch.int64)[::2],  # strided view into a bigger buffer
     }
-    restored = rd.restore_into(tmp_path, state)
+    restored = restore_into(tmp_path, state)
     assert restored == ["w", "bf", "s", "i"]
     np.testing.assert_array_equal(state["w"].detach().numpy(), w)
     got_bf = state["bf"].view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -568,9 +569,9 @@ def test_restore_into_torch(tmp_path):
     assert state["i"].tolist() == [0, 1, 2, 3]
     with pytest.raises(RestoreMismatchError, match=r"key 'bf' .*checkpoint has shape \[5\] dtype "
                        r"BF16 \(bfloat16\), the target has shape \[5\] dtype F32"):
-        rd.restore_into(tmp_path, {"bf": torch.zeros(5)})
+        restore_into(tmp_path, {"bf": torch.zeros(5)})
     with pytest.raises(RestoreMismatchError, match=r"key 'w' .*target has shape \[6, 4\]"):
-        rd.restore_into(tmp_path, {"w": torch.zeros(6, 4)})
+        restore_into(tmp_path, {"w": torch.zeros(6, 4)})
 
 
 def test_restore_into_torch_copy_back_path(tmp_path):
@@ -580,10 +581,10 @@ def test_restore_into_torch_copy_back_path(tmp_path):
     # Tensors outside host memory (CUDA...) are restored through a host copy and copy_back;
     # the copy-back itself is checked here on CPU tensors.
     state = {"bf": torch.zeros(5, dtype=torch.bfloat16), "f": torch.zeros(3)}
-    target, back = rd._restore_target(state["bf"], "bf")
+    target, back = restore._restore_target(state["bf"], "bf")
     assert back is None
-    rd._torch_copy_back(state["bf"], np.asarray(bf))
-    rd._torch_copy_back(state["f"], np.arange(3, dtype=np.float32))
+    restore._torch_copy_back(state["bf"], np.asarray(bf))
+    restore._torch_copy_back(state["f"], np.arange(3, dtype=np.float32))
     _same(state["bf"].view(torch.int16).numpy().view(ml_dtypes.bfloat16), bf)
     assert state["f"].tolist() == [0.0, 1.0, 2.0]
     assert target.shape == (5,)
@@ -672,7 +673,7 @@ def test_save_then_restore_into_torch_and_numpy(tmp_path):
     save(tmp_path / "c", src, sharding_callback=MaxShardSizePolicy(2048), durable=False)
     dst = {"w": torch.zeros(64, 32), "bf": torch.zeros(16, dtype=torch.bfloat16),
            "n": np.zeros(10, np.int32)}
-    assert rd.restore_into(tmp_path / "c", dst, verify=True) == ["w", "bf", "n"]
+    assert restore_into(tmp_path / "c", dst, verify=True) == ["w", "bf", "n"]
     assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["bf"], src["bf"])
     np.testing.assert_array_equal(dst["n"], src["n"])
 
@@ -698,8 +699,8 @@ def test_pread_mode_reads_runs_of_adjacent_entries(tmp_path, monkeypatch):
     flat = {f"t{i:04d}": _sample(np.float32, (i % 7 + 1,)) for i in range(3000)}
     api.save(tmp_path / "c", flat, durable=False, threads=1)
     calls = []
-    real = rd._gather.read_arrays
-    monkeypatch.setattr(rd._gather, "read_arrays",
+    real = sources._gather.read_arrays
+    monkeypatch.setattr(sources._gather, "read_arrays",
                         lambda fd, arrays, at: calls.append(len(arrays)) or real(fd, arrays, at))
     got = rd.load(tmp_path / "c", mmap=False)
     assert calls == [3000]
@@ -728,7 +729,7 @@ def test_pread_mode_notices_a_shard_cut_short_after_opening(tmp_path):
 
 def test_read_pieces_cut_runs_into_reads_of_a_chunk():
     arrays = [np.zeros(n, np.uint8) for n in (3, 10, 0, 2, 25)]
-    pieces = rd._read_pieces(arrays, 100, 8)
+    pieces = sources._read_pieces(arrays, 100, 8)
     assert [(at, size) for _, at, size in pieces] == [(100, 8), (108, 8), (116, 8), (124, 8),
                                                       (132, 8)]
     assert [[b.nbytes for b in bufs] for bufs, _, _ in pieces] == [
@@ -736,20 +737,20 @@ def test_read_pieces_cut_runs_into_reads_of_a_chunk():
     assert pieces[0][0][0] is arrays[0]  # whole arrays go as they are
     assert all(np.shares_memory(b, arrays[4]) for b in pieces[2][0])
     one = np.zeros(4, np.uint8)
-    ((bufs, at, size),) = rd._read_pieces([one], 7, 8)
+    ((bufs, at, size),) = sources._read_pieces([one], 7, 8)
     assert bufs[0] is one and (at, size) == (7, 4)
-    assert rd._read_pieces([], 7, 8) == []
+    assert sources._read_pieces([], 7, 8) == []
 
 
 def test_pread_mode_large_tensors_read_in_parallel_pieces(tmp_path, monkeypatch):
-    monkeypatch.setattr(rd, "READ_CHUNK", 4096)
-    monkeypatch.setattr(rd, "_PARALLEL_MIN_ENTRY", 1024)
+    monkeypatch.setattr(sources, "READ_CHUNK", 4096)
+    monkeypatch.setattr(sources, "_PARALLEL_MIN_ENTRY", 1024)
     flat = {"big": _sample(np.float32, (300, 41)), "bf": _sample(ml_dtypes.bfloat16, (9000,)),
             "small": _sample(np.int8, (5,))}
     api.save(tmp_path / "c", flat, durable=False, threads=1)
     threads = set()
-    real = rd._gather.read_arrays
-    monkeypatch.setattr(rd._gather, "read_arrays", lambda fd, bufs, at: threads.add(
+    real = sources._gather.read_arrays
+    monkeypatch.setattr(sources._gather, "read_arrays", lambda fd, bufs, at: threads.add(
         threading.current_thread().name) or real(fd, bufs, at))
     got = rd.load(tmp_path / "c", mmap=False)
     for k, v in flat.items():

@@ -1,0 +1,277 @@
+"""Shard sources: byte access to the entries of one opened shard file.
+
+A shard's codec selects its `ShardSource` implementation: ``"raw"`` (a safetensors file, mapped
+or read with ``os.preadv``) here, others registered with `register_codec` or imported lazily
+(see `_LAZY_CODECS`).
+"""
+from __future__ import annotations
+
+import mmap as _mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from importlib import import_module
+
+import numpy as np
+
+from ._kernels import _gather, _table, _views
+from .errors import CheckpointFormatError, MissingShardError, TruncatedShardError, UnknownCodecError
+from .format import (
+    INDEX_FILE,
+    EntryLayout,
+    ShardInfo,
+    entries_at,
+    read_expected_safetensors_header,
+    read_safetensors_header,
+)
+
+READ_CHUNK = 8 * 1024 * 1024  # bytes per pread job; big enough that syscall cost vanishes
+_PARALLEL_MIN = 2 * READ_CHUNK
+_PARALLEL_MIN_ENTRY = 256 * 1024  # mean entry size from which whole-entry reads go in parallel
+
+
+class ShardSource:
+    """Byte access to the entries of one opened shard file (the codec extension point).
+
+    `entries` maps entry name -> EntryLayout (offsets relative to the logical data region).
+    `read_into` copies bytes ``[begin, end)`` of an entry (relative to the entry's start) into the
+    writable byte buffer `dest`; it must be safe to call from several threads at once.
+    `view` returns a zero-copy read-only buffer of those bytes, or None if the codec cannot.
+    `read_granularity`: the reader cuts large reads at multiples of it in data-region
+    coordinates (e.g. a codec's chunk size). Ranges the reader asks for always hold whole items
+    of the entry's dtype.
+    """
+
+    path: str
+    info: ShardInfo
+    entries: dict[str, EntryLayout]
+    read_granularity: int = READ_CHUNK
+
+    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
+        raise NotImplementedError
+
+    def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class RawShard(ShardSource):
+    """A raw (safetensors) shard, memory-mapped (`mmap=True`) or read with ``os.preadv``."""
+
+    def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True,
+                 expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None = None
+                 ) -> None:
+        """`expected`: the entries (names, dtype names, shapes, in data-region order) the index
+        says the shard holds; when the header is exactly the writer's encoding of them it is
+        taken without parsing, `begins` holds their offsets and `matches_index` is True (see
+        read_expected_safetensors_header)."""
+        self.path = path
+        self.info = info
+        self.begins: list[int] | None = None
+        self._entries: dict[str, EntryLayout] | None = None
+        self._expected = expected
+        self._map: _mmap.mmap | None = None
+        self._fd = _open_shard_fd(path)
+        try:
+            size = os.fstat(self._fd).st_size
+            check_shard_size(path, size, info)
+            if expected is None:
+                self._entries, self.metadata, self.data_start = read_safetensors_header(
+                    self._fd, size, path
+                )
+            else:
+                self._entries, self.metadata, self.data_start, self.begins = (
+                    read_expected_safetensors_header(self._fd, size, path, *expected)
+                )
+            if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
+                self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+        if self._map is not None:
+            os.close(self._fd)
+            self._fd = -1
+        self._size = size
+
+    @property
+    def matches_index(self) -> bool:
+        return self.begins is not None
+
+    @property
+    def entries(self) -> dict[str, EntryLayout]:  # type: ignore[override]
+        if self._entries is None:  # matched the index: built from it on first use
+            assert self._expected is not None and self.begins is not None
+            self._entries = entries_at(*self._expected, self.begins)
+        return self._entries
+
+    def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
+        if self._map is None:
+            return None
+        start = self.data_start + entry.begin
+        return memoryview(self._map)[start + begin : start + end]
+
+    def whole_arrays(self, begins: Sequence[int], dtypes: Sequence[np.dtype],
+                     shapes: Sequence[tuple[int, ...]],
+                     run: Callable[[Sequence[Callable[[], None]]], None] | None = None
+                     ) -> list[np.ndarray]:
+        """The whole entries at `begins` (data-region offsets): read-only views of the map, or
+        without one new arrays, filled by vectored reads of about READ_CHUNK bytes over runs of
+        adjacent entries; `run` executes those reads (default: one after the other)."""
+        if self._map is not None:
+            base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
+            return _views.make_views(base, self.data_start, list(begins), list(dtypes),
+                                     list(shapes))
+        arrays = list(map(np.empty, shapes, dtypes))
+        if not arrays:
+            return arrays
+        nbytes = _table.array_nbytes(arrays)
+        starts = np.asarray(begins, np.int64)
+        order = np.argsort(starts, kind="stable")
+        starts = starts[order]
+        ends = starts + nbytes[order]
+        cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # a run ends where a gap begins
+        reads = []
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]):
+            run_arrays = [arrays[j] for j in order[lo:hi].tolist()]
+            for bufs, at, want in _read_pieces(run_arrays, self.data_start + int(starts[lo]),
+                                               READ_CHUNK):
+                reads.append(partial(self._read_arrays, bufs, at, want))
+        # Many small arrays are bound by per-array work under the GIL: threads do not help them.
+        if run is None or int(nbytes.sum()) < len(arrays) * _PARALLEL_MIN_ENTRY:
+            run = _run_each
+        run(reads)
+        return arrays
+
+    def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
+        got = _gather.read_arrays(self._fd, bufs, at)
+        if got != want:
+            raise TruncatedShardError(
+                f"{self.path}: unexpected end of file at byte {at + got} "
+                f"(needed {want - got} more bytes)"
+            )
+
+    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
+        start = self.data_start + entry.begin
+        if self._map is not None:  # numpy's copy releases the GIL, so pool threads run in parallel
+            n = end - begin
+            np.copyto(np.frombuffer(dest, np.uint8, n),
+                      np.frombuffer(self._map, np.uint8, n, start + begin))
+            return
+        pread_into(self._fd, dest[: end - begin], start + begin, self.path)
+
+    def __del__(self) -> None:  # a reader dropped without close() must not leak descriptors
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # views are alive: the map is unmapped when the last one dies
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _read_pieces(arrays: list[np.ndarray], start: int, chunk: int
+                 ) -> list[tuple[list[np.ndarray], int, int]]:
+    """Cut adjacent arrays (the first at file offset `start`) into reads of about `chunk`
+    bytes: (buffers, offset, bytes). An array that does not fit a read is cut into byte views."""
+    out: list[tuple[list[np.ndarray], int, int]] = []
+    bufs: list[np.ndarray] = []
+    at, size = start, 0
+    for a in arrays:
+        n = a.nbytes
+        if size + n <= chunk:  # the usual case: whole arrays, no views made
+            bufs.append(a)
+            size += n
+            continue
+        flat = a.reshape(-1).view(np.uint8)
+        pos = 0
+        while pos < n:
+            take = min(n - pos, chunk - size)
+            bufs.append(flat[pos : pos + take])
+            size += take
+            pos += take
+            if size == chunk:
+                out.append((bufs, at, size))
+                at, bufs, size = at + size, [], 0
+    if bufs:
+        out.append((bufs, at, size))
+    return out
+
+
+def _run_each(calls: Sequence[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
+def _open_shard_fd(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise MissingShardError(
+            f"{path}: shard file listed in {INDEX_FILE} is missing from the checkpoint"
+        ) from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot open shard file: {e.strerror}") from None
+
+
+def check_shard_size(path: str, size: int, info: ShardInfo) -> None:
+    """The shard file must be exactly as long as index.json recorded."""
+    if size < info.bytes:
+        raise TruncatedShardError(
+            f"{path}: shard is truncated: file has {size} bytes, {INDEX_FILE} records {info.bytes}"
+        )
+    if size > info.bytes:
+        raise CheckpointFormatError(
+            f"{path}: shard file has {size} bytes, but {INDEX_FILE} records {info.bytes} "
+            "(replaced or appended to after the checkpoint was written)"
+        )
+
+
+def pread_into(fd: int, dest: memoryview, offset: int, path: str) -> None:
+    """Fill `dest` from `fd` at `offset` (os.preadv releases the GIL); short file -> error."""
+    done, n = 0, len(dest)
+    while done < n:
+        got = os.preadv(fd, [dest[done:]], offset + done)
+        if got == 0:
+            raise TruncatedShardError(
+                f"{path}: unexpected end of file at byte {offset + done} "
+                f"(needed {n - done} more bytes)"
+            )
+        done += got
+
+
+Opener = Callable[..., ShardSource]
+_OPENERS: dict[str, Opener] = {"raw": RawShard}
+# codec -> (module, function) imported on first use; the function has the Opener signature
+_LAZY_CODECS: dict[str, tuple[str, str]] = {"zstd": ("shardkit.compression", "open_zstd_shard")}
+_codec_lock = threading.Lock()
+
+
+def register_codec(codec: str, opener: Opener) -> None:
+    """Make `opener(path, info, *, mmap)` -> ShardSource read shards stored with `codec`."""
+    with _codec_lock:
+        _OPENERS[codec] = opener
+
+
+def _opener(codec: str, path: str) -> Opener:
+    with _codec_lock:
+        opener = _OPENERS.get(codec)
+        if opener is None and codec in _LAZY_CODECS:
+            module, name = _LAZY_CODECS[codec]
+            opener = _OPENERS[codec] = getattr(import_module(module), name)
+    if opener is None:
+        raise UnknownCodecError(
+            f"{path}: shard codec {codec!r} is not supported by this shardkit "
+            f"(known: {', '.join(sorted(set(_OPENERS) | set(_LAZY_CODECS)))})"
+        )
+    return opener
