@@ -42,6 +42,7 @@ from .tensors import ShardableTensor
 
 _T = TypeVar("_T")
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 WRITE_GROUP = 64 * 1024 * 1024  # bytes per kernel call: progress and stop requests in between
 MIN_REGION = 64 * 1024 * 1024  # a shard is cut into regions for several threads above this
 
@@ -290,27 +291,31 @@ def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
     return out
 
 
-def _open_all(plans: list[_ShardPlan], preallocate: bool = False) -> None:
-    """Create the shard files; with `preallocate`, reserve each one's final size on disk first:
-    a full disk then fails before any byte is written, and the writes skip ext4's delayed
-    allocation (about 15% less time for 200 MB of small tensors)."""
-    for p in plans:
+def _create(p: _ShardPlan, preallocate: bool = False) -> None:
+    """Create shard file `p` (when its first region is written: a writer keeps only the files
+    it is writing open); with `preallocate`, reserve its final size on disk first: a full disk
+    then fails before any byte is written, and the writes skip ext4's delayed allocation
+    (about 15% less time for 200 MB of small tensors)."""
+    try:
+        p.fd = os.open(p.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    except OSError as e:
+        raise _io_error(e, "creating", p.path) from e
+    if preallocate:
         try:
-            p.fd = os.open(p.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            _gather.preallocate(p.fd, p.size)
         except OSError as e:
-            raise _io_error(e, "creating", p.path) from e
-        if preallocate:
-            try:
-                _gather.preallocate(p.fd, p.size)
-            except OSError as e:
-                raise _io_error(e, f"reserving {p.size} bytes for", p.path) from e
+            raise _io_error(e, f"reserving {p.size} bytes for", p.path) from e
+
+
+def _close(p: _ShardPlan) -> None:
+    if p.fd >= 0:
+        fd, p.fd = p.fd, -1
+        os.close(fd)
 
 
 def _close_all(plans: list[_ShardPlan]) -> None:
     for p in plans:
-        if p.fd >= 0:
-            os.close(p.fd)
-            p.fd = -1
+        _close(p)
 
 
 def _run_zstd(
@@ -325,8 +330,8 @@ def _run_zstd(
     from .compression import write_zstd_shard
 
     try:
-        _open_all(plans)
         for p in plans:
+            _create(p)
             assert p.layouts is not None
             arrays = list(map(_as_bytes, p.arrays))
             try:
@@ -342,6 +347,7 @@ def _run_zstd(
             if bar is not None:
                 bar.update(p.size)
             p.size = stats.file_size
+            _close(p)
             del arrays
     finally:
         _close_all(plans)
@@ -360,22 +366,27 @@ def _run(
     this thread while they write."""
     stop = threading.Event()
     try:
-        _open_all(plans, preallocate=True)
 
         def work(region: _Region) -> None:
             if stop.is_set():
                 return
             try:
-                _write_region(region, checksum, stop, bar)
                 shard = region.shard
+                with shard.lock:  # the first region of a shard creates its file
+                    if shard.fd < 0:
+                        _create(shard, preallocate=True)
+                _write_region(region, checksum, stop, bar)
                 with shard.lock:
                     shard.pending -= 1
                     last = shard.pending == 0
-                if last and durable:
+                if last:  # the other regions are written: close the file
                     try:
-                        os.fsync(shard.fd)
+                        if durable:
+                            os.fsync(shard.fd)
                     except OSError as e:
                         raise _io_error(e, "syncing", shard.path) from e
+                    finally:
+                        _close(shard)
             except BaseException:
                 stop.set()
                 raise

@@ -721,3 +721,33 @@ def test_runs_with_non_contiguous_arrays_are_gathered(tmp_path, rng):
     loaded = load(tmp_path / "c", verify=True)
     assert all(_same(loaded[k], v) for k, v in flat.items())
 
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_writer_keeps_only_a_few_shard_files_open(tmp_path, monkeypatch, compression):
+    flat = {f"t{i:03d}": np.full(16, i, np.int32) for i in range(120)}
+    policy = api.DefaultShardingPolicy(threads=2, max_shard_size=64)
+    real_open, real_close = os.open, os.close
+    shard_fds: set[int] = set()
+    most = [0]
+
+    def counting_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if os.path.basename(os.fspath(path)).startswith("shard-") and flags & os.O_WRONLY:
+            shard_fds.add(fd)
+            most[0] = max(most[0], len(shard_fds))
+        return fd
+
+    def counting_close(fd):
+        shard_fds.discard(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    monkeypatch.setattr(os, "close", counting_close)
+    api.save(tmp_path / "c", flat, durable=True, sharding_callback=policy, threads=2,
+             compression=compression)
+    monkeypatch.undo()
+    assert not shard_fds
+    assert 1 <= most[0] <= 2, most[0]
+    got = load(tmp_path / "c", verify=True)
+    assert all((got[k] == v).all() for k, v in flat.items())
