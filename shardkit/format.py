@@ -279,7 +279,8 @@ def _parse_object(
     try:
         parsed = _loads_pairs(data.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise error(f"{path}: {subject}not UTF-8 ({e})") from None
+        # the position only: a message never quotes the file's bytes
+        raise error(f"{path}: {subject}not UTF-8 (invalid byte at position {e.start})") from None
     except json.JSONDecodeError as e:
         raise error(f"{path}: {subject}not valid JSON ({e})") from None
     except RecursionError:
