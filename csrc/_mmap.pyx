@@ -31,6 +31,7 @@ cdef class Map:
     cdef Py_ssize_t size
     cdef Py_ssize_t shape[1]
     cdef Py_ssize_t strides[1]
+    cdef object __weakref__
 
     def __cinit__(self, int fd, Py_ssize_t size):
         cdef void* p
