@@ -24,7 +24,6 @@ size, so a chunk boundary (a multiple of 8) always splits an entry between whole
 
 from __future__ import annotations
 
-import mmap as _mmap
 import os
 import struct
 import threading
@@ -46,10 +45,11 @@ from .errors import (
     CheckpointFormatError,
     ChecksumError,
     CorruptHeaderError,
-    MissingShardError,
     PolicyError,
+    ShardIOError,
     TruncatedShardError,
 )
+from .files import CheckpointFile, open_shard_file
 from .format import (
     HEADER_ALIGNMENT,
     EntryLayout,
@@ -616,22 +616,22 @@ class SkzShard:
     shard file, the frame and the entries stored in it.
     """
 
-    def __init__(self, path: str, info: ShardInfo | None = None, *, mmap: bool = True) -> None:
+    def __init__(self, path: str, info: ShardInfo | None = None, *, mmap: bool = True,
+                 file: CheckpointFile | None = None, follow_symlinks: bool = False) -> None:
+        """`file`: the shard already opened through the checkpoint's directory handle (else
+        `path` is opened, see `shardkit.files`). A mapped shard is mapped copy-on-write and
+        keeps no descriptor."""
         self.path = path
         self.info = info
-        self._map: _mmap.mmap | None = None
+        self._map: Any = None
+        self._file = file if file is not None else open_shard_file(path, follow_symlinks)
         try:
-            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise MissingShardError(f"{path}: shard file is missing from the checkpoint") from None
-        except OSError as e:
-            raise CheckpointFormatError(f"{path}: cannot open shard file: {e.strerror}") from None
-        try:
-            size = os.fstat(self._fd).st_size
+            size = self._file.size
             if info is not None and size != info.bytes:
                 cls = TruncatedShardError if size < info.bytes else CheckpointFormatError
                 raise cls(f"{path}: shard file has {size} bytes, the index records {info.bytes}")
-            self.header = read_skz_header(self._fd, size, path)
+            with self._file as fd:
+                self.header = read_skz_header(fd, size, path)
             self._frames: list[tuple[int, ...]] = self.header.frames.tolist()  # rows as ints
             self.entries = self.header.entries
             self.metadata = self.header.metadata
@@ -642,14 +642,14 @@ class SkzShard:
                 raise CorruptHeaderError(str(e)) from None
             self._names = [n for n in self.entries]
             if mmap:
-                self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
+                self._map = self._file.map()
         except BaseException:
-            os.close(self._fd)
+            self._file.close()
             raise
         if self._map is not None:
-            os.close(self._fd)
-            self._fd = -1
+            self._file.close()  # a map needs no descriptor
         self.read_granularity = self.header.chunk_size
+        self._closed = False
         self._lock = threading.Lock()
         self._cache: OrderedDict[int, Any] = OrderedDict()
 
@@ -711,15 +711,9 @@ class SkzShard:
     def close(self) -> None:
         with self._lock:
             self._cache.clear()
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a chunk view is still alive; the map goes with its last view
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._map = None  # unmapped when the last chunk view of it goes
+        self._closed = True
+        self._file.close()
 
     def __enter__(self) -> SkzShard:
         return self
@@ -745,9 +739,14 @@ class SkzShard:
     def _stored(self, offset: int, n: int) -> Any:
         if self._map is not None:
             return memoryview(self._map)[offset : offset + n]
-        if self._fd < 0:
+        if self._closed:
             raise CheckpointFormatError(f"{self.path}: shard is closed")
-        data = os.pread(self._fd, n, offset)
+        with self._file as fd:
+            try:
+                data = os.pread(fd, n, offset)
+            except OSError as e:
+                raise ShardIOError(e.errno, f"{self.path}: cannot read {n} bytes at {offset}: "
+                                            f"{e.strerror}") from None
         if len(data) != n:
             raise TruncatedShardError(f"{self.path}: frame at byte {offset} cut short")
         return data
@@ -897,9 +896,10 @@ def run_tasks(tasks: Sequence[Callable[[], None]], pool: Executor | None) -> Non
             f.cancel()
 
 
-def open_zstd_shard(path: str, info: ShardInfo, *, mmap: bool = True) -> SkzShard:
+def open_zstd_shard(path: str, info: ShardInfo, *, mmap: bool = True,
+                    file: CheckpointFile | None = None) -> SkzShard:
     """The reader's opener for codec ``"zstd"``."""
-    return SkzShard(path, info, mmap=mmap)
+    return SkzShard(path, info, mmap=mmap, file=file)
 
 
 __all__ = [

@@ -93,6 +93,22 @@ class MissingShardError(CheckpointFormatError):
     """A shard file listed in index.json is missing from the checkpoint directory."""
 
 
+class CheckpointReplacedError(CheckpointFormatError):
+    """The checkpoint a reader opened was replaced (and its old directory deleted) mid-read."""
+
+
+class NotRegularFileError(CheckpointFormatError):
+    """A shard or index.json is a directory, FIFO, device or socket, not a regular file."""
+
+
+class SymlinkRefusedError(CheckpointFormatError):
+    """A shard or index.json is a symbolic link and the reader was not asked to follow links."""
+
+
+class ShardIOError(ShardkitError, OSError):
+    """The operating system failed a read or a memory map of a checkpoint file (errno kept)."""
+
+
 class ReaderClosedError(ShardkitError, ValueError):
     """A CheckpointReader was used after close()."""
 

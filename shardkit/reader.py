@@ -1,10 +1,15 @@
 """CheckpointReader: lazy, zero-copy reading of a shardkit checkpoint directory.
 
-The reader owns the shard maps. A whole tensor of a raw shard comes back as a read-only numpy view
-of a memory map; each view holds a buffer export on its map, so the map cannot be unmapped while a
-view is alive: ``close()`` drops the reader's reference (``mmap.close()`` raises BufferError while
-views exist; that is caught) and the map is unmapped when its last view dies. With ``mmap=False``
-every read is a set of large ``os.preadv`` calls on a thread pool into owned, writable arrays.
+A whole tensor of a raw shard comes back as a numpy view of a private (copy-on-write) map of the
+shard (`shardkit._kernels._mmap`): writable, writing never reaches the file, and the map is
+unmapped only when its last view goes, so arrays stay valid after ``close()``. With
+``mmap=False`` every read is a set of large ``os.preadv`` calls on a thread pool into owned,
+writable arrays, through a bounded set of open descriptors (`MAX_OPEN_FILES`).
+
+One reader reads one checkpoint: it opens the checkpoint directory once and every file
+(index.json, shards) relative to that handle, safely (`shardkit.files`: regular files only,
+symlinks only with ``follow_symlinks=True``). A shard that vanished because the checkpoint was
+replaced raises CheckpointReplacedError; `load` then starts again, a few times.
 
 Shard files are opened and their headers parsed and checked against the index on first use. A
 shard's codec selects its `ShardSource` implementation: ``"raw"`` here, others registered with
@@ -32,11 +37,21 @@ from .dtypes import numpy_dtype
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     ChecksumError,
     CorruptHeaderError,
     CorruptIndexError,
     KeyNotFoundError,
+    MissingShardError,
     ReaderClosedError,
+)
+from .files import (
+    FilePool,
+    directory_identity,
+    open_directory,
+    open_file,
+    open_shard_file,
+    read_whole,
 )
 from .format import (
     INDEX_FILE,
@@ -66,6 +81,9 @@ from .sources import (
     _run_each,
 )
 from .tensors import _gc_paused
+
+MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
+LOAD_ATTEMPTS = 3  # how often `load` starts again when the checkpoint is replaced under it
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,16 +117,30 @@ class KeyInfo:
 class CheckpointReader:
     """Read a checkpoint directory lazily; use as a context manager.
 
-    ``reader[key]`` / `get` return the whole tensor (a read-only view of the map when it is one
+    ``reader[key]`` / `get` return the whole tensor (a view of the private map when it is one
     raw entry and `mmap` is on; otherwise a new array). `get_slice` reads a numpy basic index of
-    the full tensor, touching only the bytes it needs. `verify` checks every checksum.
+    the full tensor, touching only the bytes it needs. `verify` checks every checksum. Every
+    array returned is writable and stays valid after the reader is closed; writing to it never
+    changes the checkpoint.
+
+    The reader reads the checkpoint that was at `path` when it was opened, and no other (see the
+    module docstring). Shard files and index.json must be regular files, and symlinks are
+    refused unless `follow_symlinks`.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, mmap: bool = True,
-                 verify: bool = False) -> None:
+                 verify: bool = False, follow_symlinks: bool = False) -> None:
         self.path = os.fspath(path)
         self._mmap = bool(mmap)
-        self.index: CheckpointIndex = _read_index(self.path)
+        self._follow = bool(follow_symlinks)
+        self._dir_fd = open_directory(self.path)
+        self._dir_closer = weakref.finalize(self, os.close, self._dir_fd)
+        try:
+            self.index: CheckpointIndex = _read_index(self.path, self._dir_fd, self._follow)
+        except BaseException:
+            self._dir_closer()
+            raise
+        self._files = FilePool(MAX_OPEN_FILES)
         self._shard_paths = [os.path.join(self.path, s.file) for s in self.index.shards]
         self._sources: dict[int, ShardSource] = {}
         self._specs: dict[str, list[SliceSpec]] = {}
@@ -342,8 +374,8 @@ class CheckpointReader:
         """``full_tensor[index]`` for a numpy basic index (ints, slices with steps, ``...``,
         None), reading only the needed bytes of the stored slices that intersect it.
 
-        The result is a read-only view of the map when it comes from one raw entry and `mmap` is
-        on, else a new array.
+        The result is a (writable) view of the private map when it comes from one raw entry and
+        `mmap` is on, else a new array.
         """
         self._begin_read()
         try:
@@ -370,16 +402,18 @@ class CheckpointReader:
             out_index, lo, hi, local = plan
             b0, b1 = byte_span(lo, hi, strides, item)
             view = src.view(entry, b0, b1)
+            # always a view, also of a 0-d box: ``box[()]`` would copy a scalar out of the
+            # buffer now, before the read below fills it
             if view is not None:  # mapped: only the pages touched are ever read
                 box = np.ndarray(span_shape(lo, hi), dtype, buffer=view, strides=strides)
-                pieces.append((out_index, box[local], True))
+                pieces.append((out_index, box[_as_view(local)], True))
                 continue
             for out_index, lo, hi, local in refine(plan, strides, item, [MAX_PIECES]):
                 b0, b1 = byte_span(lo, hi, strides, item)
                 buf = np.empty(b1 - b0, np.uint8)
                 jobs.append((src, entry, b0, b1, buf.data))
                 box = np.ndarray(span_shape(lo, hi), dtype, buffer=buf, strides=strides)
-                pieces.append((out_index, box[local], False))
+                pieces.append((out_index, box[_as_view(local)], False))
         self._read_jobs(jobs)
         if len(pieces) == 1 and pieces[0][2] and pieces[0][1].shape == box_shape:
             return pieces[0][1].reshape(final_shape)
@@ -436,6 +470,7 @@ class CheckpointReader:
             pool.shutdown(wait=True)
         for src in sources.values():
             src.close()
+        self._dir_closer()
 
     # -- internals
 
@@ -497,10 +532,16 @@ class CheckpointReader:
                 info = self.index.shards[i]
                 path = self._shard_paths[i]
                 opener = _opener(info.codec, path)
-                if opener is RawShard:
-                    src = RawShard(path, info, mmap=self._mmap, expected=self._expected(i))
-                else:
-                    src = opener(path, info, mmap=self._mmap)
+                file = self._open_shard(i)
+                try:
+                    if opener is RawShard:
+                        src = RawShard(path, info, mmap=self._mmap, expected=self._expected(i),
+                                       file=file)
+                    else:
+                        src = opener(path, info, mmap=self._mmap, file=file)
+                except BaseException:
+                    file.close()
+                    raise
                 try:
                     if not getattr(src, "matches_index", False):
                         self._check_against_index(i, src)
@@ -509,6 +550,31 @@ class CheckpointReader:
                     raise
                 self._sources[i] = src
             return src
+
+    def _open_shard(self, i: int) -> Any:
+        """Shard file `i`, opened through the checkpoint's directory handle."""
+        path = self._shard_paths[i]
+        try:
+            return open_shard_file(path, self._follow, name=self.index.shards[i].file,
+                                   dir_fd=self._dir_fd, pool=self._files)
+        except MissingShardError:
+            if self._replaced():
+                raise CheckpointReplacedError(
+                    f"{path}: shard file is gone: the checkpoint at {self.path} was replaced "
+                    "while this reader had it open, and the directory it reads from was "
+                    "deleted; open the checkpoint again to read the new one"
+                ) from None
+            raise
+
+    def _replaced(self) -> bool:
+        """Whether the directory this reader reads is no longer the one at its path."""
+        try:
+            if os.fstat(self._dir_fd).st_nlink == 0:
+                return True
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != directory_identity(self._dir_fd)
 
     def _expected(self, i: int) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
         """What the index says shard `i` holds: entry names, dtype names and shapes, in
@@ -560,8 +626,6 @@ class CheckpointReader:
         out = np.empty(shape, dtype)
         if n:
             self._read_jobs([(src, entry, 0, n, _bytes_of(out))])
-        elif self._mmap:
-            out.flags.writeable = False  # same contract as a mapped view
         return out
 
     def _read_jobs(self, jobs: Sequence[tuple[ShardSource, EntryLayout, int, int, memoryview]]
@@ -626,32 +690,36 @@ class CheckpointReader:
             return self._pool
 
 
-def _read_index(path: str) -> CheckpointIndex:
+def _read_index(path: str, dir_fd: int, follow_symlinks: bool) -> CheckpointIndex:
+    """index.json of the checkpoint directory `dir_fd` (at `path`), decoded."""
     index_path = os.path.join(path, INDEX_FILE)
-    if not os.path.isdir(path):
-        what = "is not a directory" if os.path.exists(path) else "does not exist"
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the path {what}")
     try:
-        with open(index_path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_INDEX_BYTES:
-                raise CorruptIndexError(
-                    f"{index_path}: {size} bytes, over the {MAX_INDEX_BYTES}-byte limit"
-                )
-            data = f.read()
+        fd, st = open_file(INDEX_FILE, index_path, INDEX_FILE, dir_fd=dir_fd,
+                           follow_symlinks=follow_symlinks)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no checkpoint at {path}: {INDEX_FILE} is missing (an unfinished save leaves no "
             "index; the directory is not a complete shardkit checkpoint)"
         ) from None
-    except IsADirectoryError:
-        raise CorruptIndexError(f"{index_path} is a directory, not a file") from None
+    try:
+        if st.st_size > MAX_INDEX_BYTES:
+            raise CorruptIndexError(
+                f"{index_path}: {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit"
+            )
+        data = read_whole(fd, st.st_size, index_path, INDEX_FILE)
+    finally:
+        os.close(fd)
     return decode_index(data, index_path)
 
 
 _dtype_name_of = operator.attrgetter("dtype_name")
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
+
+
+def _as_view(local: tuple[slice, ...]) -> Any:
+    """`local` as an index that gives a view even of a 0-d array (``a[()]`` copies a scalar)."""
+    return (*local, Ellipsis)
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
@@ -677,9 +745,10 @@ def _xxh3_of(src: ShardSource, entry: EntryLayout) -> str:
     return h.hexdigest()
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True) -> CheckpointReader:
+def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
+                    follow_symlinks: bool = False) -> CheckpointReader:
     """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``)."""
-    return CheckpointReader(path, mmap=mmap)
+    return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks)
 
 
 def load(
@@ -688,20 +757,30 @@ def load(
     *,
     verify: bool = False,
     mmap: bool = True,
+    follow_symlinks: bool = False,
 ) -> dict[str, np.ndarray]:
     """Read `keys` (default: all, in saved order) into a flat dict key -> array.
 
-    With `mmap` whole raw tensors are read-only views of the shard maps (they stay valid after
-    this returns). `verify` checks the checksums of the loaded entries first. A single str
-    `keys` is one key.
+    With `mmap` whole raw tensors are views of private (copy-on-write) maps of the shards: they
+    stay valid after this returns, and writing to them never changes the files. `verify`
+    checks the checksums of the loaded entries first. A single str `keys` is one key. When
+    the checkpoint is replaced while it is being read, the load starts again (up to
+    LOAD_ATTEMPTS times), so the result is always all of one checkpoint.
     """
-    with CheckpointReader(path, mmap=mmap) as reader:
-        if isinstance(keys, str):
-            keys = [keys]
-        if keys is not None:
-            keys = list(keys)
-            for key in keys:
-                reader._tensor(key)  # fail on a missing key before reading anything
-        if verify:
-            reader.verify(keys)
-        return reader._get_many(keys)
+    if isinstance(keys, str):
+        keys = [keys]
+    if keys is not None:
+        keys = list(keys)
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        try:
+            with CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks) as reader:
+                if keys is not None:
+                    for key in keys:
+                        reader._tensor(key)  # fail on a missing key before reading anything
+                if verify:
+                    reader.verify(keys)
+                return reader._get_many(keys)
+        except CheckpointReplacedError:
+            if attempt == LOAD_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")

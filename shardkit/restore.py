@@ -15,12 +15,13 @@ from .tensors import flatten, to_host
 
 
 def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
-                 verify: bool = False) -> list[str]:
+                 verify: bool = False, follow_symlinks: bool = False) -> list[str]:
     """Copy the stored value of every leaf of `state` (numpy arrays, torch tensors) into it, in
     place. Every leaf is checked (key present, shape, dtype) before anything is copied.
+    `follow_symlinks`: read shard files and index.json that are symlinks (refused by default).
     Returns the restored keys."""
     leaves = flatten(state)
-    with CheckpointReader(path) as reader:
+    with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
         plans = []
         for key, leaf in leaves:
             t = reader._tensor(key)

@@ -6,17 +6,23 @@ or read with ``os.preadv``) here, others registered with `register_codec` or imp
 """
 from __future__ import annotations
 
-import mmap as _mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from importlib import import_module
+from typing import Any
 
 import numpy as np
 
 from ._kernels import _gather, _table, _views
-from .errors import CheckpointFormatError, MissingShardError, TruncatedShardError, UnknownCodecError
+from .errors import (
+    CheckpointFormatError,
+    ShardIOError,
+    TruncatedShardError,
+    UnknownCodecError,
+)
+from .files import CheckpointFile, open_shard_file
 from .format import (
     INDEX_FILE,
     EntryLayout,
@@ -37,7 +43,8 @@ class ShardSource:
     `entries` maps entry name -> EntryLayout (offsets relative to the logical data region).
     `read_into` copies bytes ``[begin, end)`` of an entry (relative to the entry's start) into the
     writable byte buffer `dest`; it must be safe to call from several threads at once.
-    `view` returns a zero-copy read-only buffer of those bytes, or None if the codec cannot.
+    `view` returns a zero-copy buffer of those bytes (writable: a private map), or None if the
+    codec cannot.
     `read_granularity`: the reader cuts large reads at multiples of it in data-region
     coordinates (e.g. a codec's chunk size). Ranges the reader asks for always hold whole items
     of the entry's dtype.
@@ -62,39 +69,43 @@ class RawShard(ShardSource):
     """A raw (safetensors) shard, memory-mapped (`mmap=True`) or read with ``os.preadv``."""
 
     def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True,
-                 expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None = None
-                 ) -> None:
+                 expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None = None,
+                 file: CheckpointFile | None = None, follow_symlinks: bool = False) -> None:
         """`expected`: the entries (names, dtype names, shapes, in data-region order) the index
         says the shard holds; when the header is exactly the writer's encoding of them it is
         taken without parsing, `begins` holds their offsets and `matches_index` is True (see
-        read_expected_safetensors_header)."""
+        read_expected_safetensors_header). `file`: the shard already opened through the
+        checkpoint's directory handle (else `path` is opened, see `shardkit.files`).
+
+        A mapped shard is mapped copy-on-write and keeps no descriptor: views of it are
+        writable, writing to them never reaches the file, and the map lives as long as they do.
+        """
         self.path = path
         self.info = info
         self.begins: list[int] | None = None
         self._entries: dict[str, EntryLayout] | None = None
         self._expected = expected
-        self._map: _mmap.mmap | None = None
-        self._fd = _open_shard_fd(path)
+        self._map: Any = None
+        self._file = file if file is not None else open_shard_file(path, follow_symlinks)
         try:
-            size = os.fstat(self._fd).st_size
+            size = self._file.size
             check_shard_size(path, size, info)
-            if expected is None:
-                self._entries, self.metadata, self.data_start = read_safetensors_header(
-                    self._fd, size, path
-                )
-            else:
-                self._entries, self.metadata, self.data_start, self.begins = (
-                    read_expected_safetensors_header(self._fd, size, path, *expected)
-                )
+            with self._file as fd:
+                if expected is None:
+                    self._entries, self.metadata, self.data_start = read_safetensors_header(
+                        fd, size, path
+                    )
+                else:
+                    self._entries, self.metadata, self.data_start, self.begins = (
+                        read_expected_safetensors_header(fd, size, path, *expected)
+                    )
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
-                self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
+                self._map = self._file.map()
         except BaseException:
-            os.close(self._fd)
-            self._fd = -1
+            self._file.close()
             raise
         if self._map is not None:
-            os.close(self._fd)
-            self._fd = -1
+            self._file.close()  # a map needs no descriptor
         self._size = size
 
     @property
@@ -118,9 +129,9 @@ class RawShard(ShardSource):
                      shapes: Sequence[tuple[int, ...]],
                      run: Callable[[Sequence[Callable[[], None]]], None] | None = None
                      ) -> list[np.ndarray]:
-        """The whole entries at `begins` (data-region offsets): read-only views of the map, or
-        without one new arrays, filled by vectored reads of about READ_CHUNK bytes over runs of
-        adjacent entries; `run` executes those reads (default: one after the other)."""
+        """The whole entries at `begins` (data-region offsets): writable views of the private
+        map, or without one new arrays, filled by vectored reads of about READ_CHUNK bytes over
+        runs of adjacent entries; `run` executes those reads (default: one after the other)."""
         if self._map is not None:
             base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
             return _views.make_views(base, self.data_start, list(begins), list(dtypes),
@@ -147,7 +158,12 @@ class RawShard(ShardSource):
         return arrays
 
     def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
-        got = _gather.read_arrays(self._fd, bufs, at)
+        with self._file as fd:
+            try:
+                got = _gather.read_arrays(fd, bufs, at)
+            except OSError as e:
+                raise ShardIOError(e.errno, f"{self.path}: cannot read {want} bytes at {at}: "
+                                            f"{e.strerror}") from None
         if got != want:
             raise TruncatedShardError(
                 f"{self.path}: unexpected end of file at byte {at + got} "
@@ -161,23 +177,12 @@ class RawShard(ShardSource):
             np.copyto(np.frombuffer(dest, np.uint8, n),
                       np.frombuffer(self._map, np.uint8, n, start + begin))
             return
-        pread_into(self._fd, dest[: end - begin], start + begin, self.path)
-
-    def __del__(self) -> None:  # a reader dropped without close() must not leak descriptors
-        if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._file as fd:
+            pread_into(fd, dest[: end - begin], start + begin, self.path)
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # views are alive: the map is unmapped when the last one dies
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._map = None  # unmapped when the last view of it goes
+        self._file.close()
 
 
 def _read_pieces(arrays: list[np.ndarray], start: int, chunk: int
@@ -213,17 +218,6 @@ def _run_each(calls: Sequence[Callable[[], None]]) -> None:
         call()
 
 
-def _open_shard_fd(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise MissingShardError(
-            f"{path}: shard file listed in {INDEX_FILE} is missing from the checkpoint"
-        ) from None
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot open shard file: {e.strerror}") from None
-
-
 def check_shard_size(path: str, size: int, info: ShardInfo) -> None:
     """The shard file must be exactly as long as index.json recorded."""
     if size < info.bytes:
@@ -241,7 +235,11 @@ def pread_into(fd: int, dest: memoryview, offset: int, path: str) -> None:
     """Fill `dest` from `fd` at `offset` (os.preadv releases the GIL); short file -> error."""
     done, n = 0, len(dest)
     while done < n:
-        got = os.preadv(fd, [dest[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [dest[done:]], offset + done)
+        except OSError as e:
+            raise ShardIOError(e.errno, f"{path}: cannot read {n - done} bytes at "
+                                        f"{offset + done}: {e.strerror}") from None
         if got == 0:
             raise TruncatedShardError(
                 f"{path}: unexpected end of file at byte {offset + done} "
@@ -258,7 +256,9 @@ _codec_lock = threading.Lock()
 
 
 def register_codec(codec: str, opener: Opener) -> None:
-    """Make `opener(path, info, *, mmap)` -> ShardSource read shards stored with `codec`."""
+    """Make `opener(path, info, *, mmap, file)` -> ShardSource read shards stored with `codec`;
+    `file` is the shard, already opened safely (a `shardkit.files.CheckpointFile`): read it
+    through ``with file as fd`` or map it with ``file.map()``, never by `path`."""
     with _codec_lock:
         _OPENERS[codec] = opener
 

@@ -4,8 +4,14 @@ message names the file and the key; never a bare json / numpy / OS error, a cras
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+import stat
 import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +30,10 @@ from shardkit.errors import (
     EntryLayoutError,
     KeyNotFoundError,
     MissingShardError,
+    NotRegularFileError,
     ShardkitError,
     ShardPathError,
+    SymlinkRefusedError,
     TruncatedShardError,
     UnknownCodecError,
     UnsupportedVersionError,
@@ -98,7 +106,8 @@ def test_missing_index(ckpt):
 def test_index_is_a_directory(ckpt):
     (ckpt / "index.json").unlink()
     (ckpt / "index.json").mkdir()
-    with pytest.raises(CorruptIndexError, match=r"index\.json is a directory"):
+    with pytest.raises(NotRegularFileError,
+                       match=r"ckpt/index\.json: index\.json is a directory, not a regular file"):
         rd.CheckpointReader(ckpt)
 
 
@@ -383,3 +392,146 @@ def test_random_damage_never_escapes_as_a_foreign_error(tmp_path, target):
         except ShardkitError:
             outcomes["error"] += 1
     assert outcomes["error"] > 0
+
+
+# --- hostile files: not regular files, symlinks ------------------------------------------------
+
+
+def _shard_to(ckpt: Path, make, name: str = SHARD0) -> Path:
+    (ckpt / name).unlink()
+    make(ckpt / name)
+    return ckpt / name
+
+
+def test_shard_is_a_directory(ckpt, tmp_path):
+    _shard_to(ckpt, Path.mkdir)
+    for use_mmap in (True, False):
+        with pytest.raises(NotRegularFileError, match=rf"ckpt/{SHARD0}: shard file is a "
+                           r"directory, not a regular file \(while reading key 'w'\)"):
+            _read_all(ckpt, mmap=use_mmap)
+    with pytest.raises(NotRegularFileError, match="is a directory"):
+        rd.load(ckpt)
+    with pytest.raises(NotRegularFileError, match="is a directory"):
+        restore_into(ckpt, {"w": np.zeros(6, np.float32)})
+
+
+OPEN_IN_CHILD = """
+    import sys
+    from shardkit import reader as rd
+    try:
+        rd.load(sys.argv[1], mmap=sys.argv[2] == "1")
+    except Exception as e:
+        print(type(e).__name__, str(e))
+"""
+
+
+def _load_in_child(ckpt: Path, use_mmap: bool = True) -> str:
+    """load() in a subprocess, so that a hang fails the test instead of stopping the suite."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(OPEN_IN_CHILD), str(ckpt),
+                           "1" if use_mmap else "0"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
+def test_shard_is_a_fifo(ckpt, use_mmap):
+    _shard_to(ckpt, os.mkfifo)
+    out = _load_in_child(ckpt, use_mmap)
+    assert out.startswith(f"NotRegularFileError {ckpt / SHARD0}: shard file is a FIFO, "
+                          "not a regular file"), out
+
+
+def test_index_is_a_fifo(ckpt):
+    (ckpt / "index.json").unlink()
+    os.mkfifo(ckpt / "index.json")
+    out = _load_in_child(ckpt)
+    assert out == (f"NotRegularFileError {ckpt / 'index.json'}: index.json is a FIFO, not a "
+                   "regular file"), out
+
+
+def test_shard_is_a_device(ckpt):
+    try:
+        _shard_to(ckpt, lambda p: os.mknod(p, stat.S_IFCHR | 0o600, os.makedev(1, 3)))
+    except PermissionError:
+        pytest.skip("cannot create a device node here")
+    out = _load_in_child(ckpt)
+    assert out.startswith(f"NotRegularFileError {ckpt / SHARD0}: shard file is a character "
+                          "device, not a regular file"), out
+
+
+def test_shard_is_a_socket(ckpt):
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        _shard_to(ckpt, lambda p: sock.bind(str(p)))
+        with pytest.raises(NotRegularFileError, match=rf"{SHARD0}: shard file is a socket, not "
+                           "a regular file"):
+            _read_all(ckpt)
+    finally:
+        sock.close()
+
+
+def test_device_behind_a_followed_symlink_is_refused(ckpt):
+    _shard_to(ckpt, lambda p: p.symlink_to("/dev/zero"))
+    with pytest.raises(NotRegularFileError, match=rf"{SHARD0}: shard file is a character "
+                       "device, not a regular file"):
+        _read_all(ckpt, follow_symlinks=True)
+
+
+SECRET = b"SECRET-\x89\xff\x00-BYTES" * 8
+
+
+def test_symlinked_shard_is_refused_unless_asked(ckpt, tmp_path):
+    real = tmp_path / "elsewhere.safetensors"
+    real.write_bytes((ckpt / SHARD0).read_bytes())
+    _shard_to(ckpt, lambda p: p.symlink_to(real))
+    for use_mmap in (True, False):
+        with pytest.raises(SymlinkRefusedError, match=rf"ckpt/{SHARD0}: shard file is a "
+                           r"symbolic link; .*follow_symlinks=True"):
+            _read_all(ckpt, mmap=use_mmap)
+    with pytest.raises(SymlinkRefusedError):
+        rd.load(ckpt)
+    with pytest.raises(SymlinkRefusedError):
+        restore_into(ckpt, {"w": np.zeros(6, np.float32)})
+    got = rd.load(ckpt, follow_symlinks=True)
+    np.testing.assert_array_equal(got["w"], np.arange(6, dtype=np.float32))
+    target = {"w": np.zeros(6, np.float32)}
+    restore_into(ckpt, target, follow_symlinks=True)
+    np.testing.assert_array_equal(target["w"], got["w"])
+    with rd.CheckpointReader(ckpt, follow_symlinks=True, mmap=False) as r:
+        assert r.verify() == 2
+
+
+def test_symlinked_index_is_refused_unless_asked(ckpt, tmp_path):
+    real = tmp_path / "index-elsewhere.json"
+    real.write_bytes((ckpt / "index.json").read_bytes())
+    (ckpt / "index.json").unlink()
+    (ckpt / "index.json").symlink_to(real)
+    with pytest.raises(SymlinkRefusedError, match=r"ckpt/index\.json: index\.json is a "
+                       r"symbolic link; .*follow_symlinks=True"):
+        rd.CheckpointReader(ckpt)
+    assert list(rd.load(ckpt, follow_symlinks=True)) == ["w", "b"]
+
+
+def test_symlink_to_foreign_bytes_never_echoes_them(ckpt, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    _shard_to(ckpt, lambda p: p.symlink_to(secret))
+    for kw in ({}, {"follow_symlinks": True}):
+        with pytest.raises(CheckpointFormatError) as e:
+            _read_all(ckpt, **kw)
+        assert "SECRET" not in str(e.value) and "\\x89" not in str(e.value)
+    _edit_index(ckpt, lambda doc: doc["shardkit"]["shards"][0].update(bytes=len(SECRET)))
+    with pytest.raises(CheckpointFormatError) as e:
+        _read_all(ckpt, follow_symlinks=True)
+    assert "SECRET" not in str(e.value) and "0x89" not in str(e.value), str(e.value)
+
+
+def test_header_not_utf8_names_the_position_not_the_byte(ckpt):
+    _replace_shard(ckpt, _shard_with_header(b'{"w": "\xff\xfe"}', b""))
+    with pytest.raises(CorruptHeaderError, match=r"header is not UTF-8 \(invalid byte at "
+                       r"position \d+\)") as e:
+        _read_all(ckpt)
+    assert "0xff" not in str(e.value)

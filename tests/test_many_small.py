@@ -53,7 +53,7 @@ def test_many_small_tensors_round_trip(tmp_path, max_shard_size):
     assert list(loaded) == list(state)
     for key, a in state.items():
         assert _same(loaded[key], a), key
-        assert not loaded[key].flags.writeable
+        assert loaded[key].flags.writeable  # a view of a private map
     some = ["layer3/p1", "layer0/p0"]
     assert list(shardkit.load(tmp_path / "c", some)) == some
 

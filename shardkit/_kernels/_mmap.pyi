@@ -1,8 +1,6 @@
 """Stub of the compiled kernel module shardkit._kernels._mmap (csrc/_mmap.pyx)."""
 
-from collections.abc import Buffer
-
-class Map(Buffer):
+class Map:
     """The first `size` bytes of file `fd`, mapped copy-on-write (MAP_PRIVATE, read + write);
     a writable byte buffer that holds no descriptor and is unmapped when its last reference
     (numpy views included) goes. OSError (with errno) when the system refuses the map;

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 
-def Map(fd: int, size: int) -> Any:  # noqa: N802  (the kernel's class name)
+def Map(fd: int, size: int) -> Any:  # the kernel's class name
     """The first `size` bytes of file `fd`, mapped copy-on-write; a writable byte buffer.
 
     OSError (with errno) when the system refuses the map; ValueError for a negative size.

@@ -1,0 +1,272 @@
+"""Opening the files of a checkpoint safely, and keeping few of them open.
+
+Every file a reader takes from a checkpoint (index.json, shards) is opened by `open_file`: relative
+to the checkpoint's directory handle when there is one, non-blocking (a FIFO cannot hang the
+open), without following a symlink unless asked, and refused unless ``fstat`` says it is a
+regular file. `CheckpointFile` wraps one such file for the shard sources: its descriptor can be
+given up (once mapped, or when a `FilePool` evicts it) and is then opened again through the same
+directory handle, checked to be the same inode. No error message quotes a file's bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from ._kernels import _mmap
+from .errors import (
+    CheckpointNotFoundError,
+    CheckpointReplacedError,
+    MissingShardError,
+    NotRegularFileError,
+    ShardIOError,
+    SymlinkRefusedError,
+)
+from .format import INDEX_FILE
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), "not a plain file")
+
+
+def open_directory(path: str) -> int:
+    """A descriptor of the checkpoint directory `path` (the directory handle every file of the
+    checkpoint is opened through); CheckpointNotFoundError when it is missing or not one."""
+    try:
+        return os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist") from None
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: the path is not a directory"
+                                      ) from None
+    except OSError as e:
+        raise ShardIOError(e.errno, f"{path}: cannot open the checkpoint directory: "
+                                    f"{e.strerror}") from None
+
+
+def directory_identity(dir_fd: int) -> tuple[int, int]:
+    st = os.fstat(dir_fd)
+    return st.st_dev, st.st_ino
+
+
+def open_file(name: str, path: str, role: str, *, dir_fd: int | None = None,
+              follow_symlinks: bool = False) -> tuple[int, os.stat_result]:
+    """Open the checkpoint file `name` (relative to `dir_fd`, else a path) for reading: a
+    blocking, close-on-exec descriptor of a regular file, and its ``fstat``.
+
+    `path` (for messages) and `role` ("shard file", "index.json") name it in errors:
+    SymlinkRefusedError for a symlink unless `follow_symlinks`, NotRegularFileError for a
+    directory, FIFO, device or socket, ShardIOError for other failures. FileNotFoundError, when
+    there is no such file, is left to the caller to word."""
+    flags = os.O_RDONLY | _NONBLOCK | _CLOEXEC | (0 if follow_symlinks else _NOFOLLOW)
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks and _is_symlink(name, dir_fd):
+            raise SymlinkRefusedError(
+                f"{path}: {role} is a symbolic link; shardkit reads only the checkpoint's own "
+                "files unless asked to follow links (follow_symlinks=True)") from None
+        if e.errno == errno.ENXIO:  # a socket, or a device without a driver
+            kind = _lstat_kind(name, dir_fd, follow_symlinks)
+            raise NotRegularFileError(f"{path}: {role} is {kind}, not a regular file") from None
+        raise ShardIOError(e.errno, f"{path}: cannot open {role}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(f"{path}: {role} is {_kind(st.st_mode)}, not a regular file")
+        if _NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _is_symlink(name: str, dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _lstat_kind(name: str, dir_fd: int | None, follow_symlinks: bool) -> str:
+    try:
+        return _kind(os.stat(name, dir_fd=dir_fd, follow_symlinks=follow_symlinks).st_mode)
+    except OSError:
+        return "not a plain file"
+
+
+def read_whole(fd: int, size: int, path: str, role: str) -> bytes:
+    """The first `size` bytes of an open file (fewer if it ends first)."""
+    parts, done = [], 0
+    while done < size:
+        try:
+            data = os.pread(fd, size - done, done)
+        except OSError as e:
+            raise ShardIOError(e.errno, f"{path}: cannot read {role}: {e.strerror}") from None
+        if not data:
+            break
+        parts.append(data)
+        done += len(data)
+    return b"".join(parts)
+
+
+class CheckpointFile:
+    """One regular file of a checkpoint, opened with `open_file`.
+
+    ``with file as fd:`` lends its descriptor for a read (reopening it through the directory
+    handle if it was given up); `map` maps it copy-on-write; `release` gives the descriptor up
+    now (a map needs none). With a `pool`, at most the pool's limit of files keep a descriptor
+    between reads. Reopening a file that is gone or is another inode raises
+    CheckpointReplacedError: the checkpoint was replaced under the reader.
+    """
+
+    def __init__(self, name: str, path: str, role: str, *, dir_fd: int | None = None,
+                 follow_symlinks: bool = False, pool: FilePool | None = None) -> None:
+        self.name, self.path, self.role = name, path, role
+        self._dir_fd, self._follow = dir_fd, follow_symlinks
+        self._fd = -1
+        self._pool = pool
+        fd, st = open_file(name if dir_fd is not None else path, path, role, dir_fd=dir_fd,
+                           follow_symlinks=follow_symlinks)
+        self._fd = fd
+        self.size = st.st_size
+        self._identity = (st.st_dev, st.st_ino)
+        self._users = 0
+        self._closed = False
+        if pool is not None:
+            with pool._lock:
+                pool._opened(self)
+
+    def __enter__(self) -> int:
+        pool = self._pool
+        if pool is None:
+            if self._fd < 0:
+                self._reopen()
+            return self._fd
+        with pool._lock:
+            if self._fd < 0:
+                self._reopen()
+            self._users += 1
+            pool._used(self)
+        return self._fd
+
+    def __exit__(self, *exc: object) -> None:
+        pool = self._pool
+        if pool is not None:
+            with pool._lock:
+                self._users -= 1
+                pool._trim()
+
+    def map(self) -> Any:
+        """The whole file mapped copy-on-write (a writable buffer that holds no descriptor)."""
+        with self as fd:
+            try:
+                return _mmap.Map(fd, self.size)
+            except OSError as e:
+                raise ShardIOError(e.errno, f"{self.path}: cannot map the {self.size}-byte "
+                                            f"{self.role}: {e.strerror}") from None
+
+    def release(self) -> None:
+        """Close the descriptor now; a later read opens the file again."""
+        if self._pool is not None:
+            with self._pool._lock:
+                if not self._users:
+                    self._pool._forget(self)
+                    self._close_fd()
+        else:
+            self._close_fd()
+
+    def close(self) -> None:
+        self._closed = True
+        self.release()
+
+    def __del__(self) -> None:  # a source dropped without close() must not leak descriptors
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _reopen(self) -> None:
+        if self._closed:
+            raise ShardIOError(errno.EBADF, f"{self.path}: {self.role} is closed")
+        replaced = (f"{self.path}: the {self.role} was replaced or deleted since this reader "
+                    "opened it (the checkpoint was overwritten); open the checkpoint again")
+        try:
+            fd, st = open_file(self.name if self._dir_fd is not None else self.path, self.path,
+                               self.role, dir_fd=self._dir_fd, follow_symlinks=self._follow)
+        except FileNotFoundError:
+            raise CheckpointReplacedError(replaced) from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            os.close(fd)
+            raise CheckpointReplacedError(replaced)
+        self._fd = fd
+        if self._pool is not None:
+            self._pool._opened(self)
+
+
+class FilePool:
+    """Bounds the descriptors a reader's files keep open between reads: beyond `limit`, the
+    least recently used idle file gives its descriptor up (files in use by a read keep theirs,
+    so the bound can be passed by the number of reads in flight)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._lock = threading.Lock()
+        self._open: OrderedDict[int, CheckpointFile] = OrderedDict()
+
+    def _opened(self, f: CheckpointFile) -> None:  # under the lock
+        self._open[id(f)] = f
+        self._trim()
+
+    def _used(self, f: CheckpointFile) -> None:
+        self._open.move_to_end(id(f))
+
+    def _forget(self, f: CheckpointFile) -> None:
+        self._open.pop(id(f), None)
+
+    def _trim(self) -> None:
+        if len(self._open) <= self.limit:
+            return
+        for key, f in list(self._open.items()):
+            if len(self._open) <= self.limit:
+                break
+            if not f._users:
+                del self._open[key]
+                f._close_fd()
+
+
+SHARD_ROLE = "shard file"
+
+
+def open_shard_file(path: str, follow_symlinks: bool = False, *, name: str | None = None,
+                    dir_fd: int | None = None, pool: FilePool | None = None) -> CheckpointFile:
+    """Shard file `name` of the checkpoint directory `dir_fd` (else the file at `path`), opened
+    with `open_file`; MissingShardError when there is none."""
+    try:
+        return CheckpointFile(name if name is not None else path, path, SHARD_ROLE,
+                              dir_fd=dir_fd, follow_symlinks=follow_symlinks, pool=pool)
+    except FileNotFoundError:
+        raise MissingShardError(
+            f"{path}: shard file listed in {INDEX_FILE} is missing from the checkpoint"
+        ) from None
