@@ -39,7 +39,16 @@ import numpy as np
 from . import api
 from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
 from .commit import INDEX_NAME, TMP_MARK
-from .errors import IncompleteRestoreError, RestoreMismatchError, ShardkitError
+from .errors import (
+    IncompleteRestoreError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidKeyError,
+    InvalidKeyTypeError,
+    RestoreMismatchError,
+    ShardkitError,
+)
+from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
@@ -90,7 +99,7 @@ def _object_kind(name: str, obj: Any) -> str:
         return "stateful"
     if isinstance(obj, MutableMapping):
         return "tree"
-    raise TypeError(
+    raise InvalidArgumentTypeError(
         f"Checkpoint({name}=...): cannot track a {type(obj).__name__}; pass an array, a dict "
         "of arrays, a torch module or optimizer, or an object with state_dict() and "
         "load_state_dict()"
@@ -127,7 +136,7 @@ class _Collector:
 
     def tensor(self, key: str, value: Any) -> dict[str, Any]:
         if key in self._keys:
-            raise ValueError(
+            raise InvalidKeyError(
                 f"two values map to the checkpoint key {key!r}; a dict key containing "
                 f"{SEPARATOR!r} collides with a nested one. Rename one of them"
             )
@@ -155,13 +164,14 @@ def _encode(node: Any, key: str, col: _Collector) -> dict[str, Any]:
         items = []
         for k, v in node.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise TypeError(f"{key!r}: key {k!r} is not a str or int; cannot checkpoint it")
+                raise InvalidKeyTypeError(
+                    f"{key!r}: key {k!r} is not a str or int; cannot checkpoint it")
             items.append([k, _encode(v, f"{key}{SEPARATOR}{k}", col)])
         return {"d": items}
     if isinstance(node, (list, tuple)):
         tag = "t" if isinstance(node, tuple) else "l"
         return {tag: [_encode(v, f"{key}{SEPARATOR}{i}", col) for i, v in enumerate(node)]}
-    raise TypeError(
+    raise InvalidArgumentTypeError(
         f"{key!r}: cannot checkpoint a {type(node).__name__}; state may hold tensors, dicts, "
         "lists, tuples, None, bool, int, float and str"
     )
@@ -405,7 +415,8 @@ def _check_options(options: CheckpointOptions | None) -> CheckpointOptions:
     if options is None:
         return CheckpointOptions()
     if not isinstance(options, CheckpointOptions):
-        raise TypeError(f"options must be a CheckpointOptions, got {type(options).__name__}")
+        raise InvalidArgumentTypeError(
+            f"options must be a CheckpointOptions, got {type(options).__name__}")
     return options
 
 
@@ -429,9 +440,11 @@ class Checkpoint:
         kinds = {}
         for name, obj in objects.items():
             if name == SAVE_COUNTER:
-                raise ValueError(f"{SAVE_COUNTER!r} is reserved for the checkpoint's save counter")
+                raise InvalidArgumentError(
+                    f"{SAVE_COUNTER!r} is reserved for the checkpoint's save counter")
             if SEPARATOR in name:
-                raise ValueError(f"object name {name!r} must not contain {SEPARATOR!r}")
+                raise InvalidArgumentError(
+                    f"object name {name!r} must not contain {SEPARATOR!r}")
             kinds[name] = _object_kind(name, obj)
         self._objects: dict[str, Any] = dict(objects)
         self._kinds = kinds
@@ -483,6 +496,7 @@ class Checkpoint:
             if after_commit is not None:
                 after_commit(info.path)
             return SaveHandle(info.path)
+        check_keys(list(tensors))  # here, not in the background write
         snapshot = self._pool.snapshot(tensors.items())
         del tensors  # the write must not see later changes
         write_opts = dataclasses.replace(opts, enable_async=False)
@@ -619,37 +633,40 @@ class CheckpointManager:
         init_fn: Callable[[], Any] | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
+            raise InvalidArgumentTypeError(
+                f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
         if max_to_keep is not None and (
             isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
         ):
-            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+            raise InvalidArgumentError(
+                f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         hours = keep_checkpoint_every_n_hours
         if hours is not None and (
             isinstance(hours, bool) or not isinstance(hours, (int, float))
             or not math.isfinite(hours) or hours <= 0
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"keep_checkpoint_every_n_hours must be a positive number, got {hours!r}"
             )
         if not isinstance(checkpoint_name, str) or not checkpoint_name or (
             checkpoint_name.startswith(".") or os.sep in checkpoint_name
             or (os.altsep and os.altsep in checkpoint_name)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"checkpoint_name must be a plain file name not starting with '.', got "
                 f"{checkpoint_name!r}"
             )
         if checkpoint_interval is not None:
             if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
                     or checkpoint_interval < 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"checkpoint_interval must be a positive int, got {checkpoint_interval!r}"
                 )
             if step_counter is None:
-                raise ValueError("checkpoint_interval needs a step_counter to count steps")
+                raise InvalidArgumentError(
+                    "checkpoint_interval needs a step_counter to count steps")
         if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be callable, got {init_fn!r}")
+            raise InvalidArgumentTypeError(f"init_fn must be callable, got {init_fn!r}")
         self._checkpoint = checkpoint
         self._directory = os.path.abspath(os.fspath(directory))
         self._max_to_keep = max_to_keep
@@ -722,10 +739,11 @@ class CheckpointManager:
                 return None
         if checkpoint_number is not None:
             if isinstance(checkpoint_number, (bool, float)):
-                raise TypeError(f"checkpoint_number must be an int, got {checkpoint_number!r}")
+                raise InvalidArgumentTypeError(
+                    f"checkpoint_number must be an int, got {checkpoint_number!r}")
             number = operator.index(checkpoint_number)
             if number < 0:
-                raise ValueError(f"checkpoint_number must be >= 0, got {number}")
+                raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
         self._checkpoint._save_counter += 1
         if checkpoint_number is None:
             number = self._checkpoint.save_counter
