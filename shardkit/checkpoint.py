@@ -40,7 +40,6 @@ from . import api
 from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
 from .commit import INDEX_NAME, TMP_MARK
 from .errors import (
-    IncompleteRestoreError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
     InvalidKeyError,
@@ -51,6 +50,7 @@ from .errors import (
 from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
+from .restore import CheckpointLoadStatus, check_complete
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
@@ -353,61 +353,6 @@ def _encode_quiet(value: Any, key: str, col: _Collector) -> None:
         pass
 
 
-@dataclasses.dataclass
-class CheckpointLoadStatus:
-    """What a restore matched, returned by `Checkpoint.read` / `Checkpoint.restore`.
-
-    `missing_keys`: tensors of the tracked objects that the checkpoint lacks (left unchanged).
-    `unexpected_keys`: checkpoint tensors no tracked object took.
-    """
-
-    path: str | None
-    restored_keys: list[str]
-    missing_keys: list[str]
-    unexpected_keys: list[str]
-
-    def assert_consumed(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError unless every value on both sides was matched."""
-        problems = []
-        if self.missing_keys:
-            problems.append(_listing("objects' values missing from the checkpoint",
-                                     self.missing_keys))
-        if self.unexpected_keys:
-            problems.append(_listing("checkpoint values no object took", self.unexpected_keys))
-        if self.path is None:
-            problems.append("nothing was restored (restore(None))")
-        if problems:
-            raise IncompleteRestoreError(
-                f"restore from {self.path} was not complete: " + "; ".join(problems)
-            )
-        return self
-
-    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError unless every tracked value was restored."""
-        if self.missing_keys:
-            raise IncompleteRestoreError(
-                f"restore from {self.path}: "
-                + _listing("objects' values missing from the checkpoint", self.missing_keys)
-            )
-        return self
-
-    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError if nothing at all was restored."""
-        if not self.restored_keys:
-            raise IncompleteRestoreError(f"restore from {self.path} matched no value at all")
-        return self
-
-    def expect_partial(self) -> CheckpointLoadStatus:
-        """Accept a partial restore (TensorFlow's spelling; shardkit never warns about it)."""
-        return self
-
-
-def _listing(what: str, keys: list[str], limit: int = 10) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return f"{len(keys)} {what}: {shown}{more}"
-
-
 # --- Checkpoint ---------------------------------------------------------------------------------
 
 
@@ -526,13 +471,20 @@ class Checkpoint:
     # -- reading
 
     def read(self, save_path: str | os.PathLike[str],
-             options: CheckpointOptions | None = None) -> CheckpointLoadStatus:
+             options: CheckpointOptions | None = None, *,
+             partial: bool = False) -> CheckpointLoadStatus:
         """Restore every tracked object from `save_path`, in place; returns the match status.
 
-        Shapes and dtypes are checked for every value before anything is changed
-        (RestoreMismatchError names the key). The save counter is restored too.
+        Everything is checked before anything is changed: every tracked value must be in the
+        checkpoint and every checkpoint value taken by a tracked object (else
+        IncompleteRestoreError naming the keys on both sides, unless ``partial=True``: then
+        what matches is restored and the status lists the rest), and every value's shape and
+        dtype must be the stored ones (RestoreMismatchError names the key). The save counter is
+        restored too.
         """
         _check_options(options)
+        if not isinstance(partial, bool):
+            raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
         self._writer.wait()
         path = str(os.fspath(save_path))
         with open_checkpoint(path) as reader:
@@ -545,8 +497,12 @@ class Checkpoint:
                 if enc is None:  # not saved by a Checkpoint: match tensors by key
                     enc = _encode(current, name, _Collector())
                 plans.append((name, kind, current, enc, kind in ("optimizer", "stateful")))
+            dry = _Restorer(reader, dry=True)
             for name, _, current, enc, create in plans:
-                _Restorer(reader, dry=True).value(enc, current, name, create)
+                dry.value(enc, current, name, create)
+            if not partial:
+                dry.used.add(SAVE_COUNTER)
+                check_complete(path, dry.missing, [k for k in reader.keys() if k not in dry.used])
             restorer = _Restorer(reader, dry=False)
             for name, kind, current, enc, create in plans:
                 restorer.changed = False
@@ -559,15 +515,17 @@ class Checkpoint:
         return CheckpointLoadStatus(path, restorer.restored, restorer.missing, unexpected)
 
     def restore(self, save_path: str | os.PathLike[str] | None,
-                options: CheckpointOptions | None = None) -> CheckpointLoadStatus:
-        """`read`, and TensorFlow's ``restore(None)``: restore nothing (all values missing)."""
+                options: CheckpointOptions | None = None, *,
+                partial: bool = False) -> CheckpointLoadStatus:
+        """`read`, and TensorFlow's ``restore(None)``: restore nothing, raise nothing (the
+        status lists every value as missing)."""
         if save_path is None:
             self._writer.wait()
             col = _Collector()
             for name in self._objects:
                 _encode_quiet(self._current(name), name, col)
             return CheckpointLoadStatus(None, [], list(col.tensors), [])
-        return self.read(save_path, options)
+        return self.read(save_path, options, partial=partial)
 
     def _apply(self, name: str, kind: str, current: Any, new: Any, changed: bool,
                path: str) -> None:
@@ -677,6 +635,7 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._init_fn = init_fn
         self._last_step: int | None = None
+        self._restore_status: CheckpointLoadStatus | None = None
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -695,6 +654,12 @@ class CheckpointManager:
         """Paths of the managed committed checkpoints, oldest first (at most `max_to_keep`)."""
         paths = [p for _, p in self._committed()]
         return paths if self._max_to_keep is None else paths[-self._max_to_keep :]
+
+    @property
+    def restore_status(self) -> CheckpointLoadStatus | None:
+        """The status of the last `restore_or_initialize` that restored a checkpoint, else
+        None."""
+        return self._restore_status
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -759,14 +724,20 @@ class CheckpointManager:
 
     wait_until_finished = sync
 
-    def restore_or_initialize(self) -> str | None:
-        """Restore the latest checkpoint and return its path; else call `init_fn`, return None."""
+    def restore_or_initialize(self, *, partial: bool = False) -> str | None:
+        """Restore the latest checkpoint and return its path (TensorFlow's return value); else
+        call `init_fn` and return None.
+
+        The restore is `Checkpoint.restore`: an incomplete match raises IncompleteRestoreError
+        (nothing changed) unless ``partial=True``. Its `CheckpointLoadStatus` is kept as
+        `restore_status`.
+        """
         latest = self.latest_checkpoint
         if latest is None:
             if self._init_fn is not None:
                 self._init_fn()
             return None
-        self._checkpoint.restore(latest)
+        self._restore_status = self._checkpoint.restore(latest, partial=partial)
         if self._step_counter is not None:
             self._last_step = self._step()
         return latest
