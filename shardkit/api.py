@@ -190,6 +190,12 @@ def save(
       left at its default takes the value from `options`; a keyword set to another value that
       disagrees with `options` is an error.
 
+    Keys (shardkit.keys): nested keys are joined with ``/``; a flattened key must be non-empty,
+    not ``__metadata__``, valid UTF-8 and unique, and dict keys must be str or int. A state
+    that breaks a rule raises InvalidKeyError (InvalidKeyTypeError for a key's type) naming
+    where in `state` the key came from, before anything is written. Bad arguments raise
+    InvalidArgumentError / InvalidArgumentTypeError (ValueError / TypeError subclasses).
+
     Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
     and no temp directory behind.
     """
