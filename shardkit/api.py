@@ -24,6 +24,7 @@ import numpy as np
 from . import commit
 from . import format as fmt
 from .callback import Shard, ShardingCallback, callback_description, shard_tensors
+from .errors import InvalidArgumentError, InvalidArgumentTypeError, PolicyError
 from .options import CheckpointOptions, check_threads
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
@@ -67,9 +68,10 @@ class DefaultShardingPolicy(ShardingCallback):
     def __init__(self, threads: int | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
         check_threads(threads)
         if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int):
-            raise TypeError(f"max_shard_size must be an int, got {max_shard_size!r}")
+            raise InvalidArgumentTypeError(
+                f"max_shard_size must be an int, got {max_shard_size!r}")
         if max_shard_size < 1:
-            raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+            raise PolicyError(f"max_shard_size must be positive, got {max_shard_size}")
         self.threads = threads or default_threads()
         self.max_shard_size = max_shard_size
 
@@ -188,6 +190,12 @@ def save(
       left at its default takes the value from `options`; a keyword set to another value that
       disagrees with `options` is an error.
 
+    Keys (shardkit.keys): nested keys are joined with ``/``; a flattened key must be non-empty,
+    not ``__metadata__``, valid UTF-8 and unique, and dict keys must be str or int. A state
+    that breaks a rule raises InvalidKeyError (InvalidKeyTypeError for a key's type) naming
+    where in `state` the key came from, before anything is written. Bad arguments raise
+    InvalidArgumentError / InvalidArgumentTypeError (ValueError / TypeError subclasses).
+
     Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
     and no temp directory behind.
     """
@@ -204,16 +212,16 @@ def save(
         chunk_size=chunk_size,
     )
     if opts.enable_async:
-        raise ValueError(
+        raise InvalidArgumentError(
             "enable_async=True: the functional save() is synchronous; run it in your own "
             "thread, or use a checkpoint manager"
         )
     for name, value in (("overwrite", overwrite), ("progress", progress)):
         if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+            raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
     user_metadata = _check_metadata(metadata)
     if not isinstance(state, Mapping):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"state must be a mapping (e.g. a dict of arrays), got {type(state).__name__}"
         )
     commit.check_target(path, overwrite)  # fail fast, before the callback runs
@@ -266,14 +274,12 @@ def _save(
 
 def _default_shards(
     policy: DefaultShardingPolicy, state: Mapping[str, Any]
-) -> tuple[list[ShardColumns], SavedTensors] | None:
+) -> tuple[list[ShardColumns], SavedTensors]:
     """The default policy's shards, planned on columns without building a ShardableTensor per
     tensor. Its output is valid by construction (every input once, as given, on its own
-    task), which is what `shard_tensors` would check. None when keys repeat: the general path
-    then reports it."""
+    task), which is what `shard_tensors` would check; `host_columns` has checked the keys
+    (unique, among other rules: shardkit.keys)."""
     keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state)
-    if len(set(keys)) != len(keys):
-        return None
     tasks = {d.task or 0 for d in distinct}
     groups: dict[int, range | list[int]]
     if len(tasks) <= 1:  # one task (always, for numpy arrays)
@@ -321,12 +327,13 @@ def _resolve_options(options: CheckpointOptions | None, **given: Any) -> Checkpo
     if options is None:
         return CheckpointOptions(**given)
     if not isinstance(options, CheckpointOptions):
-        raise TypeError(f"options must be a CheckpointOptions, got {type(options).__name__}")
+        raise InvalidArgumentTypeError(
+            f"options must be a CheckpointOptions, got {type(options).__name__}")
     for field_name, value in given.items():
         default = _KEYWORD_DEFAULTS[field_name]
         in_options = getattr(options, field_name)
         if value is not default and value != default and value != in_options:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"save(..., {_KEYWORD_NAMES.get(field_name, field_name)}={value!r}) conflicts "
                 f"with options.{field_name}={in_options!r}; set it in one place only"
             )
@@ -337,18 +344,18 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
-        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+        raise InvalidArgumentTypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     data = dict(metadata)
     try:
         json.dumps(data, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"metadata must be JSON-serialisable (str keys; str, numbers, bools, None, lists, "
             f"dicts; no NaN): {e}"
         ) from None
     bad = [k for k in data if not isinstance(k, str)]
     if bad:
-        raise TypeError(f"metadata keys must be str, got {bad[0]!r}")
+        raise InvalidArgumentTypeError(f"metadata keys must be str, got {bad[0]!r}")
     return data
 
 

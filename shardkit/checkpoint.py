@@ -39,9 +39,18 @@ import numpy as np
 from . import api
 from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
 from .commit import INDEX_NAME, TMP_MARK
-from .errors import IncompleteRestoreError, RestoreMismatchError, ShardkitError
+from .errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidKeyError,
+    InvalidKeyTypeError,
+    RestoreMismatchError,
+    ShardkitError,
+)
+from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
+from .restore import CheckpointLoadStatus, check_complete
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
@@ -90,7 +99,7 @@ def _object_kind(name: str, obj: Any) -> str:
         return "stateful"
     if isinstance(obj, MutableMapping):
         return "tree"
-    raise TypeError(
+    raise InvalidArgumentTypeError(
         f"Checkpoint({name}=...): cannot track a {type(obj).__name__}; pass an array, a dict "
         "of arrays, a torch module or optimizer, or an object with state_dict() and "
         "load_state_dict()"
@@ -127,7 +136,7 @@ class _Collector:
 
     def tensor(self, key: str, value: Any) -> dict[str, Any]:
         if key in self._keys:
-            raise ValueError(
+            raise InvalidKeyError(
                 f"two values map to the checkpoint key {key!r}; a dict key containing "
                 f"{SEPARATOR!r} collides with a nested one. Rename one of them"
             )
@@ -155,13 +164,14 @@ def _encode(node: Any, key: str, col: _Collector) -> dict[str, Any]:
         items = []
         for k, v in node.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise TypeError(f"{key!r}: key {k!r} is not a str or int; cannot checkpoint it")
+                raise InvalidKeyTypeError(
+                    f"{key!r}: key {k!r} is not a str or int; cannot checkpoint it")
             items.append([k, _encode(v, f"{key}{SEPARATOR}{k}", col)])
         return {"d": items}
     if isinstance(node, (list, tuple)):
         tag = "t" if isinstance(node, tuple) else "l"
         return {tag: [_encode(v, f"{key}{SEPARATOR}{i}", col) for i, v in enumerate(node)]}
-    raise TypeError(
+    raise InvalidArgumentTypeError(
         f"{key!r}: cannot checkpoint a {type(node).__name__}; state may hold tensors, dicts, "
         "lists, tuples, None, bool, int, float and str"
     )
@@ -343,61 +353,6 @@ def _encode_quiet(value: Any, key: str, col: _Collector) -> None:
         pass
 
 
-@dataclasses.dataclass
-class CheckpointLoadStatus:
-    """What a restore matched, returned by `Checkpoint.read` / `Checkpoint.restore`.
-
-    `missing_keys`: tensors of the tracked objects that the checkpoint lacks (left unchanged).
-    `unexpected_keys`: checkpoint tensors no tracked object took.
-    """
-
-    path: str | None
-    restored_keys: list[str]
-    missing_keys: list[str]
-    unexpected_keys: list[str]
-
-    def assert_consumed(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError unless every value on both sides was matched."""
-        problems = []
-        if self.missing_keys:
-            problems.append(_listing("objects' values missing from the checkpoint",
-                                     self.missing_keys))
-        if self.unexpected_keys:
-            problems.append(_listing("checkpoint values no object took", self.unexpected_keys))
-        if self.path is None:
-            problems.append("nothing was restored (restore(None))")
-        if problems:
-            raise IncompleteRestoreError(
-                f"restore from {self.path} was not complete: " + "; ".join(problems)
-            )
-        return self
-
-    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError unless every tracked value was restored."""
-        if self.missing_keys:
-            raise IncompleteRestoreError(
-                f"restore from {self.path}: "
-                + _listing("objects' values missing from the checkpoint", self.missing_keys)
-            )
-        return self
-
-    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError if nothing at all was restored."""
-        if not self.restored_keys:
-            raise IncompleteRestoreError(f"restore from {self.path} matched no value at all")
-        return self
-
-    def expect_partial(self) -> CheckpointLoadStatus:
-        """Accept a partial restore (TensorFlow's spelling; shardkit never warns about it)."""
-        return self
-
-
-def _listing(what: str, keys: list[str], limit: int = 10) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return f"{len(keys)} {what}: {shown}{more}"
-
-
 # --- Checkpoint ---------------------------------------------------------------------------------
 
 
@@ -405,7 +360,8 @@ def _check_options(options: CheckpointOptions | None) -> CheckpointOptions:
     if options is None:
         return CheckpointOptions()
     if not isinstance(options, CheckpointOptions):
-        raise TypeError(f"options must be a CheckpointOptions, got {type(options).__name__}")
+        raise InvalidArgumentTypeError(
+            f"options must be a CheckpointOptions, got {type(options).__name__}")
     return options
 
 
@@ -429,9 +385,11 @@ class Checkpoint:
         kinds = {}
         for name, obj in objects.items():
             if name == SAVE_COUNTER:
-                raise ValueError(f"{SAVE_COUNTER!r} is reserved for the checkpoint's save counter")
+                raise InvalidArgumentError(
+                    f"{SAVE_COUNTER!r} is reserved for the checkpoint's save counter")
             if SEPARATOR in name:
-                raise ValueError(f"object name {name!r} must not contain {SEPARATOR!r}")
+                raise InvalidArgumentError(
+                    f"object name {name!r} must not contain {SEPARATOR!r}")
             kinds[name] = _object_kind(name, obj)
         self._objects: dict[str, Any] = dict(objects)
         self._kinds = kinds
@@ -483,6 +441,7 @@ class Checkpoint:
             if after_commit is not None:
                 after_commit(info.path)
             return SaveHandle(info.path)
+        check_keys(list(tensors))  # here, not in the background write
         snapshot = self._pool.snapshot(tensors.items())
         del tensors  # the write must not see later changes
         write_opts = dataclasses.replace(opts, enable_async=False)
@@ -512,13 +471,20 @@ class Checkpoint:
     # -- reading
 
     def read(self, save_path: str | os.PathLike[str],
-             options: CheckpointOptions | None = None) -> CheckpointLoadStatus:
+             options: CheckpointOptions | None = None, *,
+             partial: bool = False) -> CheckpointLoadStatus:
         """Restore every tracked object from `save_path`, in place; returns the match status.
 
-        Shapes and dtypes are checked for every value before anything is changed
-        (RestoreMismatchError names the key). The save counter is restored too.
+        Everything is checked before anything is changed: every tracked value must be in the
+        checkpoint and every checkpoint value taken by a tracked object (else
+        IncompleteRestoreError naming the keys on both sides, unless ``partial=True``: then
+        what matches is restored and the status lists the rest), and every value's shape and
+        dtype must be the stored ones (RestoreMismatchError names the key). The save counter is
+        restored too.
         """
         _check_options(options)
+        if not isinstance(partial, bool):
+            raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
         self._writer.wait()
         path = str(os.fspath(save_path))
         with open_checkpoint(path) as reader:
@@ -531,8 +497,12 @@ class Checkpoint:
                 if enc is None:  # not saved by a Checkpoint: match tensors by key
                     enc = _encode(current, name, _Collector())
                 plans.append((name, kind, current, enc, kind in ("optimizer", "stateful")))
+            dry = _Restorer(reader, dry=True)
             for name, _, current, enc, create in plans:
-                _Restorer(reader, dry=True).value(enc, current, name, create)
+                dry.value(enc, current, name, create)
+            if not partial:
+                dry.used.add(SAVE_COUNTER)
+                check_complete(path, dry.missing, [k for k in reader.keys() if k not in dry.used])
             restorer = _Restorer(reader, dry=False)
             for name, kind, current, enc, create in plans:
                 restorer.changed = False
@@ -545,15 +515,17 @@ class Checkpoint:
         return CheckpointLoadStatus(path, restorer.restored, restorer.missing, unexpected)
 
     def restore(self, save_path: str | os.PathLike[str] | None,
-                options: CheckpointOptions | None = None) -> CheckpointLoadStatus:
-        """`read`, and TensorFlow's ``restore(None)``: restore nothing (all values missing)."""
+                options: CheckpointOptions | None = None, *,
+                partial: bool = False) -> CheckpointLoadStatus:
+        """`read`, and TensorFlow's ``restore(None)``: restore nothing, raise nothing (the
+        status lists every value as missing)."""
         if save_path is None:
             self._writer.wait()
             col = _Collector()
             for name in self._objects:
                 _encode_quiet(self._current(name), name, col)
             return CheckpointLoadStatus(None, [], list(col.tensors), [])
-        return self.read(save_path, options)
+        return self.read(save_path, options, partial=partial)
 
     def _apply(self, name: str, kind: str, current: Any, new: Any, changed: bool,
                path: str) -> None:
@@ -619,37 +591,40 @@ class CheckpointManager:
         init_fn: Callable[[], Any] | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
+            raise InvalidArgumentTypeError(
+                f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
         if max_to_keep is not None and (
             isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
         ):
-            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+            raise InvalidArgumentError(
+                f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         hours = keep_checkpoint_every_n_hours
         if hours is not None and (
             isinstance(hours, bool) or not isinstance(hours, (int, float))
             or not math.isfinite(hours) or hours <= 0
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"keep_checkpoint_every_n_hours must be a positive number, got {hours!r}"
             )
         if not isinstance(checkpoint_name, str) or not checkpoint_name or (
             checkpoint_name.startswith(".") or os.sep in checkpoint_name
             or (os.altsep and os.altsep in checkpoint_name)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"checkpoint_name must be a plain file name not starting with '.', got "
                 f"{checkpoint_name!r}"
             )
         if checkpoint_interval is not None:
             if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
                     or checkpoint_interval < 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"checkpoint_interval must be a positive int, got {checkpoint_interval!r}"
                 )
             if step_counter is None:
-                raise ValueError("checkpoint_interval needs a step_counter to count steps")
+                raise InvalidArgumentError(
+                    "checkpoint_interval needs a step_counter to count steps")
         if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be callable, got {init_fn!r}")
+            raise InvalidArgumentTypeError(f"init_fn must be callable, got {init_fn!r}")
         self._checkpoint = checkpoint
         self._directory = os.path.abspath(os.fspath(directory))
         self._max_to_keep = max_to_keep
@@ -660,6 +635,7 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._init_fn = init_fn
         self._last_step: int | None = None
+        self._restore_status: CheckpointLoadStatus | None = None
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -678,6 +654,12 @@ class CheckpointManager:
         """Paths of the managed committed checkpoints, oldest first (at most `max_to_keep`)."""
         paths = [p for _, p in self._committed()]
         return paths if self._max_to_keep is None else paths[-self._max_to_keep :]
+
+    @property
+    def restore_status(self) -> CheckpointLoadStatus | None:
+        """The status of the last `restore_or_initialize` that restored a checkpoint, else
+        None."""
+        return self._restore_status
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -722,10 +704,11 @@ class CheckpointManager:
                 return None
         if checkpoint_number is not None:
             if isinstance(checkpoint_number, (bool, float)):
-                raise TypeError(f"checkpoint_number must be an int, got {checkpoint_number!r}")
+                raise InvalidArgumentTypeError(
+                    f"checkpoint_number must be an int, got {checkpoint_number!r}")
             number = operator.index(checkpoint_number)
             if number < 0:
-                raise ValueError(f"checkpoint_number must be >= 0, got {number}")
+                raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
         self._checkpoint._save_counter += 1
         if checkpoint_number is None:
             number = self._checkpoint.save_counter
@@ -741,14 +724,20 @@ class CheckpointManager:
 
     wait_until_finished = sync
 
-    def restore_or_initialize(self) -> str | None:
-        """Restore the latest checkpoint and return its path; else call `init_fn`, return None."""
+    def restore_or_initialize(self, *, partial: bool = False) -> str | None:
+        """Restore the latest checkpoint and return its path (TensorFlow's return value); else
+        call `init_fn` and return None.
+
+        The restore is `Checkpoint.restore`: an incomplete match raises IncompleteRestoreError
+        (nothing changed) unless ``partial=True``. Its `CheckpointLoadStatus` is kept as
+        `restore_status`.
+        """
         latest = self.latest_checkpoint
         if latest is None:
             if self._init_fn is not None:
                 self._init_fn()
             return None
-        self._checkpoint.restore(latest)
+        self._restore_status = self._checkpoint.restore(latest, partial=partial)
         if self._step_counter is not None:
             self._last_step = self._step()
         return latest

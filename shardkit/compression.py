@@ -45,6 +45,8 @@ from .errors import (
     CheckpointFormatError,
     ChecksumError,
     CorruptHeaderError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     PolicyError,
     ShardIOError,
     TruncatedShardError,
@@ -94,15 +96,16 @@ def parse_chunk_size(chunk_size: int | str) -> int:
     Must be a multiple of 8 in ``MIN_CHUNK_SIZE..MAX_CHUNK_SIZE``.
     """
     if not isinstance(chunk_size, (int, str)) or isinstance(chunk_size, bool):
-        raise TypeError(f"chunk_size must be an int or a size string like '4MiB', "
+        raise InvalidArgumentTypeError(f"chunk_size must be an int or a size string like '4MiB', "
                         f"got {chunk_size!r}")
     try:
         size = parse_size(chunk_size, "chunk_size")
-    except PolicyError as e:  # the same rules as policy sizes, reported as a plain ValueError
-        raise ValueError(str(e)) from None
+    except PolicyError as e:  # the same rules as policy sizes, reported as a bad argument
+        raise InvalidArgumentError(str(e)) from None
     if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE or size % 8:
-        raise ValueError(f"chunk_size must be a multiple of 8 between {MIN_CHUNK_SIZE} and "
-                         f"{MAX_CHUNK_SIZE} bytes, got {chunk_size!r} ({size} bytes)")
+        raise InvalidArgumentError(
+            f"chunk_size must be a multiple of 8 between {MIN_CHUNK_SIZE} and "
+            f"{MAX_CHUNK_SIZE} bytes, got {chunk_size!r} ({size} bytes)")
     return size
 
 
@@ -123,19 +126,20 @@ def resolve_compression(
 ) -> ZstdOptions | None:
     """Check save()'s compression arguments; None means raw (safetensors) shards."""
     if not isinstance(shuffle, bool):
-        raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+        raise InvalidArgumentTypeError(f"shuffle must be True or False, got {shuffle!r}")
     if compression is None:
         if level is not None:
-            raise ValueError(f"level={level!r} needs compression='zstd'; raw shards have no level")
+            raise InvalidArgumentError(
+                f"level={level!r} needs compression='zstd'; raw shards have no level")
         return None
     if compression != "zstd":
-        raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
     if level is None:
         level = DEFAULT_LEVEL
     elif isinstance(level, bool) or not isinstance(level, int):
-        raise TypeError(f"level must be an int or None, got {level!r}")
+        raise InvalidArgumentTypeError(f"level must be an int or None, got {level!r}")
     elif level not in ZSTD_LEVELS or level == 0:
-        raise ValueError(f"zstd level must be in {ZSTD_LEVELS.start}..-1 or 1.."
+        raise InvalidArgumentError(f"zstd level must be in {ZSTD_LEVELS.start}..-1 or 1.."
                          f"{ZSTD_LEVELS.stop - 1}, got {level}")
     return ZstdOptions(level, shuffle, parse_chunk_size(chunk_size))
 

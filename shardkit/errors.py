@@ -27,6 +27,23 @@ class PolicyError(ShardkitError, ValueError):
     """A sharding policy was given arguments it cannot work with."""
 
 
+class InvalidArgumentError(ShardkitError, ValueError):
+    """An argument to save, a policy or the options has a value shardkit cannot use."""
+
+
+class InvalidArgumentTypeError(ShardkitError, TypeError):
+    """An argument to save, a policy or the options (or a part of the state) has the wrong type."""
+
+
+class InvalidKeyError(InvalidArgumentError):
+    """A state key that a checkpoint cannot hold: two values flatten to it, it is empty,
+    reserved (``__metadata__``) or not valid UTF-8 (see shardkit.keys)."""
+
+
+class InvalidKeyTypeError(InvalidKeyError, TypeError):
+    """A state key that is neither a str nor an int (a bool, a float, None, a tuple...)."""
+
+
 class CheckpointNotFoundError(ShardkitError, FileNotFoundError):
     """No checkpoint (no index.json) at the given path."""
 

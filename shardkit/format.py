@@ -36,6 +36,7 @@ from .errors import (
     TruncatedShardError,
     UnsupportedVersionError,
 )
+from .keys import check_keys
 from .slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
 from .tensors import _columns_constructor, _gc_paused
 
@@ -966,11 +967,7 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
     slice_shard = _column(slices, "shard", m, path, where)
     slice_xxh3 = _column(slices, "xxh3", m, path, where)
 
-    if len(set(keys)) != n:
-        dup = next(k for k, c in Counter(keys).items() if c > 1)
-        raise CorruptIndexError(f"{path}: key {dup!r} is listed twice in shardkit.tensors.key")
-    if "" in keys:
-        raise CorruptIndexError(f"{path}: a checkpoint key is the empty string")
+    check_keys(keys, error=CorruptIndexError, where=f"{path}: shardkit.tensors.key: ")
     if not _all_in(dtypes, _ITEMSIZE.keys()):
         bad = next(d for d in dtypes if not isinstance(d, str) or d not in _ITEMSIZE)
         raise CorruptIndexError(

@@ -14,6 +14,7 @@ from typing import Any
 
 from .callback import ShardingCallback
 from .devices import DeviceSpec
+from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
 COMPRESSIONS = ("zstd",)
 
@@ -66,20 +67,20 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         cb = self.experimental_sharding_callback
         if cb is not None and not isinstance(cb, ShardingCallback):
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 "experimental_sharding_callback must be a shardkit.ShardingCallback (subclass it "
                 f"and implement description and __call__), got {type(cb).__name__}"
             )
         for name in ("enable_async", "durable", "checksum"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+                raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
         _check_io_device(self.experimental_io_device)
         object.__setattr__(
             self, "_write_callbacks", _check_write_callbacks(self.experimental_write_callbacks)
         )
         if self.compression is not None and self.compression not in COMPRESSIONS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}, "
                 f"got {self.compression!r}"
             )
@@ -89,7 +90,7 @@ class CheckpointOptions:
                      for name in ("level", "shuffle", "chunk_size")
                      if getattr(self, name) != defaults[name]]
             if given:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{', '.join(given)} needs compression (e.g. compression='zstd'); raw "
                     "shards have no level, shuffle or chunk size"
                 )
@@ -118,19 +119,20 @@ def check_threads(threads: int | None) -> None:
     if threads is None:
         return
     if isinstance(threads, bool) or not isinstance(threads, int):
-        raise TypeError(f"threads must be a positive int or None, got {threads!r}")
+        raise InvalidArgumentTypeError(f"threads must be a positive int or None, got {threads!r}")
     if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
+        raise InvalidArgumentError(f"threads must be at least 1, got {threads}")
 
 
 def _check_io_device(device: str | None) -> None:
     if device is None:
         return
     if not isinstance(device, str):
-        raise TypeError(f"experimental_io_device must be a device string, got {device!r}")
+        raise InvalidArgumentTypeError(
+            f"experimental_io_device must be a device string, got {device!r}")
     spec = DeviceSpec.from_string(device)  # DeviceSpecError if malformed
     if spec.device_type not in (None, "CPU"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"experimental_io_device={device!r}: files are accessed from a host CPU; "
             f"device type {spec.device_type} cannot do I/O"
         )
@@ -140,11 +142,13 @@ def _check_write_callbacks(callbacks: Any) -> tuple[Callable[..., Any], ...]:
     if callbacks is None:
         return ()
     if callable(callbacks) or isinstance(callbacks, (str, bytes)):
-        raise TypeError("experimental_write_callbacks must be a list of callables, not one")
+        raise InvalidArgumentTypeError(
+            "experimental_write_callbacks must be a list of callables, not one")
     out = tuple(callbacks)
     for i, fn in enumerate(out):
         if not callable(fn):
-            raise TypeError(f"experimental_write_callbacks[{i}] is not callable: {fn!r}")
+            raise InvalidArgumentTypeError(
+                f"experimental_write_callbacks[{i}] is not callable: {fn!r}")
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):
@@ -154,7 +158,7 @@ def _check_write_callbacks(callbacks: Any) -> tuple[Callable[..., Any], ...]:
             if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
         if len(required) > 1:
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 f"experimental_write_callbacks[{i}] ({getattr(fn, '__name__', fn)!r}) takes "
                 f"{len(required)} required arguments; a write callback takes none or save_path"
             )

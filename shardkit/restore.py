@@ -1,6 +1,9 @@
-"""restore_into: copy a checkpoint's tensors into the caller's existing arrays and tensors."""
+"""restore_into: copy a checkpoint's tensors into the caller's existing arrays and tensors; the
+load status every restore returns (TensorFlow's CheckpointLoadStatus)."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import sys
 from collections.abc import Mapping
@@ -9,19 +12,40 @@ from typing import Any
 import numpy as np
 
 from .dtypes import numpy_dtype, safetensors_name
-from .errors import RestoreMismatchError, UnsupportedDTypeError
+from .errors import (
+    IncompleteRestoreError,
+    InvalidArgumentTypeError,
+    RestoreMismatchError,
+    UnsupportedDTypeError,
+)
 from .reader import CheckpointReader
 from .tensors import flatten, to_host
 
 
 def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
-                 verify: bool = False, follow_symlinks: bool = False) -> list[str]:
+                 verify: bool = False, partial: bool = False,
+                 follow_symlinks: bool = False) -> CheckpointLoadStatus:
     """Copy the stored value of every leaf of `state` (numpy arrays, torch tensors) into it, in
-    place. Every leaf is checked (key present, shape, dtype) before anything is copied.
-    `follow_symlinks`: read shard files and index.json that are symlinks (refused by default).
-    Returns the restored keys."""
+    place, and return the `CheckpointLoadStatus` (`restored_keys`...).
+
+    Everything is checked before anything is copied: every leaf's key must be in the checkpoint
+    and every checkpoint key in `state` (else IncompleteRestoreError naming both sides, unless
+    ``partial=True``: then the leaves the checkpoint has are restored, the others left as they
+    are, and the status lists what did not match), and each leaf's shape and dtype must be the
+    stored ones (RestoreMismatchError). `follow_symlinks`: read shard files and index.json that
+    are symlinks (refused by default)."""
+    if not isinstance(partial, bool):
+        raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
     leaves = flatten(state)
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
+        wanted = {key for key, _ in leaves}
+        missing = [key for key, _ in leaves if key not in reader]
+        unexpected = [key for key in reader.keys() if key not in wanted]
+        if not partial:
+            check_complete(str(reader.path), missing, unexpected)
+        elif missing:
+            absent = set(missing)
+            leaves = [(key, leaf) for key, leaf in leaves if key not in absent]
         plans = []
         for key, leaf in leaves:
             t = reader._tensor(key)
@@ -56,7 +80,8 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                 np.copyto(target, stored, casting="no")
             if writeback is not None:
                 _torch_copy_back(writeback, target)
-    return [key for key, _, _ in plans]
+    return CheckpointLoadStatus(str(reader.path), [key for key, _, _ in plans], missing,
+                                unexpected)
 
 
 def _dtype_label(dt: np.dtype) -> str:
@@ -95,3 +120,88 @@ def _torch_copy_back(tensor: Any, host: np.ndarray) -> None:
         src = torch.from_numpy(host)
     with torch.no_grad():
         tensor.copy_(src)
+
+
+@dataclasses.dataclass
+class CheckpointLoadStatus:
+    """What a restore matched, returned by `restore_into`, `Checkpoint.read` /
+    `Checkpoint.restore` (and kept as `CheckpointManager.restore_status`).
+
+    `restored_keys`: the target's values that were restored, in the target's order.
+    `missing_keys`: values of the target that the checkpoint lacks (left unchanged).
+    `unexpected_keys`: checkpoint values nothing in the target took.
+
+    A restore with missing or unexpected keys raises IncompleteRestoreError unless it was asked
+    for with ``partial=True``; the assert_* methods then raise as TensorFlow's do.
+    """
+
+    path: str | None
+    restored_keys: list[str]
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError unless every value on both sides was matched."""
+        problems = []
+        if self.missing_keys:
+            problems.append(_listing("objects' values missing from the checkpoint",
+                                     self.missing_keys))
+        if self.unexpected_keys:
+            problems.append(_listing("checkpoint values no object took", self.unexpected_keys))
+        if self.path is None:
+            problems.append("nothing was restored (restore(None))")
+        if problems:
+            raise IncompleteRestoreError(
+                f"restore from {self.path} was not complete: " + "; ".join(problems)
+            )
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError unless every value of the target was restored (values
+        of the checkpoint left over are allowed)."""
+        if self.missing_keys:
+            raise IncompleteRestoreError(
+                f"restore from {self.path}: "
+                + _listing("objects' values missing from the checkpoint", self.missing_keys)
+            )
+        return self
+
+    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError if nothing at all was restored."""
+        if not self.restored_keys:
+            raise IncompleteRestoreError(f"restore from {self.path} matched no value at all")
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Accept a partial restore (TensorFlow's spelling); returns the status."""
+        return self
+
+
+def check_complete(path: str, missing: list[str], unexpected: list[str]) -> None:
+    """Raise IncompleteRestoreError naming the unmatched keys on both sides, if there are any.
+    Called before anything is changed."""
+    if not missing and not unexpected:
+        return
+    problems = []
+    if missing:
+        problems.append(_listing("target values missing from the checkpoint", missing))
+    if unexpected:
+        problems.append(_listing("checkpoint values nothing in the target takes", unexpected))
+    hint = ""
+    if missing and unexpected:
+        close = difflib.get_close_matches(missing[0], unexpected[:10_000], n=1, cutoff=0.6)
+        if close:
+            hint = (f" (did you mean: {missing[0]!r} is stored as {close[0]!r}? A model wrapped "
+                    "differently, e.g. in nn.Sequential or DataParallel, renames its keys)")
+    raise IncompleteRestoreError(
+        f"restore from {path} is incomplete: " + "; ".join(problems) + hint
+        + "; nothing was changed. Pass partial=True to restore the values that match and leave "
+        "the rest, then check the returned status (assert_consumed(), "
+        "assert_existing_objects_matched())"
+    )
+
+
+def _listing(what: str, keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return f"{len(keys)} {what}: {shown}{more}"

@@ -24,7 +24,13 @@ import numpy as np
 from ._kernels import _table
 from .devices import DeviceSpec
 from .dtypes import STORABLE, is_supported
-from .errors import UnsupportedDTypeError
+from .errors import (
+    InvalidArgumentTypeError,
+    InvalidKeyError,
+    InvalidKeyTypeError,
+    UnsupportedDTypeError,
+)
+from .keys import check_keys, key_problem
 from .slices import WHOLE
 
 SEPARATOR = "/"
@@ -194,38 +200,87 @@ def _as_device(device: str | DeviceSpec) -> DeviceSpec:
 
 def flatten_columns(state: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
     """`flatten` as two lists, joined keys and leaves; native for plain dicts, lists and
-    tuples."""
+    tuples. The keys are checked (shardkit.keys): InvalidKeyError names the offending key and
+    where in `state` it came from, for either walk alike."""
     got = _table.flatten_plain(state, SEPARATOR)
-    if got is not None:
-        return got
-    leaves = flatten(state)
-    return [k for k, _ in leaves], [v for _, v in leaves]
+    if got is None:
+        leaves = flatten(state)
+        got = [k for k, _ in leaves], [v for _, v in leaves]
+    keys = got[0]
+    if key_problem(keys) is not None:  # a few set operations; the wording only on failure
+        paths: list[tuple[str | int, ...]] = []
+        check_keys(keys, origin=lambda i: state_path(_leaf_paths(state, paths)[i]))
+    return got
+
+
+def state_path(path: tuple[str | int, ...]) -> str:
+    """How a caller spells the leaf at `path` (``state['a'][0]``)."""
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def _leaf_paths(state: Mapping[str, Any], cache: list[tuple[str | int, ...]]
+                ) -> list[tuple[str | int, ...]]:
+    """The path (the keys as given, str or int) of every leaf, in `flatten`'s order."""
+    if not cache:
+        stack: list[tuple[tuple[str | int, ...], Iterator[tuple[Any, Any]]]] = [
+            ((), _items(state, "<root>"))]
+        while stack:
+            path, items = stack.pop()
+            for k, v in items:
+                sub = (*path, _key_part(k, path))
+                tv = type(v)
+                if tv is np.ndarray or not (tv is dict or isinstance(v, (Mapping, list, tuple))):
+                    cache.append(sub)
+                else:
+                    stack.append((path, items))
+                    stack.append((sub, _items(v, "")))
+                    break
+    return cache
 
 
 def flatten(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    """``(joined_key, leaf)`` pairs depth-first; lists and tuples are indexed ``0, 1, ...``."""
+    """``(joined_key, leaf)`` pairs depth-first; lists and tuples are indexed ``0, 1, ...``.
+
+    Keys are str or int (not bool); a subclass of either is stored as its value (``str.__str__``
+    / decimal digits), whatever its own ``__str__`` says. Another key type raises
+    InvalidKeyTypeError naming its place in `state`."""
     out: list[tuple[str, Any]] = []
     append = out.append
     ndarray = np.ndarray
-    stack = [(prefix, _items(state, prefix or "<root>"))]
+    stack: list[tuple[str, Iterator[tuple[Any, Any]], tuple[str | int, ...]]] = [
+        (prefix, _items(state, prefix or "<root>"), ())]
     while stack:
-        base, items = stack.pop()
+        base, items, path = stack.pop()
         for k, v in items:
+            part = k
             if type(k) is not str:
-                if not isinstance(k, (str, int)):
-                    where = base or "<root>"
-                    raise TypeError(f"state key {k!r} under {where!r} is not a str or int")
-                k = str(k)
+                part = _key_part(k, path)
+                k = part if type(part) is str else str(part)
             key = base + k
             tv = type(v)
             if tv is ndarray or not (tv is dict or isinstance(v, (Mapping, list, tuple))):
                 append((key, v))
             else:
                 # Depth-first in insertion order: park the rest of this level, descend.
-                stack.append((base, items))
-                stack.append((key + SEPARATOR, _items(v, key)))
+                stack.append((base, items, path))
+                stack.append((key + SEPARATOR, _items(v, key), (*path, part)))
                 break
     return out
+
+
+def _key_part(k: Any, path: tuple[str | int, ...]) -> str | int:
+    """`k` as the str or int a reader sees, or InvalidKeyTypeError."""
+    if type(k) is str or type(k) is int:
+        return k
+    if isinstance(k, str):
+        return str.__str__(k)
+    if isinstance(k, int) and not isinstance(k, bool):
+        return int(int.__repr__(k))
+    raise InvalidKeyTypeError(
+        f"state key {k!r} at {state_path((*path, k))} is not a str or int (it is a "
+        f"{type(k).__name__}); checkpoint keys are strings, and list indices and int keys are "
+        "stored as their decimal digits"
+    )
 
 
 def _items(node: Any, where: str) -> Iterator[tuple[Any, Any]]:
@@ -233,17 +288,31 @@ def _items(node: Any, where: str) -> Iterator[tuple[Any, Any]]:
         return iter(node.items())
     if isinstance(node, (list, tuple)):
         return iter(enumerate(node))
-    raise TypeError(f"state at {where!r} must be a mapping of arrays, got {type(node).__name__}")
+    raise InvalidArgumentTypeError(
+        f"state at {where!r} must be a mapping of arrays, got {type(node).__name__}")
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Rebuild nested dicts from ``/``-joined keys (the inverse of flatten, lists become dicts)."""
+    """Rebuild nested dicts from ``/``-joined keys (the inverse of flatten, lists become dicts).
+
+    A key that is a tensor and also the prefix of another key (``a`` and ``a/b``, which a
+    checkpoint may hold) cannot be nested: InvalidKeyError names both."""
     root: dict[str, Any] = {}
     for key, value in flat.items():
         node = root
         *parents, leaf = key.split(SEPARATOR)
-        for p in parents:
+        for depth, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if type(node) is not dict:
+                prefix = SEPARATOR.join(parents[: depth + 1])
+                raise InvalidKeyError(
+                    f"cannot nest key {key!r}: {prefix!r} is a tensor and also the prefix of "
+                    f"{key!r}; use the flat dict")
+        if type(node.get(leaf)) is dict:
+            other = next(k for k in flat if k.startswith(key + SEPARATOR))
+            raise InvalidKeyError(
+                f"cannot nest key {other!r}: {key!r} is a tensor and also the prefix of "
+                f"{other!r}; use the flat dict")
         node[leaf] = value
     return root
 

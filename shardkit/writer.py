@@ -36,7 +36,7 @@ from ._kernels import _gather, _table
 from ._threads import ParallelRun
 from .callback import TaskShard
 from .dtypes import safetensors_name
-from .errors import ShardkitError
+from .errors import InvalidArgumentError, ShardkitError
 from .slices import parse_slice_spec
 from .tensors import ShardableTensor
 
@@ -166,7 +166,7 @@ def write_shards(
     the saved tensors. With `durable`, each shard file is fsynced once complete.
     """
     if compression not in (None, "zstd"):
-        raise ValueError(f"unknown compression {compression!r}; use None or 'zstd'")
+        raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
     codec = "raw" if compression is None else "zstd"
     threads = threads or default_threads()
     plans = _plan(Path(directory), shards, codec)

@@ -114,7 +114,11 @@ def test_list_of_arrays_restored_in_place(tmp_path):
 def test_restore_from_plain_save_matches_by_key(tmp_path):
     api.save(tmp_path / "plain", {"m": {"w": np.ones(3), "extra": np.zeros(1)}}, durable=False)
     w = np.zeros(3)
-    status = Checkpoint(m={"w": w, "absent": np.zeros(2)}).read(tmp_path / "plain")
+    with pytest.raises(IncompleteRestoreError, match=r"'m/absent'.*'m/extra'"):
+        Checkpoint(m={"w": w, "absent": np.zeros(2)}).read(tmp_path / "plain")
+    assert not w.any()
+    status = Checkpoint(m={"w": w, "absent": np.zeros(2)}).read(tmp_path / "plain",
+                                                                partial=True)
     assert np.array_equal(w, np.ones(3))
     assert status.missing_keys == ["m/absent"]
     assert status.unexpected_keys == ["m/extra"]
@@ -339,7 +343,9 @@ def test_status_reports_missing_and_unexpected(tmp_path):
     path = Checkpoint(m={"a": np.ones(1), "gone": np.ones(1)}, old={"z": np.ones(1)}).write(
         tmp_path / "c", FAST
     )
-    status = Checkpoint(m={"a": np.zeros(1), "new": np.zeros(1)}).read(path)
+    with pytest.raises(IncompleteRestoreError, match=r"'m/new'.*'m/gone'"):
+        Checkpoint(m={"a": np.zeros(1), "new": np.zeros(1)}).read(path)
+    status = Checkpoint(m={"a": np.zeros(1), "new": np.zeros(1)}).read(path, partial=True)
     assert isinstance(status, CheckpointLoadStatus)
     assert status.missing_keys == ["m/new"]
     assert sorted(status.unexpected_keys) == ["m/gone", "old/z"]
@@ -351,17 +357,19 @@ def test_status_reports_missing_and_unexpected(tmp_path):
         status.assert_existing_objects_matched()
     assert status.expect_partial() is status
     assert status.assert_nontrivial_match() is status
-    ok = Checkpoint(m={"a": np.zeros(1)}).read(path)
+    ok = Checkpoint(m={"a": np.zeros(1)}).read(path, partial=True)
     assert ok.assert_existing_objects_matched() is ok
     with pytest.raises(IncompleteRestoreError, match="matched no value"):
-        Checkpoint(q={"a": np.zeros(1)}).read(path).assert_nontrivial_match()
+        Checkpoint(q={"a": np.zeros(1)}).read(path, partial=True).assert_nontrivial_match()
 
 
 def test_module_with_missing_and_extra_layers(tmp_path):
     small = torch.nn.Sequential(torch.nn.Linear(2, 2))
     path = Checkpoint(model=small).write(tmp_path / "c", FAST)
     big = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    status = Checkpoint(model=big).read(path)
+    with pytest.raises(IncompleteRestoreError, match=r"'model/1\.weight', 'model/1\.bias'"):
+        Checkpoint(model=big).read(path)
+    status = Checkpoint(model=big).read(path, partial=True)
     assert status.missing_keys == ["model/1.weight", "model/1.bias"]
     assert status.unexpected_keys == []
     assert torch.equal(big[0].weight, small[0].weight)
@@ -371,7 +379,9 @@ def test_module_with_fewer_layers_reports_unexpected(tmp_path):
     big = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     path = Checkpoint(model=big).write(tmp_path / "c", FAST)
     small = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    status = Checkpoint(model=small).read(path)
+    with pytest.raises(IncompleteRestoreError, match=r"'model/1\.weight', 'model/1\.bias'"):
+        Checkpoint(model=small).read(path)
+    status = Checkpoint(model=small).read(path, partial=True)
     assert status.missing_keys == []
     assert status.unexpected_keys == ["model/1.weight", "model/1.bias"]
     assert list(small.state_dict()) == ["0.weight", "0.bias"]  # nothing added to the module

@@ -629,7 +629,7 @@ def test_restore_into_from_compressed_shards(tmp_path):
     state = make_state(np.random.default_rng(13))
     api.save(tmp_path / "c", state, compression="zstd", chunk_size=512, durable=False)
     target = {k: np.zeros_like(v) for k, v in state.items()}
-    assert api.restore_into(tmp_path / "c", target, verify=True) == list(state)
+    assert api.restore_into(tmp_path / "c", target, verify=True).restored_keys == list(state)
     assert_same(target, state)
 
 
@@ -696,7 +696,7 @@ def test_restore_into_torch_tensors_decodes_in_place(tmp_path):
     api.save(tmp_path / "c", src, compression="zstd", chunk_size=1024, durable=False)
     dst = {"w": torch.zeros(64, 32), "bf": torch.zeros(16, dtype=torch.bfloat16)}
     before = skz.frames_decompressed()
-    assert api.restore_into(tmp_path / "c", dst) == ["w", "bf"]
+    assert api.restore_into(tmp_path / "c", dst).restored_keys == ["w", "bf"]
     assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["bf"], src["bf"])
     assert skz.frames_decompressed() - before == -(-(64 * 32 * 4 + 16 * 2) // 1024)
 

@@ -21,6 +21,7 @@ from shardkit import api, restore, slicing, sources
 from shardkit import format as fmt
 from shardkit import reader as rd
 from shardkit.errors import (
+    IncompleteRestoreError,
     KeyNotFoundError,
     ReaderClosedError,
     RestoreMismatchError,
@@ -517,7 +518,8 @@ def test_restore_into_numpy_in_place(tmp_path):
              "step": np.array(0)}
     w_before = state["model"]["w"]
     restored = restore_into(tmp_path, state, verify=True)
-    assert restored == ["model/w", "model/b", "step"]
+    assert restored.restored_keys == ["model/w", "model/b", "step"]
+    assert restored.missing_keys == restored.unexpected_keys == []
     assert state["model"]["w"] is w_before
     _same(state["model"]["w"], a)
     _same(state["model"]["b"], b)
@@ -538,19 +540,21 @@ def test_restore_into_mismatches(tmp_path):
     with pytest.raises(RestoreMismatchError,
                        match=r"key 'w' .*checkpoint has shape \[2, 3\] dtype F32 \(float32\), "
                              r"the target has shape \[3, 2\] dtype F32"):
-        restore_into(tmp_path, {"w": np.zeros((3, 2), np.float32)})
+        restore_into(tmp_path, {"w": np.zeros((3, 2), np.float32)}, partial=True)
     with pytest.raises(RestoreMismatchError,
                        match=r"key 'w' .*target has shape \[2, 3\] dtype F64"):
-        restore_into(tmp_path, {"w": np.zeros((2, 3))})
-    with pytest.raises(KeyNotFoundError, match="'missing' is not in checkpoint"):
+        restore_into(tmp_path, {"w": np.zeros((2, 3))}, partial=True)
+    with pytest.raises(IncompleteRestoreError,
+                       match=r"1 target values missing from the checkpoint: 'missing'; "
+                             r"1 checkpoint values nothing in the target takes: 's'"):
         restore_into(tmp_path, {"w": good, "missing": np.zeros(1)})
     assert not good.any()  # nothing copied before the error
     ro = np.zeros((2, 3), np.float32)
     ro.flags.writeable = False
     with pytest.raises(RestoreMismatchError, match="target array is read-only"):
-        restore_into(tmp_path, {"w": ro})
+        restore_into(tmp_path, {"w": ro}, partial=True)
     with pytest.raises(RestoreMismatchError, match="in place into a float"):
-        restore_into(tmp_path, {"s": 1.0})
+        restore_into(tmp_path, {"s": 1.0}, partial=True)
 
 
 def test_restore_into_torch(tmp_path):
@@ -567,7 +571,7 @@ def test_restore_into_torch(tmp_path):
         "i": torch.zeros(8, dtype=torch.int64)[::2],  # strided view into a bigger buffer
     }
     restored = restore_into(tmp_path, state)
-    assert restored == ["w", "bf", "s", "i"]
+    assert restored.restored_keys == ["w", "bf", "s", "i"]
     np.testing.assert_array_equal(state["w"].detach().numpy(), w)
     got_bf = state["bf"].view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     _same(got_bf, bf)
@@ -575,9 +579,9 @@ def test_restore_into_torch(tmp_path):
     assert state["i"].tolist() == [0, 1, 2, 3]
     with pytest.raises(RestoreMismatchError, match=r"key 'bf' .*checkpoint has shape \[5\] dtype "
                        r"BF16 \(bfloat16\), the target has shape \[5\] dtype F32"):
-        restore_into(tmp_path, {"bf": torch.zeros(5)})
+        restore_into(tmp_path, {"bf": torch.zeros(5)}, partial=True)
     with pytest.raises(RestoreMismatchError, match=r"key 'w' .*target has shape \[6, 4\]"):
-        restore_into(tmp_path, {"w": torch.zeros(6, 4)})
+        restore_into(tmp_path, {"w": torch.zeros(6, 4)}, partial=True)
 
 
 def test_restore_into_torch_copy_back_path(tmp_path):
@@ -679,7 +683,7 @@ def test_save_then_restore_into_torch_and_numpy(tmp_path):
     save(tmp_path / "c", src, sharding_callback=MaxShardSizePolicy(2048), durable=False)
     dst = {"w": torch.zeros(64, 32), "bf": torch.zeros(16, dtype=torch.bfloat16),
            "n": np.zeros(10, np.int32)}
-    assert restore_into(tmp_path / "c", dst, verify=True) == ["w", "bf", "n"]
+    assert restore_into(tmp_path / "c", dst, verify=True).restored_keys == ["w", "bf", "n"]
     assert torch.equal(dst["w"], src["w"]) and torch.equal(dst["bf"], src["bf"])
     np.testing.assert_array_equal(dst["n"], src["n"])
 
