@@ -50,7 +50,7 @@ from .policies import (
     parse_size,
 )
 from .profiling import PolicyProfile, profile
-from .reader import CheckpointReader
+from .reader import CheckpointReader, Problem, VerifyReport
 from .slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
 from .tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
 
@@ -82,6 +82,7 @@ __all__ = [
     "MissingShardError",
     "PolicyError",
     "PolicyProfile",
+    "Problem",
     "ReaderClosedError",
     "RestoreMismatchError",
     "SaveHandle",
@@ -102,6 +103,7 @@ __all__ = [
     "UnknownModelError",
     "UnsupportedDTypeError",
     "UnsupportedVersionError",
+    "VerifyReport",
     "__version__",
     "check_tiling",
     "format_slice_spec",
