@@ -58,7 +58,7 @@ from .policies import (
     parse_size,
 )
 from .profiling import PolicyProfile, profile
-from .reader import CheckpointReader
+from .reader import CheckpointReader, Problem, VerifyReport
 from .slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
 from .tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
 
@@ -96,6 +96,7 @@ __all__ = [
     "NotRegularFileError",
     "PolicyError",
     "PolicyProfile",
+    "Problem",
     "ReaderClosedError",
     "RestoreMismatchError",
     "SaveHandle",
@@ -118,6 +119,7 @@ __all__ = [
     "UnknownModelError",
     "UnsupportedDTypeError",
     "UnsupportedVersionError",
+    "VerifyReport",
     "__version__",
     "check_tiling",
     "format_slice_spec",

@@ -269,27 +269,35 @@ def _add_verify_parser(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .reader import open_checkpoint
+    """Every problem on its own line on stderr, ``CORRUPT: <file>: <key or ->: <what>, expected
+    <x> vs found <y>``, each once, then a count; exit 1 if there is any, else 0."""
+    import os
 
-    problems = []
-    with open_checkpoint(args.path) as reader:
-        checked = 0
-        try:
-            checked = reader.verify()  # one pass over everything when the checkpoint is sound
-        except ShardkitError as first:
-            for key in reader.keys():  # name every corrupt tensor, not only the first
-                try:
-                    reader.verify([key])
-                except ShardkitError as e:
-                    problems.append(" ".join(str(e).split()))
-            if not problems:
-                problems.append(" ".join(str(first).split()))
+    from .errors import CheckpointNotFoundError, CorruptIndexError, UnsupportedVersionError
+    from .format import INDEX_FILE
+    from .reader import Problem, open_checkpoint
+
+    try:
+        reader = open_checkpoint(args.path)
+    except CheckpointNotFoundError:
+        raise
+    except (CorruptIndexError, UnsupportedVersionError) as e:
+        index_path = os.path.join(args.path, INDEX_FILE)
+        message = " ".join(str(e).split())
+        if message.startswith(index_path + ": "):
+            message = message[len(index_path) + 2 :]
+        problems = [Problem(index_path, None, INDEX_FILE, "a valid shardkit index", message)]
+        checked = tensors = 0
+    else:
+        with reader:
+            report = reader.verify_report()
+        problems, checked, tensors = report.problems, report.checked, len(reader)
     if problems:
         for p in problems:
             print(f"CORRUPT: {p}", file=sys.stderr)
         print(f"{args.path}: {len(problems)} problem(s) found", file=sys.stderr)
         return 1
-    print(f"{args.path}: OK ({checked} entries checked, {len(reader)} tensors)")
+    print(f"{args.path}: OK ({checked} entries checked, {tensors} tensors)")
     return 0
 
 

@@ -28,7 +28,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from dataclasses import dataclass
 from functools import partial
@@ -86,6 +86,10 @@ INFLIGHT_PER_THREAD: Final = 2  # chunks being gathered/compressed/written per t
 KEEP_BUFFERS: Final = 8  # chunk buffers kept between saves (first touch of memory is slow)
 KEEP_DECODE_BUFFER: Final = 16 * 1024 * 1024  # largest chunk a thread keeps a buffer for
 CACHE_CHUNKS: Final = 4  # decompressed chunks kept for read_into calls that share a chunk
+# Chunks above KEEP_DECODE_BUFFER are never decoded whole to serve a small read or a verify:
+# they are streamed in blocks of STREAM_BLOCK bytes (per byte plane of a shuffled piece).
+STREAM_BLOCK: Final = 1024 * 1024
+VERIFY_WINDOW_PER_THREAD: Final = 2  # decoded chunks waiting to be hashed, per thread
 
 
 # --- options ------------------------------------------------------------------------------------
@@ -664,13 +668,7 @@ class SkzShard:
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: Any) -> None:
         """Bytes ``[begin, end)`` of `entry` into `dest`; both ends must be whole items."""
-        self._check_range(entry, begin, end)
-        a, b = entry.begin + begin, entry.begin + end
-        out = _writable_bytes(dest, b - a)
-        if b == a:
-            return
-        for i, args, name in self._scatter_jobs([(a, b, out, entry.name)]):
-            self._cached_scatter(i, args, name)
+        run_tasks(self.read_tasks([(entry, begin, end, dest)]), None)
 
     def read_many(self, requests: Sequence[tuple[EntryLayout, int, int, Any]],
                   pool: Executor | None = None) -> None:
@@ -692,13 +690,46 @@ class SkzShard:
         spans.sort(key=lambda s: s[0])
         if any(spans[k + 1][0] < spans[k][1] for k in range(len(spans) - 1)):
             # overlapping requests (rare): each on its own, through the chunk cache
-            return [partial(self.read_into, *r) for r in requests]
+            return [t for r in requests for t in self.read_tasks([r])]
+        tasks: list[Callable[[], None]] = []
+        if self.header.chunk_size > KEEP_DECODE_BUFFER:
+            spans, tasks = self._streamed_spans(spans)
+            if not spans:
+                return tasks
         jobs = self._scatter_jobs(spans)
-        if len(jobs) == 1:  # a small read: share the chunk with the reads that follow
+        if len(jobs) == 1 and not tasks:  # a small read: share the chunk with the next reads
             i, args, name = jobs[0]
             return [partial(self._cached_scatter, i, args, name)]
         # no caching: each chunk is decoded into its thread's buffer and scattered at once
-        return [partial(self._decode_scatter, i, args, name) for i, args, name in jobs]
+        return tasks + [partial(self._decode_scatter, i, args, name) for i, args, name in jobs]
+
+    def _streamed_spans(self, spans: list[tuple[int, int, Any, str]]
+                        ) -> tuple[list[tuple[int, int, Any, str]], list[Callable[[], None]]]:
+        """Of `spans` (sorted, in a shard of chunks too large to keep a decode buffer for), the
+        parts that take less than half of a chunk become streaming tasks (bounded memory, no
+        whole-chunk buffer); the rest is returned, to be decoded chunk by chunk."""
+        c = self.header.chunk_size
+        keep: list[tuple[int, int, Any, str]] = []
+        tasks: list[Callable[[], None]] = []
+        for a, b, dest, name in spans:
+            pos = a
+            while pos < b:
+                i = pos // c
+                nxt = min(b, (i + 1) * c)
+                if 2 * (nxt - pos) < c:
+                    tasks.append(partial(self._stream_copy, i, pos, nxt,
+                                         _byte_memory(dest)[pos - a : nxt - a], name))
+                else:
+                    keep.append((pos, nxt, _byte_memory(dest)[pos - a : nxt - a], name))
+                pos = nxt
+        return keep, tasks
+
+    def _stream_copy(self, i: int, a: int, b: int, dest: memoryview, reading: str) -> None:
+        at = 0
+        for _, block in self._stream_range(i, a, b, reading):
+            n = len(block)
+            dest[at : at + n] = block
+            at += n
 
     def _cached_scatter(self, i: int, args: tuple[Any, ...], reading: str) -> None:
         _shuffle.unshuffle_scatter(self._chunk(i, reading), *args)
@@ -708,9 +739,197 @@ class SkzShard:
                                    *args)
 
     def verify_frames(self, pool: Executor | None = None) -> int:
-        """Check every frame's checksum and decode it (zstd checks its content checksum)."""
-        _run_all(lambda i: self._decode(i, check_hash=True), range(self.plan.n_chunks), pool)
+        """Check every frame's checksum and decode it (zstd checks its content checksum); the
+        first corrupt frame raises ChecksumError."""
+        _, bad = self.verify_entries(None, pool)
+        if bad:
+            raise bad[0][1]
         return self.plan.n_chunks
+
+    def verify_entries(self, names: Collection[str] | None, pool: Executor | None = None
+                       ) -> tuple[dict[str, str], list[tuple[int, ChecksumError]]]:
+        """One pass, in chunk order, over the chunks holding the entries `names` (None: every
+        chunk, so every frame is checked even where no entry is read): each frame is checked
+        (its xxh3 in the frame table, zstd's content size and checksum) and the logical bytes of
+        the entries are hashed incrementally, chunk piece by chunk piece.
+
+        Returns the xxh3-64 hex digest of each entry of `names` (all entries for None) whose
+        frames are intact, and the corrupt frames as (frame number, error); an entry with
+        bytes in a corrupt frame gets no digest. Memory: a chunk buffer per thread plus
+        `VERIFY_WINDOW_PER_THREAD` decoded chunks per thread; chunks larger than
+        KEEP_DECODE_BUFFER are streamed in blocks instead, whatever size the header records.
+        """
+        plan = self.plan
+        n_entries = len(plan.order)
+        name_of = [self._names[int(k)] for k in plan.order]  # entry number -> name
+        if names is None:
+            wanted = np.ones(n_entries, bool)
+            chunks = list(range(plan.n_chunks))
+        else:
+            wanted = np.fromiter((n in names for n in name_of), bool, n_entries)
+            chunks = np.unique(plan.data_offset[wanted[plan.entry]] // plan.chunk_size).tolist()
+        ends = np.fromiter((self.entries[n].end for n in name_of), np.int64, n_entries)
+        digests: dict[str, str] = {}
+        for e in np.flatnonzero(wanted).tolist():
+            if self.entries[name_of[e]].nbytes == 0:
+                digests[name_of[e]] = xxhash.xxh3_64_hexdigest(b"")
+        hashers: dict[int, Any] = {}
+        tainted: set[int] = set()
+        bad: list[tuple[int, ChecksumError]] = []
+
+        def feed(p: int, block: Any) -> None:
+            e = int(plan.entry[p])
+            if not wanted[e] or e in tainted:
+                return
+            h = hashers.get(e)
+            if h is None:
+                h = hashers[e] = xxhash.xxh3_64()
+            h.update(block)
+
+        def close_pieces(i: int) -> None:
+            for p in range(int(plan.ptr[i]), int(plan.ptr[i + 1])):
+                e = int(plan.entry[p])
+                if (plan.data_offset[p] + plan.length[p] == ends[e] and e in hashers
+                        and e not in tainted):
+                    digests[name_of[e]] = hashers.pop(e).hexdigest()
+
+        def fail(i: int, e: ChecksumError) -> None:
+            bad.append((i, e))
+            for p in range(int(plan.ptr[i]), int(plan.ptr[i + 1])):
+                k = int(plan.entry[p])
+                tainted.add(k)
+                hashers.pop(k, None)
+
+        if self.header.chunk_size > KEEP_DECODE_BUFFER:
+            for i in chunks:
+                c0, c1 = plan.chunk_range(i)
+                try:
+                    for p, block in self._stream_range(i, c0, c1, check=True):
+                        feed(p, block)
+                except ChecksumError as e:
+                    fail(i, e)
+                    continue
+                close_pieces(i)
+            return digests, bad
+
+        threads = 1
+        if pool is not None:  # a WorkerPool or a ThreadPoolExecutor
+            n = getattr(pool, "_max_workers", getattr(pool, "_threads", 2))
+            threads = n if isinstance(n, int) else 2
+        window = max(1, VERIFY_WINDOW_PER_THREAD * threads)
+        free: list[np.ndarray] = []
+        pending: deque[tuple[int, np.ndarray, Any]] = deque()
+        todo = deque(chunks)
+
+        def submit() -> None:
+            i = todo.popleft()
+            out = free.pop() if free else np.empty(plan.chunk_size, np.uint8)
+            task = partial(self._logical_chunk, i, out)
+            pending.append((i, out, pool.submit(task) if pool is not None else task))
+
+        try:
+            while todo or pending:
+                while todo and len(pending) < window:
+                    submit()
+                i, out, job = pending.popleft()
+                try:
+                    job.result() if pool is not None else job()
+                except ChecksumError as e:
+                    fail(i, e)
+                    free.append(out)
+                    continue
+                c0 = i * plan.chunk_size
+                for p in range(int(plan.ptr[i]), int(plan.ptr[i + 1])):
+                    at = int(plan.data_offset[p]) - c0
+                    feed(p, out[at : at + int(plan.length[p])])
+                close_pieces(i)
+                free.append(out)
+        finally:
+            for _, _, job in pending:
+                if pool is not None:
+                    job.cancel()
+            if pool is not None:
+                wait([job for _, _, job in pending])
+        return digests, bad
+
+    def _logical_chunk(self, i: int, out: np.ndarray) -> None:
+        """Chunk i's logical (unshuffled) bytes into `out`, its frame checked as in verify."""
+        data = self._decode(i, check_hash=True, into=_chunk_buffer(self.header))
+        plan = self.plan
+        lo, hi = int(plan.ptr[i]), int(plan.ptr[i + 1])
+        c0, c1 = plan.chunk_range(i)
+        if not self.header.shuffle:
+            out[: c1 - c0] = np.frombuffer(data, np.uint8, c1 - c0)
+            return
+        at = plan.data_offset[lo:hi] - c0
+        n = plan.length[lo:hi] // plan.itemsize[lo:hi]
+        zeros = np.zeros(hi - lo, np.int64)
+        _shuffle.unshuffle_scatter(data, at, n, plan.itemsize[lo:hi], zeros, n, [out],
+                                   zeros, at)
+
+    def _stream_range(self, i: int, lo: int, hi: int, reading: str | None = None,
+                      check: bool = False) -> Iterator[tuple[int, Any]]:
+        """The logical bytes ``[lo, hi)`` of the data region, all inside chunk i, as
+        (piece number, block) in order, decoded by streaming: a few blocks and zstd's window
+        per byte plane are in memory, never the chunk. Each block is valid until the next.
+
+        The frame is decoded to its end before the last block is handed out, so zstd checks
+        its content size and checksum; `check` also compares the frame's xxh3 (a raw frame's
+        always). A shuffled piece of items of size s is read with s decoders in step, one
+        per byte plane.
+        """
+        offset, stored, raw, kind, _, xxh3 = self._frames[i]
+        data = self._stored(offset, stored)
+        if (check or kind == KIND_RAW) and (found := xxhash.xxh3_64_intdigest(data)) != xxh3:
+            raise self._corrupt(i, reading, f"its {stored} stored bytes hash to {found:016x}, "
+                                f"the header records {xxh3:016x}",
+                                f"xxh3 {xxh3:016x} (frame table)", f"{found:016x}")
+        if kind == KIND_ZSTD:
+            try:
+                size = zstandard.frame_content_size(data)
+            except zstandard.ZstdError as e:
+                raise self._corrupt(i, reading, f"zstd cannot decode it ({e})",
+                                    "a valid zstd frame", f"zstd error: {e}") from None
+            if size != raw:
+                raise self._corrupt(i, reading, f"zstd frame declares {size} bytes, "
+                                    f"expected {raw}", f"{raw} bytes", f"{size} declared")
+        planes = _Planes(data, kind, raw, partial(self._corrupt, i, reading))
+        plan, c0 = self.plan, i * self.plan.chunk_size
+        held: tuple[int, Any] | None = None  # the last block waits for the end-of-frame check
+        plane_buf = out_buf = np.empty(0, np.uint8)  # allocated on the first block
+        for p in range(int(plan.ptr[i]), int(plan.ptr[i + 1])):
+            start, length, s = (int(plan.data_offset[p]), int(plan.length[p]),
+                                int(plan.itemsize[p]))
+            a, b = max(lo, start), min(hi, start + length)
+            if a >= b:
+                continue
+            n, local = length // s, start - c0
+            step = max(1, STREAM_BLOCK // s)
+            for k in range((a - start) // s, (b - start) // s, step):
+                m = min(step, (b - start) // s - k)
+                if not len(plane_buf):
+                    plane_buf = np.empty(STREAM_BLOCK + 8, np.uint8)
+                    out_buf = np.empty(STREAM_BLOCK + 8, np.uint8)
+                if held is not None:
+                    yield held
+                    held = None
+                if s == 1:
+                    planes.read_into(0, local + k, plane_buf[:m])
+                    held = (p, plane_buf[:m])
+                    plane_buf, out_buf = out_buf, plane_buf  # the held block stays intact
+                    continue
+                for plane in range(s):
+                    planes.read_into(plane, local + plane * n + k,
+                                     plane_buf[plane * m : (plane + 1) * m])
+                one = np.ones(1, np.int64)
+                zero = np.zeros(1, np.int64)
+                _shuffle.unshuffle_scatter(plane_buf, zero, one * m, one * s, zero, one * m,
+                                           [out_buf], zero, zero)
+                held = (p, out_buf[: m * s])
+                plane_buf, out_buf = out_buf, plane_buf
+        planes.finish()
+        if held is not None:
+            yield held
 
     def close(self) -> None:
         with self._lock:
@@ -766,7 +985,8 @@ class SkzShard:
         if (check_hash or kind == KIND_RAW) and (
                 found := xxhash.xxh3_64_intdigest(data)) != xxh3:
             raise self._corrupt(i, reading, f"its {stored} stored bytes hash to {found:016x}, "
-                                f"the header records {xxh3:016x}")
+                                f"the header records {xxh3:016x}",
+                                f"xxh3 {xxh3:016x} (frame table)", f"{found:016x}")
         if kind == KIND_RAW:
             _count_frame()
             return data
@@ -774,27 +994,36 @@ class SkzShard:
             size = zstandard.frame_content_size(data)
             if size != raw:
                 raise self._corrupt(i, reading, f"zstd frame declares {size} bytes, "
-                                    f"expected {raw}")
+                                    f"expected {raw}", f"{raw} bytes", f"{size} declared")
             if into is not None and len(into) >= raw:
                 # straight into the caller's buffer (GIL released, no fresh output memory)
                 out: Any = into[:raw]
                 got = _decompressor().stream_reader(data).readinto(out)
                 if got != raw:
-                    raise self._corrupt(i, reading, f"decoded {got} bytes, expected {raw}")
+                    raise self._corrupt(i, reading, f"decoded {got} bytes, expected {raw}",
+                                        f"{raw} bytes", f"{got} decoded")
             else:
                 out = _decompressor().decompress(data, max_output_size=raw)
         except zstandard.ZstdError as e:
-            raise self._corrupt(i, reading, f"zstd cannot decode it ({e})") from None
+            raise self._corrupt(i, reading, f"zstd cannot decode it ({e})",
+                                    "a valid zstd frame", f"zstd error: {e}") from None
         if len(out) != raw:
-            raise self._corrupt(i, reading, f"decoded {len(out)} bytes, expected {raw}")
+            raise self._corrupt(i, reading, f"decoded {len(out)} bytes, expected {raw}",
+                                f"{raw} bytes", f"{len(out)} decoded")
         _count_frame()
         return out
 
-    def _corrupt(self, i: int, reading: str | None, why: str) -> ChecksumError:
+    def _corrupt(self, i: int, reading: str | None, why: str, expected: str, found: str
+                 ) -> ChecksumError:
+        """The error for a corrupt frame i; `expected` / `found` (also attributes of the
+        error, with `frame`: what verify reports) say what differs."""
         c0, c1 = self.plan.chunk_range(i)
+        frame = f"frame {i} (data bytes [{c0}, {c1}) holding {self._what(i)})"
         what = f"; reading entry {reading!r}" if reading is not None else ""
-        return ChecksumError(f"{self.path}: frame {i} (data bytes [{c0}, {c1}) holding "
-                             f"{self._what(i)}{what}) is corrupt: {why}")
+        e = ChecksumError(f"{self.path}: frame {i} (data bytes [{c0}, {c1}) holding "
+                          f"{self._what(i)}{what}) is corrupt: {why}")
+        e.frame, e.expected, e.found = frame, expected, found  # type: ignore[attr-defined]
+        return e
 
     def _chunk(self, i: int, reading: str) -> Any:
         """`_decode` through a small cache shared by threads (one decode per chunk at a time)."""
@@ -816,6 +1045,10 @@ class SkzShard:
             event.set()
             raise
         with self._lock:
+            if len(data) > KEEP_DECODE_BUFFER:  # served, not kept: memory stays a few chunks
+                del self._cache[i]
+                event.set()
+                return data
             self._cache[i] = data
             done = [k for k, v in self._cache.items() if not isinstance(v, threading.Event)]
             for k in done[: max(0, len(done) - CACHE_CHUNKS)]:
@@ -866,6 +1099,73 @@ class SkzShard:
         return jobs
 
 
+class _Planes:
+    """Reads of one frame's decoded bytes at increasing offsets, per byte plane: a zstd frame
+    gets one streaming decoder per plane (each skips forward by decoding), a raw one is
+    sliced."""
+
+    def __init__(self, data: Any, kind: int, raw: int,
+                 corrupt: Callable[[str, str, str], Exception]) -> None:
+        self.data, self.kind, self.raw, self.corrupt = data, kind, raw, corrupt
+        self.readers: dict[int, Any] = {}
+
+    def _reader(self, plane: int) -> Any:
+        r = self.readers.get(plane)
+        if r is None:
+            r = self.readers[plane] = zstandard.ZstdDecompressor().stream_reader(self.data)
+        return r
+
+    def read_into(self, plane: int, at: int, out: np.ndarray) -> None:
+        n = len(out)
+        if self.kind == KIND_RAW:
+            out[:] = np.frombuffer(self.data, np.uint8, n, at)
+            return
+        try:
+            r = self._reader(plane)
+            if at > r.tell():
+                r.seek(at)
+            got = 0
+            view = out.data
+            while got < n:
+                k = r.readinto(view[got:])
+                if not k:
+                    raise self.corrupt(f"the frame ends after {at + got} bytes, expected "
+                                       f"{self.raw}", f"{self.raw} bytes", f"{at + got} decoded")
+                got += k
+        except zstandard.ZstdError as e:
+            raise self.corrupt(f"zstd cannot decode it ({e})", "a valid zstd frame",
+                               f"zstd error: {e}") from None
+
+    def finish(self) -> None:
+        """Decode the rest of the frame (plane 0's decoder): zstd checks the content checksum
+        at its end; the size must be exactly the chunk's."""
+        if self.kind == KIND_RAW:
+            return
+        buf = memoryview(bytearray(STREAM_BLOCK))
+        try:
+            r = self._reader(0)
+            pos = r.tell()
+            while k := r.readinto(buf):
+                pos += k
+                if pos > self.raw:
+                    break
+        except zstandard.ZstdError as e:
+            raise self.corrupt(f"zstd cannot decode it ({e})", "a valid zstd frame",
+                               f"zstd error: {e}") from None
+        finally:
+            for r in self.readers.values():
+                r.close()
+        if pos != self.raw:
+            raise self.corrupt(f"decoded {pos} bytes, expected {self.raw}", f"{self.raw} bytes",
+                               f"{pos} decoded")
+
+
+def _byte_memory(dest: Any) -> memoryview:
+    if isinstance(dest, np.ndarray):
+        return dest.reshape(-1).view(np.uint8).data
+    return memoryview(dest).cast("B")
+
+
 def _writable_bytes(dest: Any, n: int) -> Any:
     if isinstance(dest, np.ndarray):
         flags = dest.flags
@@ -877,10 +1177,6 @@ def _writable_bytes(dest: Any, n: int) -> Any:
     if size < n:
         raise ValueError(f"destination has {size} bytes, {n} are needed")
     return dest
-
-
-def _run_all(fn: Any, items: Sequence[int], pool: Executor | None) -> None:
-    run_tasks([partial(fn, i) for i in items], pool)
 
 
 def run_tasks(tasks: Sequence[Callable[[], None]], pool: Executor | None) -> None:

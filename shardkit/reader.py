@@ -18,6 +18,7 @@ shard's codec selects its `ShardSource` implementation: ``"raw"`` here, others r
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import operator
@@ -44,6 +45,7 @@ from .errors import (
     KeyNotFoundError,
     MissingShardError,
     ReaderClosedError,
+    TruncatedShardError,
 )
 from .files import (
     FilePool,
@@ -95,6 +97,49 @@ class SlicePlacement:
     file: str
     entry: str
     xxh3: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One problem `CheckpointReader.verify` found: the file to blame (a shard, or index.json
+    when the index is what disagrees), the checkpoint key (None when it is not about one key),
+    what is wrong, what was expected and what was found, and the error class it raises as.
+
+    ``str(problem)`` is ``<file>: <key or ->: <what>, expected <x> vs found <y>``.
+    """
+
+    file: str
+    key: str | None
+    what: str
+    expected: str
+    found: str
+    error: type[CheckpointFormatError] = CheckpointFormatError
+
+    def __str__(self) -> str:
+        key = "-" if self.key is None else repr(self.key)
+        return " ".join(f"{self.file}: {key}: {self.what}, expected {self.expected} vs found "
+                        f"{self.found}".split())
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `CheckpointReader.verify_report` found: entries compared, and the problems."""
+
+    checked: int
+    problems: list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def error(self) -> CheckpointFormatError:
+        """One exception for all the problems: the first one's class, every problem a line."""
+        lines = [str(p) for p in self.problems]
+        head = lines[0] if len(lines) == 1 else f"{len(lines)} problems:"
+        body = "" if len(lines) == 1 else "\n" + "\n".join(lines)
+        e = self.problems[0].error(head + body)
+        e.problems = list(self.problems)  # type: ignore[attr-defined]
+        return e
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,7 +394,7 @@ class CheckpointReader:
             return self._whole_entry(src, entry, dtype, t.shape)
         out = np.empty(t.shape, dtype)
         jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
-        later: list[tuple[np.ndarray, np.ndarray]] = []
+        later: list[tuple[ShardSource, EntryLayout, np.ndarray, tuple[int, ...]]] = []
         for s, spec in zip(t.slices, self._slice_specs(key, t)):
             src, entry = self._entry(key, s)
             if entry.nbytes == 0:
@@ -362,12 +407,19 @@ class CheckpointReader:
             if view is not None:
                 target[...] = np.frombuffer(view, dtype).reshape(spec.shape)
             else:
-                tmp = np.empty(spec.shape, dtype)
-                jobs.append((src, entry, 0, entry.nbytes, _bytes_of(tmp)))
-                later.append((target, tmp))
+                later.append((src, entry, target, spec.shape))
         self._read_jobs(jobs)
-        for target, tmp in later:
-            target[...] = tmp
+        for src, entry, target, shape in later:
+            # staged through one buffer of about READ_CHUNK bytes (whole rows of the stored
+            # slice, contiguous in the entry), never a copy of the whole slice
+            row = entry.nbytes // shape[0]
+            step = max(1, READ_CHUNK // row)
+            tmp = np.empty((min(step, shape[0]), *shape[1:]), dtype)
+            for r0 in range(0, shape[0], step):
+                r1 = min(shape[0], r0 + step)
+                part = tmp[: r1 - r0]
+                self._read_jobs([(src, entry, r0 * row, r1 * row, _bytes_of(part))])
+                target[r0:r1] = part
         return out
 
     def get_slice(self, key: str, index: Any) -> np.ndarray:
@@ -423,38 +475,152 @@ class CheckpointReader:
         return out.reshape(final_shape)
 
     def verify(self, keys: Sequence[str] | None = None) -> int:
-        """Open every shard (checks headers against the index) and compare the xxh3-64 of every
-        stored entry of `keys` (default: all) with the index. Returns the number of entries
-        whose checksum was compared (entries saved without a checksum are skipped)."""
+        """Check the stored entries of `keys` (default: all, and then every frame of every
+        compressed shard, even bytes no entry is read from) against the index: shard files and
+        sizes, headers, entry dtypes and shapes, and the xxh3-64 checksums. Returns the number of
+        entries whose checksum was compared (entries saved without a checksum are skipped).
+
+        Everything is checked before anything is raised: on any problem this raises one error,
+        of the class of the first problem found (ChecksumError, MissingShardError,
+        CorruptIndexError...), whose message lists every problem, one per line, and whose
+        ``problems`` attribute holds them (`Problem`). `verify_report` returns them instead.
+        """
+        report = self.verify_report(keys)
+        if report.problems:
+            raise report.error()
+        return report.checked
+
+    def verify_report(self, keys: Sequence[str] | None = None) -> VerifyReport:
+        """What `verify` checks, returned instead of raised: every distinct problem once, in
+        shard order, each blaming the file that is inconsistent (`index.json` when it records
+        a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
+        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`)."""
         self._begin_read()
         try:
             return self._verify(keys)
         finally:
             self._end_read()
 
-    def _verify(self, keys: Sequence[str] | None) -> int:
+    def _verify(self, keys: Sequence[str] | None) -> VerifyReport:
+        index = self.index
         if keys is None:
-            for i in range(len(self.index.shards)):
-                src = self._source(i)
-                if hasattr(src, "verify_frames"):  # compressed: every frame, even unlisted bytes
-                    src.verify_frames(self._get_pool())
-            keys = self.keys()
+            slices: Sequence[int] = range(len(index.slice_tensor))
+        else:
+            for k in keys:
+                self._tensor(k)  # KeyNotFoundError, with a hint
+            wanted = {index.row(k) for k in keys}
+            slices = [j for j, t in enumerate(index.slice_tensor) if t in wanted]
+        opened: list[ShardSource] = []
+        try:
+            return self._verify_slices(keys is None, slices, opened)
+        finally:
+            for src in opened:
+                src.close()
+
+    def _verify_slices(self, everything: bool, slices: Sequence[int],
+                       opened: list[ShardSource]) -> VerifyReport:
+        index = self.index
+        problems: dict[Problem, None] = {}
         checked = 0
-        for key in keys:
-            t = self._tensor(key)
-            for s in t.slices:
-                src, entry = self._entry(key, s)  # structure checked even without a checksum
-                if s.xxh3 is None:
+        by_shard: dict[int, list[int]] = {}
+        for j in slices:
+            by_shard.setdefault(index.slice_shard[j], []).append(j)
+        names = index.entry_names()
+        shapes = index.slice_shapes()
+        index_path = os.path.join(self.path, INDEX_FILE)
+        for i, js in sorted(by_shard.items()):
+            src = self._sources.get(i) or self._verify_source(i, index_path, problems, opened)
+            if src is None:
+                continue
+            file = self.index.shards[i].file
+            good: list[tuple[int, EntryLayout]] = []
+            for j in js:
+                key = index.keys[index.slice_tensor[j]]
+                dtype_name = index.dtypes[index.slice_tensor[j]]
+                entry = src.entries.get(names[j])
+                where = f"entry {names[j]!r} in shard {file}"
+                if entry is None:
+                    problems[Problem(index_path, key, where, "an entry of the shard's header",
+                                     "none by that name", CorruptIndexError)] = None
+                elif entry.dtype_name != dtype_name:
+                    problems[Problem(index_path, key, f"dtype of {where}",
+                                     f"{entry.dtype_name} (the shard's)", dtype_name,
+                                     CorruptIndexError)] = None
+                elif entry.shape != shapes[j]:
+                    problems[Problem(index_path, key, f"shape of {where}",
+                                     f"{list(entry.shape)} (the shard's)", str(list(shapes[j])),
+                                     CorruptIndexError)] = None
+                else:
+                    good.append((j, entry))
+            digests: dict[str, str] = {}
+            if hasattr(src, "verify_entries"):
+                got, bad = src.verify_entries(
+                    None if everything else {e.name for j, e in good if index.slice_xxh3[j]},
+                    self._get_pool())
+                digests = got
+                for _, e in bad:
+                    problems[Problem(src.path, None, getattr(e, "frame", "frame"),
+                                     getattr(e, "expected", "an intact frame"),
+                                     getattr(e, "found", str(e)), ChecksumError)] = None
+            for j, entry in good:
+                recorded = index.slice_xxh3[j]
+                if recorded is None:
                     continue
-                found = _xxh3_of(src, entry)
-                if found != s.xxh3:
-                    raise ChecksumError(
-                        f"{src.path}: checksum mismatch for key {key!r} slice {s.spec!r} "
-                        f"(entry {entry.name!r}): {INDEX_FILE} records xxh3 {s.xxh3}, the stored "
-                        f"bytes hash to {found}"
-                    )
+                if hasattr(src, "verify_entries"):
+                    found = digests.get(entry.name)
+                    if found is None:  # in a corrupt frame: reported once, as the frame
+                        continue
+                else:
+                    found = _xxh3_of(src, entry)
                 checked += 1
-        return checked
+                if found != recorded:
+                    spec = index.slice_spec[j]
+                    what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
+                            else f"checksum of entry {entry.name!r}")
+                    problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
+                                     f"xxh3 {recorded} ({INDEX_FILE})", found,
+                                     ChecksumError)] = None
+        return VerifyReport(checked, list(problems))
+
+    def _verify_source(self, i: int, index_path: str, problems: dict[Problem, None],
+                       opened: list[ShardSource]) -> ShardSource | None:
+        """Shard `i` opened for verification (not cached, headers parsed in full), or None
+        with its problem recorded. A size that differs from the index is the index's fault
+        when the file opens and is whole at its own size, else the shard's."""
+        info = self.index.shards[i]
+        path = self._shard_paths[i]
+        try:
+            opener = _opener(info.codec, path)
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            problems[Problem(path, None, "shard file", f"a file ({INDEX_FILE} lists it)",
+                             "no such file", MissingShardError)] = None
+            return None
+        except CheckpointFormatError as e:  # unknown codec
+            problems[Problem(index_path, None, f"codec of shard {info.file}",
+                             "a codec this shardkit reads", repr(info.codec), type(e))] = None
+            return None
+        except OSError as e:
+            problems[Problem(path, None, "shard file", "a readable file", e.strerror or str(e),
+                             CheckpointFormatError)] = None
+            return None
+        try:
+            src = opener(path, dataclasses.replace(info, bytes=size), mmap=self._mmap)
+        except CheckpointFormatError as e:
+            if size != info.bytes:
+                problems[Problem(path, None, "file size", f"{info.bytes} bytes ({INDEX_FILE})",
+                                 f"{size} bytes", TruncatedShardError if size < info.bytes
+                                 else CheckpointFormatError)] = None
+            else:
+                problems[Problem(path, None, f"{info.codec} shard header",
+                                 "a valid header", _without_path(str(e), path), type(e))] = None
+            return None
+        if size != info.bytes:
+            problems[Problem(index_path, None, f"size of shard {info.file}",
+                             f"{size} bytes (the file's)", f"{info.bytes} bytes",
+                             CorruptIndexError)] = None
+        opened.append(src)
+        return src
 
     def close(self) -> None:
         """Release files and maps. Arrays already returned stay valid (they keep their map)."""
@@ -726,6 +892,10 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     """A writable byte view of a C-contiguous array (any dtype, 0-d included)."""
     return a.reshape(-1).view(np.uint8).data
 
+
+
+def _without_path(message: str, path: str) -> str:
+    return message[len(path) + 2 :] if message.startswith(path + ": ") else message
 
 
 def _xxh3_of(src: ShardSource, entry: EntryLayout) -> str:

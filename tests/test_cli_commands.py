@@ -53,7 +53,7 @@ def test_verify_ok_and_corrupt(checkpoint, capsys):
     assert main(["verify", str(checkpoint)]) == 1
     err = capsys.readouterr().err
     assert "CORRUPT:" in err and "shard-00001-of-00003.safetensors" in err
-    assert "checksum mismatch for key 'a'" in err
+    assert "shard-00001-of-00003.safetensors: 'a': checksum of slice '10 10 " in err
     assert "1 problem(s) found" in err
 
 
