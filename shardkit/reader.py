@@ -45,7 +45,9 @@ from .errors import (
     KeyNotFoundError,
     MissingShardError,
     ReaderClosedError,
+    ShardIOError,
     TruncatedShardError,
+    UnknownCodecError,
 )
 from .files import (
     FilePool,
@@ -591,22 +593,24 @@ class CheckpointReader:
         path = self._shard_paths[i]
         try:
             opener = _opener(info.codec, path)
-            size = os.stat(path).st_size
-        except FileNotFoundError:
+            file = self._open_shard(i)  # the reader's directory handle, its symlink rule
+        except MissingShardError:
             problems[Problem(path, None, "shard file", f"a file ({INDEX_FILE} lists it)",
                              "no such file", MissingShardError)] = None
             return None
-        except CheckpointFormatError as e:  # unknown codec
+        except UnknownCodecError as e:
             problems[Problem(index_path, None, f"codec of shard {info.file}",
                              "a codec this shardkit reads", repr(info.codec), type(e))] = None
             return None
-        except OSError as e:
-            problems[Problem(path, None, "shard file", "a readable file", e.strerror or str(e),
-                             CheckpointFormatError)] = None
+        except (CheckpointFormatError, ShardIOError) as e:  # not a regular file, a symlink...
+            problems[Problem(path, None, "shard file", "a readable regular file",
+                             _without_path(str(e), path), type(e))] = None
             return None
+        size = file.size
         try:
-            src = opener(path, dataclasses.replace(info, bytes=size), mmap=self._mmap)
+            src = opener(path, dataclasses.replace(info, bytes=size), mmap=self._mmap, file=file)
         except CheckpointFormatError as e:
+            file.close()
             if size != info.bytes:
                 problems[Problem(path, None, "file size", f"{info.bytes} bytes ({INDEX_FILE})",
                                  f"{size} bytes", TruncatedShardError if size < info.bytes
@@ -615,6 +619,9 @@ class CheckpointReader:
                 problems[Problem(path, None, f"{info.codec} shard header",
                                  "a valid header", _without_path(str(e), path), type(e))] = None
             return None
+        except BaseException:
+            file.close()
+            raise
         if size != info.bytes:
             problems[Problem(index_path, None, f"size of shard {info.file}",
                              f"{size} bytes (the file's)", f"{info.bytes} bytes",
