@@ -25,7 +25,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby, repeat
 from typing import Any
@@ -724,6 +724,19 @@ class CheckpointReader:
                 self._sources[i] = src
             return src
 
+    def _open_shards(self, keys: Sequence[str] | None) -> None:
+        """Open (and map) every shard holding `keys` (default: all) now rather than on first
+        read, so a concurrent overwrite has only this short window to delete them."""
+        index = self.index
+        if keys is None:
+            shards: Iterable[int] = range(len(index.shards))
+        else:
+            rows = index.rows()
+            slices = index.slices_of()
+            shards = sorted({index.slice_shard[j] for k in keys for j in slices[rows[k]]})
+        for i in shards:
+            self._source(i)
+
     def _open_shard(self, i: int) -> Any:
         """Shard file `i`, opened through the checkpoint's directory handle."""
         path = self._shard_paths[i]
@@ -954,6 +967,7 @@ def load(
                 if keys is not None:
                     for key in keys:
                         reader._tensor(key)  # fail on a missing key before reading anything
+                reader._open_shards(keys)  # right after the index: the window for a replace
                 if verify:
                     reader.verify(keys)
                 return reader._get_many(keys)
