@@ -45,12 +45,14 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB
 @dataclass(frozen=True, slots=True)
 class SaveInfo:
     """What a save wrote: the checkpoint `path`, its `files` (shards, then index.json), their
-    total size in `bytes`, and the wall time in `seconds`."""
+    total size in `bytes`, the wall time in `seconds`, and the checkpoint's `generation` (the
+    unique id recorded in index.json and every shard header)."""
 
     path: str
     files: tuple[str, ...]
     bytes: int
     seconds: float
+    generation: str | None = None
 
 
 class DefaultShardingPolicy(ShardingCallback):
@@ -261,7 +263,7 @@ def _save(
     opts.run_write_callbacks(target)
     files = (*(s.file for s in index.shards), fmt.INDEX_FILE)
     total = sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
-    return SaveInfo(target, files, total, time.perf_counter() - started)
+    return SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
 
 
 def _default_shards(

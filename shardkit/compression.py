@@ -54,6 +54,7 @@ from .format import (
     HEADER_ALIGNMENT,
     EntryLayout,
     ShardInfo,
+    check_generation,
     decode_safetensors_header,
     encode_safetensors_header,
     header_length,
@@ -635,6 +636,8 @@ class SkzShard:
             self._frames: list[tuple[int, ...]] = self.header.frames.tolist()  # rows as ints
             self.entries = self.header.entries
             self.metadata = self.header.metadata
+            if info is not None:
+                check_generation(self.metadata, info.generation, path)
             try:
                 self.plan = plan_chunks(list(self.entries.values()), self.header.chunk_size,
                                         self.header.shuffle, path)

@@ -69,6 +69,11 @@ class EntryLayoutError(CorruptHeaderError):
     """A shard's entries do not tile its data region: out of range, overlapping, a hole."""
 
 
+class GenerationMismatchError(CheckpointFormatError):
+    """A shard file belongs to another checkpoint than its index.json (its generation differs):
+    the directory mixes files of two saves, or was partially replaced."""
+
+
 class TruncatedShardError(CheckpointFormatError):
     """A shard file is shorter than its header or the index says it is."""
 

@@ -14,7 +14,9 @@ import math
 import operator
 import os
 import re
+import reprlib
 import struct
+import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from .errors import (
     CorruptHeaderError,
     CorruptIndexError,
     EntryLayoutError,
+    GenerationMismatchError,
     ShardPathError,
     SliceSpecError,
     TruncatedShardError,
@@ -40,7 +43,7 @@ from .slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
 from .tensors import _columns_constructor, _gc_paused
 
 FORMAT_NAME: Final = "shardkit"
-FORMAT_VERSION: Final = "2.0"
+FORMAT_VERSION: Final = "2.1"
 FORMAT_MAJOR: Final = 2
 INDEX_FILE: Final = "index.json"
 MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
@@ -50,10 +53,41 @@ ZSTD_SUFFIX: Final = ".skz"
 CODEC_SUFFIXES: Final[dict[str, str]] = {"raw": RAW_SUFFIX, "zstd": ZSTD_SUFFIX}
 HEADER_ALIGNMENT: Final = 8
 METADATA_KEY: Final = "__metadata__"
+GENERATION_KEY: Final = "generation"  # in index.json's shardkit section and in __metadata__
 
 _ITEMSIZE: Final[dict[str, int]] = {name: itemsize(name) for name in SAFETENSORS_NAMES}
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
+_GENERATION_RE: Final = re.compile(r"[0-9A-Za-z_.-]{1,64}")
 _LEN = struct.Struct("<Q")
+
+
+class _Shown(reprlib.Repr):
+    """repr() for values read from a file: bounded depth, items and length, safe for ints of
+    any size (repr of a 5,000-digit int raises ValueError) and for any nesting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = 4
+        self.maxstring, self.maxlong, self.maxother = 60, 40, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN: Final = _Shown()
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """`value` as an error message shows it: its repr, truncated to about `limit` characters
+    (a hostile file may hold megabytes in one string, or deep nesting)."""
+    try:
+        text = _SHOWN.repr(value)
+    except Exception:  # a repr that fails must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def shard_file_name(index: int, count: int, codec: str = "raw") -> str:
@@ -70,6 +104,36 @@ def shard_file_name(index: int, count: int, codec: str = "raw") -> str:
 def entry_name(key: str, slice_spec: str = WHOLE) -> str:
     """The entry name in a shard: the key for a whole tensor, ``"key:spec"`` for a slice."""
     return key if slice_spec == WHOLE else f"{key}:{slice_spec}"
+
+
+def new_generation() -> str:
+    """A fresh checkpoint generation: 32 random lowercase hex digits (a UUID4), one per save."""
+    return uuid.uuid4().hex
+
+
+def shard_metadata(generation: str | None) -> dict[str, str]:
+    """The ``__metadata__`` a writer puts in a shard header of a checkpoint of `generation`."""
+    if generation is None:
+        return {"format": FORMAT_NAME}
+    return {"format": FORMAT_NAME, GENERATION_KEY: generation}
+
+
+def check_generation(metadata: Mapping[str, Any], expected: str | None, path: str) -> None:
+    """The shard at `path`, whose header has `metadata`, must be of generation `expected`
+    (index.json's); None (a 2.0 index, which records none) checks nothing.
+
+    GenerationMismatchError otherwise: the shard belongs to another checkpoint."""
+    if expected is None:
+        return
+    found = metadata.get(GENERATION_KEY)
+    if found == expected:
+        return
+    shown = "none" if found is None else _shown(found)
+    raise GenerationMismatchError(
+        f"{path}: shard belongs to another checkpoint: {INDEX_FILE} is of generation "
+        f"{expected}, the shard header records generation {shown} (the directory mixes files "
+        "of different saves, or was partially replaced); a reader reads one generation only"
+    )
 
 
 # --- shard header -----------------------------------------------------------------------------
@@ -525,9 +589,11 @@ def read_safetensors_header(
 def read_expected_safetensors_header(
     f: BinaryIO | int, file_size: int, path: str,
     names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
+    generation: str | None = None,
 ) -> tuple[dict[str, EntryLayout] | None, dict[str, str], int, list[int] | None]:
     """`read_safetensors_header`, except when the header is exactly what the writer makes of
-    the entries `names` / `dtype_names` / `shapes` (in data-region order, no extra metadata).
+    the entries `names` / `dtype_names` / `shapes` (in data-region order, no extra metadata
+    but the checkpoint's `generation`, see `shard_metadata`).
 
     Then nothing needs parsing: the bytes equal the canonical encoding of a layout that is
     valid by construction (unique names, contiguous entries), every entry has the expected
@@ -540,17 +606,19 @@ def read_expected_safetensors_header(
     body = _pread(f, n, 8)
     if len(body) < n:
         raise TruncatedShardError(f"{path}: header cut short: read {len(body)} of {n} bytes")
-    begins = _match_header(body, file_size - 8 - n, names, dtype_names, shapes)
+    meta = shard_metadata(generation)
+    begins = _match_header(body, file_size - 8 - n, names, dtype_names, shapes, meta)
     if begins is not None:
-        return None, {"format": FORMAT_NAME}, 8 + n, begins
+        return None, meta, 8 + n, begins
     return (*decode_safetensors_header(prefix + body, file_size, path), None)
 
 
 def _match_header(
     body: bytes, region: int, names: list[str], dtype_names: list[str],
-    shapes: list[tuple[int, ...]],
+    shapes: list[tuple[int, ...]], meta: Mapping[str, str],
 ) -> list[int] | None:
-    """The entries' begin offsets if `body` is the writer's header for them, else None."""
+    """The entries' begin offsets if `body` is the writer's header for them (with ``__metadata__``
+    `meta`), else None."""
     sizes = list(map(_ITEMSIZE.__getitem__, dtype_names))
     if any(map(operator.lt, sizes, sizes[1:])):  # not in layout order: decode instead
         return None
@@ -562,8 +630,7 @@ def _match_header(
         return None
     begins = [0, *ends[:-1]] if ends else []
     try:
-        head, entries, tail = _header_text(names, dtype_names, shapes, begins, ends,
-                                           {"format": FORMAT_NAME})
+        head, entries, tail = _header_text(names, dtype_names, shapes, begins, ends, meta)
     except (ValueError, TypeError, UnicodeEncodeError):  # bad names: decode instead
         return None
     same = (len(body) == len(head) + len(entries) + len(tail) and body.startswith(head)
@@ -590,12 +657,15 @@ def _pread(f: BinaryIO | int, n: int, offset: int) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
-    """One shard file: plain file name, device task, codec ("raw" / "zstd"), size in bytes."""
+    """One shard file: plain file name, device task, codec ("raw" / "zstd"), size in bytes,
+    and the checkpoint generation its header must record (index.json's ``shardkit.generation``;
+    None for an index without one, format 2.0: then nothing is checked)."""
 
     file: str
     task: int
     codec: str
     bytes: int
+    generation: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -654,6 +724,7 @@ class CheckpointIndex:
     slice_xxh3: list[str | None]
     user_metadata: dict[str, Any] = field(default_factory=dict)
     version: str = FORMAT_VERSION
+    generation: str | None = None  # shardkit.generation (format 2.1); every shard records it
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __eq__(self, other: object) -> bool:
@@ -666,7 +737,7 @@ class CheckpointIndex:
     @classmethod
     def from_tensors(
         cls, callback: str, shards: list[ShardInfo], tensors: Mapping[str, TensorInfo],
-        user_metadata: dict[str, Any] | None = None,
+        user_metadata: dict[str, Any] | None = None, generation: str | None = None,
     ) -> CheckpointIndex:
         """An index from per-tensor objects; slices are listed shard by shard, in tensor order
         (the order of a writer that lays out one item size per shard)."""
@@ -684,7 +755,7 @@ class CheckpointIndex:
             [tuple(t.shape) for t in infos], [t.device for t in infos],
             [r for _, r, _ in rows], [s.spec for _, _, s in rows],
             [s.shard for _, _, s in rows], [s.xxh3 for _, _, s in rows],
-            dict(user_metadata or {}),
+            dict(user_metadata or {}), FORMAT_VERSION, generation,
         )
 
     @property
@@ -857,7 +928,9 @@ def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]
         b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(index.version),
         b',"metadata":{"total_size":', str(index.total_size()).encode(),
         b'},"weight_map":', dumps(weight_map),
-        b',"shardkit":{"callback":', dumps(index.callback), b',"devices":', dumps(devices),
+        b',"shardkit":{"callback":', dumps(index.callback),
+        *((b',"generation":', dumps(index.generation)) if index.generation is not None else ()),
+        b',"devices":', dumps(devices),
         b',"shards":', dumps(shard_list),
         b',"tensors":{"key":', dumps(index.keys), b',"dtype":', dumps(index.dtypes),
         b',"shape":', shapes, b',"device":', dumps(device_ids),
@@ -944,8 +1017,14 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
         if not isinstance(doc[name], dict):
             raise CorruptIndexError(f"{path}: {name!r} must be a JSON object")
     callback = _field(sk, "callback", str, path, "shardkit.")
+    generation = sk.get(GENERATION_KEY)
+    if generation is not None and not (
+            type(generation) is str and _GENERATION_RE.fullmatch(generation)):
+        raise CorruptIndexError(
+            f"{path}: field shardkit.{GENERATION_KEY} must be a string of 1 to 64 letters, "
+            f"digits, '_', '.' or '-', found {_shown(generation)}")
     user_metadata = _field(sk, "user_metadata", dict, path, "shardkit.")
-    shards = _decode_shards(_field(sk, "shards", list, path, "shardkit."), path)
+    shards = _decode_shards(_field(sk, "shards", list, path, "shardkit."), path, generation)
     device_names = _str_list(sk, "devices", path, "shardkit.")
     if len(set(device_names)) != len(device_names):
         dup = next(d for d, c in Counter(device_names).items() if c > 1)
@@ -1003,7 +1082,7 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
     index = CheckpointIndex(
         callback, shards, keys, dtypes, list(map(tuple, shapes)),
         list(map(device_names.__getitem__, device_ids)), slice_tensor, slice_spec, slice_shard,
-        slice_xxh3, user_metadata, version,
+        slice_xxh3, user_metadata, version, generation,
     )
     _check_slices(index, path)
     return index
@@ -1052,7 +1131,8 @@ def _index_objects(raw: tuple[tuple[str, Any], ...], path: str) -> dict[str, Any
     return doc
 
 
-def _decode_shards(raw_shards: list[Any], path: str) -> list[ShardInfo]:
+def _decode_shards(raw_shards: list[Any], path: str, generation: str | None
+                   ) -> list[ShardInfo]:
     shards: list[ShardInfo] = []
     seen_files: set[str] = set()
     for i, s in enumerate(raw_shards):
@@ -1066,7 +1146,7 @@ def _decode_shards(raw_shards: list[Any], path: str) -> list[ShardInfo]:
         task = _nonneg_int(s, "task", path, where)
         codec = _field(s, "codec", str, path, where)
         nbytes = _nonneg_int(s, "bytes", path, where)
-        shards.append(ShardInfo(file, task, codec, nbytes))
+        shards.append(ShardInfo(file, task, codec, nbytes, generation))
     return shards
 
 

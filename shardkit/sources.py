@@ -21,6 +21,7 @@ from .format import (
     INDEX_FILE,
     EntryLayout,
     ShardInfo,
+    check_generation,
     entries_at,
     read_expected_safetensors_header,
     read_safetensors_header,
@@ -84,8 +85,10 @@ class RawShard(ShardSource):
                 )
             else:
                 self._entries, self.metadata, self.data_start, self.begins = (
-                    read_expected_safetensors_header(self._fd, size, path, *expected)
+                    read_expected_safetensors_header(self._fd, size, path, *expected,
+                                                     generation=info.generation)
                 )
+            check_generation(self.metadata, info.generation, path)
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
                 self._map = _mmap.mmap(self._fd, size, access=_mmap.ACCESS_READ)
         except BaseException:
