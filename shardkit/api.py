@@ -24,6 +24,7 @@ import numpy as np
 from . import commit
 from . import format as fmt
 from .callback import Shard, ShardingCallback, callback_description, shard_tensors
+from .errors import InvalidMetadataError
 from .options import CheckpointOptions, check_threads
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
@@ -341,8 +342,14 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     data = dict(metadata)
+    levels = fmt.MAX_DEPTH - 2  # user_metadata is level 3 of index.json
     try:
-        json.dumps(data, allow_nan=False)
+        if not fmt.nesting_within(json.loads(json.dumps(data, allow_nan=False)), levels):
+            raise RecursionError
+    except RecursionError:
+        raise InvalidMetadataError(
+            f"metadata is nested more than {levels} levels deep; index.json allows "
+            f"{fmt.MAX_DEPTH} levels (user_metadata is level 3)") from None
     except (TypeError, ValueError) as e:
         raise TypeError(
             f"metadata must be JSON-serialisable (str keys; str, numbers, bools, None, lists, "

@@ -23,6 +23,10 @@ class ShardingValidationError(ShardkitError, RuntimeError):
     """A sharding callback returned shards that break one of the callback contract's rules."""
 
 
+class InvalidMetadataError(ShardkitError, TypeError):
+    """The metadata given to save() cannot be stored (e.g. nested deeper than the format allows)."""
+
+
 class PolicyError(ShardkitError, ValueError):
     """A sharding policy was given arguments it cannot work with."""
 

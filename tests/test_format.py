@@ -764,7 +764,7 @@ def test_same_entry_name_in_different_shards_is_allowed():
         (b"\xff", "not UTF-8"),
         (b"[]", "must be a JSON object, found list"),
         (b'{"format": "shardkit", "format": "shardkit"}', "has the key 'format' twice"),
-        (b"[" * 100000 + b"]" * 100000, "nested too deeply|must be a JSON object"),
+        (b"[" * 100000 + b"]" * 100000, "nested more than 64 levels deep|must be a JSON object"),
     ],
 )
 def test_decode_index_rejects_bad_json(data, match):
@@ -887,3 +887,104 @@ def test_index_example_of_the_format_doc(tmp_path):
     write_checkpoint(tmp_path, items, generation=GENERATION)
     (documented,) = re.findall(r"```json\n(.*?)```", _doc_section("2. index.json"), re.S)
     assert (tmp_path / "index.json").read_bytes() == _compact(json.loads(documented))
+
+
+# --- hostile content: every failure a CorruptIndexError / CorruptHeaderError -------------------
+
+HUGE = "1" + "0" * 5000  # over Python's int-string limit (4300 digits)
+
+
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def _index_text(change=None, pretty: bool = False) -> bytes:
+    """The 2.1 index document, compact (as shardkit writes it) or pretty, with a JSON text edit:
+    `change` maps the compact text to the text wanted."""
+    data = fmt.encode_index(_index(GENERATION)).decode()
+    if change is not None:
+        data = change(data)
+    if pretty:  # another writer's spelling: the fully checked json path
+        data = data.replace(',"', ', "').rstrip("\n")
+    return data.encode() + (b"" if pretty else b"\n")
+
+
+@pytest.mark.parametrize("pretty", [False, True])
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.replace('"bytes":120', '"bytes":' + HUGE),
+     "an integer with more than 4300 digits"),
+    (lambda t: t.replace('"total_size":110', '"total_size":' + HUGE),
+     "an integer with more than 4300 digits"),
+    (lambda t: t.replace('"user_metadata":{', '"user_metadata":{"deep":' + _deep(62) + ","),
+     "nested more than 64 levels deep"),
+    (lambda t: t.replace('"format":"shardkit"', '"format":' + _deep(70)),
+     "nested more than 64 levels deep"),
+    (lambda t: t.replace('"weight_map":{', '"weight_map":{"x":' + _deep(5000) + ","),
+     "nested more than 64 levels deep"),
+    (lambda t: t.replace('"user_metadata":{', '"user_metadata":{"x":' + '{"a":' * 100 + "1"
+                         + "}" * 100 + ","), "nested more than 64 levels deep"),
+])
+def test_index_with_huge_numbers_or_deep_nesting_is_refused(edit, match, pretty):
+    with pytest.raises(CorruptIndexError, match=r"^ckpt/index\.json: .*" + match):
+        fmt.decode_index(_index_text(edit, pretty), "ckpt/index.json")
+
+
+@pytest.mark.parametrize("pretty", [False, True])
+def test_nesting_up_to_the_limit_is_accepted(pretty):
+    # the root object is level 1, shardkit 2, user_metadata 3: 61 more levels reach 64
+    data = _index_text(lambda t: t.replace('"user_metadata":{', '"user_metadata":{"d":'
+                                           + _deep(61) + ","), pretty)
+    assert fmt.MAX_DEPTH == 64
+    assert fmt.decode_index(data, "i.json").user_metadata["d"] == json.loads(_deep(61))
+
+
+@pytest.mark.parametrize("value", ["x" * 1_000_000, ["y" * 100] * 100_000, 10**4000],
+                         ids=["long-string", "long-list", "4000-digit-int"])
+def test_error_messages_never_echo_a_huge_value(value):
+    def change(doc):
+        doc["format"] = value
+
+    data = _mutated(change)
+    with pytest.raises(CorruptIndexError, match="not a shardkit checkpoint index") as e:
+        fmt.decode_index(data, "i.json")
+    assert len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize(("shape", "match"), [
+    ([0, 2**64], r"tensor 's': shape \[0, 18446744073709551616\] has more than 2\*\*63 - 1 bytes"),
+    ([0, 2**62, 2**62], r"tensor 's': shape \[0, 4611686018427387904, 4611686018427387904\] has "
+                        r"more than 2\*\*63 - 1 bytes"),
+    ([1] * 65, r"tensor 's' has 65 dimensions, more than the limit of 64"),
+])
+def test_index_refuses_shapes_no_array_can_have(shape, match):
+    with pytest.raises(CorruptIndexError, match=match):
+        fmt.decode_index(_mutated(_set("shardkit.tensors.shape.2", shape)), "i.json")
+
+
+def _header_bytes(text: str) -> bytes:
+    body = text.encode()
+    body += b" " * (-(len(body) + 8) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+ENTRY = '"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}'
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,' + HUGE + ']}}',
+     "an integer with more than 4300 digits"),
+    ('{"__metadata__":{"x":' + _deep(70) + '},' + ENTRY + '}', "nested more than 64 levels deep"),
+    ('{"__metadata__":{"x":' + _deep(5000) + '},' + ENTRY + '}', "nested more than 64 levels deep"),
+    ('{' + ENTRY + ',"b":{"dtype":' + _deep(100) + '}}', "nested more than 64 levels deep"),
+    ('{' + ENTRY + ',"b":{"dtype":"U8","shape":[0,' + str(2**64) + '],"data_offsets":[2,2]}}',
+     r"entry 'b': shape \[0, 18446744073709551616\] has more than 2\*\*63 - 1 bytes"),
+    ('{' + ENTRY + ',"b":{"dtype":"U8","shape":' + json.dumps([1] * 65)
+     + ',"data_offsets":[2,3]}}', "entry 'b' has 65 dimensions, more than the limit of 64"),
+    ('{"__metadata__":{"format":' + json.dumps(["z" * 100_000]) + '},' + ENTRY + '}',
+     r"__metadata__ must map str to str, got \{'format': \['z+\.\.\.z+'\]\}$"),
+])
+def test_shard_header_with_hostile_content_is_refused(text, match):
+    data = _header_bytes(text)
+    with pytest.raises(CorruptHeaderError, match=r"^s\.safetensors: .*" + match) as e:
+        fmt.decode_safetensors_header(data + b"\x01\x02\x03", len(data) + 2, "s.safetensors")
+    assert len(str(e.value)) < 400

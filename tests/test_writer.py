@@ -726,3 +726,23 @@ def test_runs_with_non_contiguous_arrays_are_gathered(tmp_path, rng):
     loaded = load(tmp_path / "c", verify=True)
     assert all(_same(loaded[k], v) for k, v in flat.items())
 
+
+
+def test_metadata_nested_deeper_than_the_format_allows_is_refused_at_save(tmp_path):
+    from shardkit.errors import InvalidMetadataError
+
+    def deep(levels):
+        value: object = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    # user_metadata is level 3 of index.json (the top object is 1): 62 levels fit in 64
+    api.save(tmp_path / "ok", {"a": np.zeros(2)}, metadata={"d": deep(61)}, durable=False)
+    assert load(tmp_path / "ok") and json.loads(
+        (tmp_path / "ok" / "index.json").read_text())["shardkit"]["user_metadata"]["d"] == deep(61)
+    for levels in (62, 5000):
+        with pytest.raises(InvalidMetadataError, match="metadata is nested more than 62 levels "
+                           r"deep; index\.json allows 64 levels \(user_metadata is level 3\)"):
+            api.save(tmp_path / f"bad{levels}", {"a": np.zeros(2)}, metadata={"d": deep(levels)})
+        assert not (tmp_path / f"bad{levels}").exists()
