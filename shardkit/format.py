@@ -1112,15 +1112,15 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
             f"known: "
             + ", ".join(SAFETENSORS_NAMES)
         )
-    if not (set(map(type, shapes)) <= {list} and _nonneg_ints(chain.from_iterable(shapes))):
+    dims = list(chain.from_iterable(shapes)) if set(map(type, shapes)) <= {list} else None
+    if dims is None or not (set(map(type, dims)) <= _INT_ONLY and min(dims, default=0) >= 0):
         bad_row = next(i for i, s in enumerate(shapes) if not (
             isinstance(s, list) and _nonneg_ints(s)))
         raise CorruptIndexError(
             f"{path}: tensor {_shown(keys[bad_row])} shape must be a list of non-negative "
             f"integers, found {_shown(shapes[bad_row])}"
         )
-    if max(map(len, shapes), default=0) > MAX_NDIM or max(
-            chain.from_iterable(shapes), default=0) >= 2**31:  # rare: look closer
+    if max(dims, default=0) >= 2**31 or max(map(len, shapes), default=0) > MAX_NDIM:  # rare
         for key, dtype, shape in zip(keys, dtypes, shapes):
             problem = _shape_problem(shape, _ITEMSIZE[dtype])
             if problem:
