@@ -22,7 +22,7 @@ cdef extern from "numpy/arrayobject.h":
                                 int flags, PyObject* obj)
 
 cdef enum:
-    _MAX_DIMS = 32  # numpy 1.x's limit (2.x allows 64); more is refused, not truncated
+    _MAX_DIMS = 64  # numpy 2.x's limit (1.x refuses more than 32 itself); more is refused
 
 
 def make_views(cnp.ndarray base not None, int64_t start, list begins not None,

@@ -24,7 +24,12 @@ import numpy as np
 from . import commit
 from . import format as fmt
 from .callback import Shard, ShardingCallback, callback_description, shard_tensors
-from .errors import InvalidArgumentError, InvalidArgumentTypeError, PolicyError
+from .errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidMetadataError,
+    PolicyError,
+)
 from .options import CheckpointOptions, check_threads
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
@@ -46,12 +51,14 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB
 @dataclass(frozen=True, slots=True)
 class SaveInfo:
     """What a save wrote: the checkpoint `path`, its `files` (shards, then index.json), their
-    total size in `bytes`, and the wall time in `seconds`."""
+    total size in `bytes`, the wall time in `seconds`, and the checkpoint's `generation` (the
+    unique id recorded in index.json and every shard header)."""
 
     path: str
     files: tuple[str, ...]
     bytes: int
     seconds: float
+    generation: str | None = None
 
 
 class DefaultShardingPolicy(ShardingCallback):
@@ -269,7 +276,7 @@ def _save(
     opts.run_write_callbacks(target)
     files = (*(s.file for s in index.shards), fmt.INDEX_FILE)
     total = sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
-    return SaveInfo(target, files, total, time.perf_counter() - started)
+    return SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
 
 
 def _default_shards(
@@ -346,8 +353,14 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise InvalidArgumentTypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     data = dict(metadata)
+    levels = fmt.MAX_DEPTH - 2  # user_metadata is level 3 of index.json
     try:
-        json.dumps(data, allow_nan=False)
+        if not fmt.nesting_within(json.loads(json.dumps(data, allow_nan=False)), levels):
+            raise RecursionError
+    except RecursionError:
+        raise InvalidMetadataError(
+            f"metadata is nested more than {levels} levels deep; index.json allows "
+            f"{fmt.MAX_DEPTH} levels (user_metadata is level 3)") from None
     except (TypeError, ValueError) as e:
         raise InvalidArgumentTypeError(
             f"metadata must be JSON-serialisable (str keys; str, numbers, bools, None, lists, "

@@ -234,6 +234,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{args.path}: format {index.version}, {len(reader)} tensors, "
               f"{len(index.shards)} shards, {human_size(total)}")
         print(f"callback: {index.callback}")
+        print(f"generation: {index.generation or 'none (format 2.0)'}")
         if index.user_metadata:
             print(f"metadata: {index.user_metadata}")
         print("\nshards:")

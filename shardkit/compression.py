@@ -56,6 +56,7 @@ from .format import (
     HEADER_ALIGNMENT,
     EntryLayout,
     ShardInfo,
+    check_generation,
     decode_safetensors_header,
     encode_safetensors_header,
     header_length,
@@ -76,7 +77,7 @@ _U64: Final = struct.Struct("<Q")
 
 DEFAULT_CHUNK_SIZE: Final = 4 * 1024 * 1024
 MIN_CHUNK_SIZE: Final = 64
-MAX_CHUNK_SIZE: Final = 1024 * 1024 * 1024  # frame sizes are u32
+MAX_CHUNK_SIZE: Final = 64 * 1024 * 1024  # writers and readers alike: a chunk is decoded at once
 # Measured by bench/bench_compression.py on trained weights (levels 1..9): level 1 gives both
 # the best ratio (bf16 1.450 vs at most 1.427 for levels 2..9; f32 1.201 vs at most 1.195) and
 # the fastest compression, so it is the default.
@@ -211,24 +212,11 @@ def decode_skz_header(buf: bytes | bytearray | memoryview, file_size: int,
     if file_size < PREAMBLE.size or len(buf) < PREAMBLE.size:
         raise TruncatedShardError(f"{path}: file is {file_size} bytes, shorter than the "
                                   f"{PREAMBLE.size}-byte .skz preamble")
-    magic, chunk, size, n, flags = PREAMBLE.unpack_from(buf, 0)
-    if magic != MAGIC:
-        raise CorruptHeaderError(f"{path}: not a .skz shard: magic is {bytes(magic)!r}, "
-                                 f"expected {MAGIC!r}")
-    if not MIN_CHUNK_SIZE <= chunk <= MAX_CHUNK_SIZE or chunk % 8:
-        raise CorruptHeaderError(f"{path}: chunk size {chunk} is not a multiple of 8 in "
-                                 f"{MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE}")
-    if n != frame_count(size, chunk):
-        raise CorruptHeaderError(f"{path}: {n} frames recorded, but a data region of {size} bytes "
-                                 f"in chunks of {chunk} needs {frame_count(size, chunk)}")
-    if flags & ~FLAG_SHUFFLE:
-        raise CorruptHeaderError(f"{path}: unknown flag bits {flags:#x} in the .skz preamble")
+    _, chunk, size, n, flags = _check_preamble(buf, path)
     n_len = header_length(buf[PREAMBLE.size :], file_size - PREAMBLE.size, path)
     table_at = PREAMBLE.size + 8 + n_len
     end = table_at + n * FRAME_DTYPE.itemsize
-    if end + 8 > file_size:
-        raise TruncatedShardError(f"{path}: header with {n} frames needs {end + 8} bytes, file "
-                                  f"has {file_size}")
+    _check_room(n, end + 8, file_size, path)
     if len(buf) < end + 8:
         raise TruncatedShardError(f"{path}: got {len(buf)} header bytes, need {end + 8}")
     (recorded,) = _U64.unpack_from(buf, end)
@@ -246,6 +234,34 @@ def decode_skz_header(buf: bytes | bytearray | memoryview, file_size: int,
     _check_frames(frames, chunk, size, data_start, file_size, path)
     return SkzHeader(chunk, size, bool(flags & FLAG_SHUFFLE), entries, metadata, frames,
                      data_start)
+
+
+def _check_preamble(buf: Any, path: str) -> tuple[bytes, int, int, int, int]:
+    """The preamble's fields, checked: magic, chunk size (MAX_CHUNK_SIZE), frame count against
+    the data size, flags. Needs only its 40 bytes, so nothing claimed is allocated first."""
+    magic, chunk, size, n, flags = PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptHeaderError(f"{path}: not a .skz shard: magic is {bytes(magic)!r}, "
+                                 f"expected {MAGIC!r}")
+    if not MIN_CHUNK_SIZE <= chunk <= MAX_CHUNK_SIZE or chunk % 8:
+        raise CorruptHeaderError(f"{path}: chunk size {chunk} is not a multiple of 8 in "
+                                 f"{MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE} (the limit is "
+                                 f"{MAX_CHUNK_SIZE >> 20} MiB)")
+    if n != frame_count(size, chunk):
+        raise CorruptHeaderError(f"{path}: {n} frames recorded, but a data region of {size} bytes "
+                                 f"in chunks of {chunk} needs {frame_count(size, chunk)}")
+    if flags & ~FLAG_SHUFFLE:
+        raise CorruptHeaderError(f"{path}: unknown flag bits {flags:#x} in the .skz preamble")
+    return magic, chunk, size, n, flags
+
+
+def _check_room(n: int, header_end: int, file_size: int, path: str) -> None:
+    """A header ending at `header_end` with `n` frames fits the file: every frame stores at
+    least one byte after it (raw frames hold their chunk, zstd frames more than 0 bytes)."""
+    if header_end + n > file_size:
+        raise TruncatedShardError(
+            f"{path}: header with {n} frames needs at least {header_end + n} bytes (preamble, "
+            f"entry table, frame table, checksum and one byte per frame), file has {file_size}")
 
 
 def _check_frames(frames: np.ndarray, chunk: int, size: int, data_start: int, file_size: int,
@@ -297,15 +313,10 @@ def read_skz_header(fd: int, file_size: int, path: str) -> SkzHeader:
     if len(first) < PREAMBLE.size + 8:
         raise TruncatedShardError(f"{path}: file is {file_size} bytes, shorter than the "
                                   f"{PREAMBLE.size + 8}-byte .skz preamble")
-    magic, _, _, n, _ = PREAMBLE.unpack_from(first, 0)
-    if magic != MAGIC:
-        raise CorruptHeaderError(f"{path}: not a .skz shard: magic is {bytes(magic)!r}, "
-                                 f"expected {MAGIC!r}")
+    _, _, _, n, _ = _check_preamble(first, path)  # before anything claimed is allocated
     n_len = header_length(first[PREAMBLE.size :], file_size - PREAMBLE.size, path)
     want = PREAMBLE.size + 8 + n_len + n * FRAME_DTYPE.itemsize + 8
-    if want > file_size:
-        raise TruncatedShardError(f"{path}: header with {n} frames needs {want} bytes, file "
-                                  f"has {file_size}")
+    _check_room(n, want, file_size, path)
     buf = bytearray(want)
     view = memoryview(buf)
     got = 0
@@ -643,6 +654,8 @@ class SkzShard:
             self._frames: list[tuple[int, ...]] = self.header.frames.tolist()  # rows as ints
             self.entries = self.header.entries
             self.metadata = self.header.metadata
+            if info is not None:
+                check_generation(self.metadata, info.generation, path)
             try:
                 self.plan = plan_chunks(list(self.entries.values()), self.header.chunk_size,
                                         self.header.shuffle, path)

@@ -23,6 +23,10 @@ class ShardingValidationError(ShardkitError, RuntimeError):
     """A sharding callback returned shards that break one of the callback contract's rules."""
 
 
+class InvalidMetadataError(ShardkitError, TypeError):
+    """The metadata given to save() cannot be stored (e.g. nested deeper than the format allows)."""
+
+
 class PolicyError(ShardkitError, ValueError):
     """A sharding policy was given arguments it cannot work with."""
 
@@ -84,6 +88,11 @@ class CorruptHeaderError(CheckpointFormatError):
 
 class EntryLayoutError(CorruptHeaderError):
     """A shard's entries do not tile its data region: out of range, overlapping, a hole."""
+
+
+class GenerationMismatchError(CheckpointFormatError):
+    """A shard file belongs to another checkpoint than its index.json (its generation differs):
+    the directory mixes files of two saves, or was partially replaced."""
 
 
 class TruncatedShardError(CheckpointFormatError):

@@ -14,7 +14,9 @@ import math
 import operator
 import os
 import re
+import reprlib
 import struct
+import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from .errors import (
     CorruptHeaderError,
     CorruptIndexError,
     EntryLayoutError,
+    GenerationMismatchError,
     ShardPathError,
     SliceSpecError,
     TruncatedShardError,
@@ -41,7 +44,7 @@ from .slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
 from .tensors import _columns_constructor, _gc_paused
 
 FORMAT_NAME: Final = "shardkit"
-FORMAT_VERSION: Final = "2.0"
+FORMAT_VERSION: Final = "2.1"
 FORMAT_MAJOR: Final = 2
 INDEX_FILE: Final = "index.json"
 MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
@@ -50,11 +53,46 @@ RAW_SUFFIX: Final = ".safetensors"
 ZSTD_SUFFIX: Final = ".skz"
 CODEC_SUFFIXES: Final[dict[str, str]] = {"raw": RAW_SUFFIX, "zstd": ZSTD_SUFFIX}
 HEADER_ALIGNMENT: Final = 8
+MAX_DEPTH: Final = 64  # JSON nesting levels in index.json and headers (the top object is 1)
+MAX_NDIM: Final = 64  # dimensions of a tensor (numpy 2's limit)
+MAX_NBYTES: Final = 2**63 - 1  # bytes of a tensor, zero dimensions left out (numpy's limit)
+_INT_DIGITS: Final = 4300  # Python's int-string conversion limit (sys.int_info)
 METADATA_KEY: Final = "__metadata__"
+GENERATION_KEY: Final = "generation"  # in index.json's shardkit section and in __metadata__
 
 _ITEMSIZE: Final[dict[str, int]] = {name: itemsize(name) for name in SAFETENSORS_NAMES}
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
+_GENERATION_RE: Final = re.compile(r"[0-9A-Za-z_.-]{1,64}")
 _LEN = struct.Struct("<Q")
+
+
+class _Shown(reprlib.Repr):
+    """repr() for values read from a file: bounded depth, items and length, safe for ints of
+    any size (repr of a 5,000-digit int raises ValueError) and for any nesting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = 4
+        self.maxstring, self.maxlong, self.maxother = 60, 40, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN: Final = _Shown()
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """`value` as an error message shows it: its repr, truncated to about `limit` characters
+    (a hostile file may hold megabytes in one string, or deep nesting)."""
+    try:
+        text = _SHOWN.repr(value)
+    except Exception:  # a repr that fails must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def shard_file_name(index: int, count: int, codec: str = "raw") -> str:
@@ -71,6 +109,36 @@ def shard_file_name(index: int, count: int, codec: str = "raw") -> str:
 def entry_name(key: str, slice_spec: str = WHOLE) -> str:
     """The entry name in a shard: the key for a whole tensor, ``"key:spec"`` for a slice."""
     return key if slice_spec == WHOLE else f"{key}:{slice_spec}"
+
+
+def new_generation() -> str:
+    """A fresh checkpoint generation: 32 random lowercase hex digits (a UUID4), one per save."""
+    return uuid.uuid4().hex
+
+
+def shard_metadata(generation: str | None) -> dict[str, str]:
+    """The ``__metadata__`` a writer puts in a shard header of a checkpoint of `generation`."""
+    if generation is None:
+        return {"format": FORMAT_NAME}
+    return {"format": FORMAT_NAME, GENERATION_KEY: generation}
+
+
+def check_generation(metadata: Mapping[str, Any], expected: str | None, path: str) -> None:
+    """The shard at `path`, whose header has `metadata`, must be of generation `expected`
+    (index.json's); None (a 2.0 index, which records none) checks nothing.
+
+    GenerationMismatchError otherwise: the shard belongs to another checkpoint."""
+    if expected is None:
+        return
+    found = metadata.get(GENERATION_KEY)
+    if found == expected:
+        return
+    shown = "none" if found is None else _shown(found)
+    raise GenerationMismatchError(
+        f"{path}: shard belongs to another checkpoint: {INDEX_FILE} is of generation "
+        f"{expected}, the shard header records generation {shown} (the directory mixes files "
+        "of different saves, or was partially replaced); a reader reads one generation only"
+    )
 
 
 # --- shard header -----------------------------------------------------------------------------
@@ -284,11 +352,39 @@ def _parse_object(
         raise error(f"{path}: {subject}not UTF-8 (invalid byte at position {e.start})") from None
     except json.JSONDecodeError as e:
         raise error(f"{path}: {subject}not valid JSON ({e})") from None
+    except ValueError:  # json's int conversion: more digits than Python converts
+        raise error(f"{path}: {subject}not valid: an integer with more than {_INT_DIGITS} digits"
+                    ) from None
     except RecursionError:
-        raise error(f"{path}: {what}JSON is nested too deeply") from None
+        raise error(_too_deep(path, what)) from None
     if type(parsed) is not tuple:
         raise error(f"{path}: {what}must be a JSON object, found {type(parsed).__name__}")
     return parsed
+
+
+def _too_deep(path: str, what: str = "") -> str:
+    return (f"{path}: {what}JSON is nested more than {MAX_DEPTH} levels deep (the limit; the "
+            "top-level object is level 1)")
+
+
+def nesting_within(value: Any, levels: int) -> bool:
+    """True if `value` (decoded JSON: dicts and lists) has at most `levels` levels of containers
+    (a scalar has 0, ``[]`` 1, ``[[]]`` 2). Level by level, never recursing; a flat container
+    costs one C-level pass over its values."""
+    level = [value] if type(value) in _DOC_CONTAINERS else []
+    for _ in range(levels):
+        if not level:
+            return True
+        nxt = []
+        for v in level:
+            values = v.values() if type(v) is dict else v
+            if not _DOC_CONTAINERS.isdisjoint(map(type, values)):
+                nxt += [c for c in values if type(c) in _DOC_CONTAINERS]
+        level = nxt
+    return not level
+
+
+_DOC_CONTAINERS: Final = frozenset({dict, list})
 
 
 def _loads_pairs(text: str) -> Any:
@@ -309,26 +405,29 @@ def _object(pairs: tuple[tuple[str, Any], ...], what: str, path: str, error: typ
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise error(f"{path}: {what} has the key {k!r} twice")
+                raise error(f"{path}: {what} has the key {_shown(k)} twice")
             seen.add(k)
     return out
 
 
-def _plain(x: Any, what: str, path: str, error: type) -> Any:
-    """`x` from `_loads_pairs` with every nested object turned into a dict (duplicates checked)."""
+def _plain(x: Any, what: str, path: str, error: type, level: int = 1) -> Any:
+    """`x` from `_loads_pairs` with every nested object turned into a dict (duplicates checked).
+    `x` sits at nesting `level` of its document; `error` if it nests deeper than MAX_DEPTH."""
     t = type(x)
+    if t is not tuple and t is not list:
+        return x
+    if level > MAX_DEPTH:
+        raise error(_too_deep(path))
     if t is tuple:
         d = _object(x, what, path, error)
         if not _CONTAINERS.isdisjoint(map(type, d.values())):  # else nothing to convert
             for k, v in d.items():
                 if type(v) is tuple or type(v) is list:
-                    d[k] = _plain(v, what, path, error)
+                    d[k] = _plain(v, what, path, error, level + 1)
         return d
-    if t is list:
-        if _CONTAINERS.isdisjoint(map(type, x)):
-            return x
-        return [_plain(v, what, path, error) if type(v) in _CONTAINERS else v for v in x]
-    return x
+    if _CONTAINERS.isdisjoint(map(type, x)):
+        return x
+    return [_plain(v, what, path, error, level + 1) if type(v) in _CONTAINERS else v for v in x]
 
 
 _CONTAINERS: Final = frozenset({tuple, list})
@@ -368,20 +467,18 @@ def _decode_safetensors_header(
     header = _object(pairs, "header", path, CorruptHeaderError)
     data_start = 8 + n
     region = file_size - data_start
-    try:
-        metadata = _plain(header.pop(METADATA_KEY, ()), "header", path, CorruptHeaderError)
-    except RecursionError:
-        raise CorruptHeaderError(f"{path}: {METADATA_KEY} is nested too deeply") from None
+    metadata = _plain(header.pop(METADATA_KEY, ()), "header", path, CorruptHeaderError, 2)
     if not isinstance(metadata, dict) or not all(
         isinstance(v, str) for v in metadata.values()
     ):
-        raise CorruptHeaderError(f"{path}: {METADATA_KEY} must map str to str, got {metadata!r}")
+        raise CorruptHeaderError(
+            f"{path}: {METADATA_KEY} must map str to str, got {_shown(metadata, 120)}")
     try:
         entries = _decode_entries_fast(header, region)
     except _Slow:
         entries = {}
         for i, (name, value) in enumerate(header.items()):
-            value = _plain(value, "header", path, CorruptHeaderError)
+            value = _plain(value, "header", path, CorruptHeaderError, 2)
             entries[name] = _decode_entry_checked(name, value, i, path)
         _check_tiling(entries, region, path)
     return entries, metadata, data_start
@@ -420,6 +517,8 @@ def _decode_entries_fast(header: dict[str, Any], region: int) -> dict[str, Entry
         dims = list(chain.from_iterable(shapes))
         if not set(map(type, dims)) <= _INT_ONLY or min(dims, default=0) < 0:
             raise _Slow
+        if max(dims, default=0) >= 2**31 or max(map(len, shapes)) > MAX_NDIM:
+            raise _Slow  # perhaps no array can have it: the checked path decides
         begins, ends = zip(*offsets)
         if not set(map(type, begins)) | set(map(type, ends)) <= _INT_ONLY or min(begins) < 0:
             raise _Slow
@@ -448,7 +547,7 @@ def _decode_entries_fast(header: dict[str, Any], region: int) -> dict[str, Entry
 
 
 def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
-    where = f"{path}: entry {name!r}"
+    where = f"{path}: entry {_shown(name)}"
     if not isinstance(e, dict):
         raise CorruptHeaderError(f"{where} must be a JSON object, found {type(e).__name__}")
     missing = {"dtype", "shape", "data_offsets"} - e.keys()
@@ -457,26 +556,43 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
     dtype = e["dtype"]
     if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
         raise CorruptHeaderError(
-            f"{where} has unknown dtype {dtype!r}; known: {', '.join(SAFETENSORS_NAMES)}"
+            f"{where} has unknown dtype {_shown(dtype)}; known: {', '.join(SAFETENSORS_NAMES)}"
         )
     shape = e["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CorruptHeaderError(
-            f"{where}: shape must be a list of non-negative integers, found {shape!r}"
+            f"{where}: shape must be a list of non-negative integers, found {_shown(shape)}"
         )
+    problem = _shape_problem(shape, _ITEMSIZE[dtype])
+    if problem:
+        raise CorruptHeaderError(f"{where}{problem}")
     offs = e["data_offsets"]
     if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
-        raise CorruptHeaderError(f"{where}: data_offsets must be 2 integers, found {offs!r}")
+        raise CorruptHeaderError(
+            f"{where}: data_offsets must be 2 integers, found {_shown(offs)}")
     begin, end = offs
     if begin < 0 or end < begin:
-        raise EntryLayoutError(f"{where}: data_offsets [{begin}, {end}] are not 0 <= begin <= end")
+        raise EntryLayoutError(f"{where}: data_offsets [{_shown(begin)}, {_shown(end)}] are not 0 "
+                               f"<= begin <= end")
     expected = math.prod(shape) * _ITEMSIZE[dtype]
     if end - begin != expected:
         raise EntryLayoutError(
-            f"{where}: data_offsets [{begin}, {end}] span {end - begin} bytes, but dtype {dtype} "
+            f"{where}: data_offsets [{_shown(begin)}, {_shown(end)}] span {_shown(end - begin)} "
+            f"bytes, but dtype {dtype} "
             f"and shape {shape} need {expected}"
         )
     return EntryLayout(name, dtype, tuple(shape), begin, end, i)
+
+
+def _shape_problem(shape: Sequence[int], item: int) -> str:
+    """What no array can have about `shape` (non-negative ints) of `item`-byte items, worded
+    after "tensor 'k'" / "entry 'e'"; "" if nothing."""
+    if len(shape) > MAX_NDIM:
+        return f" has {len(shape)} dimensions, more than the limit of {MAX_NDIM}"
+    if math.prod(d for d in shape if d) * item > MAX_NBYTES:
+        return f": shape {_shown(list(shape), 200)} has more than 2**63 - 1 bytes (not counting " \
+               "zero dimensions), more than any array"
+    return ""
 
 
 def _check_tiling(entries: Mapping[str, EntryLayout], region: int, path: str) -> None:
@@ -485,20 +601,22 @@ def _check_tiling(entries: Mapping[str, EntryLayout], region: int, path: str) ->
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.end > region:
             raise EntryLayoutError(
-                f"{path}: entry {e.name!r} data_offsets [{e.begin}, {e.end}] run past the end of "
+                f"{path}: entry {_shown(e.name)} data_offsets [{e.begin}, {e.end}] run past the "
+                f"end of "
                 f"the data region ({region} bytes)"
             )
         if e.begin < pos:
             assert prev is not None
             raise EntryLayoutError(
-                f"{path}: entries {prev.name!r} [{prev.begin}, {prev.end}] and {e.name!r} "
+                f"{path}: entries {_shown(prev.name)} [{prev.begin}, {prev.end}] and "
+                f"{_shown(e.name)} "
                 f"[{e.begin}, {e.end}] overlap"
             )
         if e.begin > pos:
-            after = f"after entry {prev.name!r}" if prev is not None else "at the start"
+            after = f"after entry {_shown(prev.name)}" if prev is not None else "at the start"
             raise EntryLayoutError(
                 f"{path}: hole of {e.begin - pos} bytes {after} (bytes {pos}..{e.begin}) "
-                f"before entry {e.name!r}"
+                f"before entry {_shown(e.name)}"
             )
         if e.nbytes:  # empty entries may sit anywhere inside the covered range
             pos, prev = e.end, e
@@ -527,9 +645,11 @@ def read_safetensors_header(
 def read_expected_safetensors_header(
     f: BinaryIO | int, file_size: int, path: str,
     names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
+    generation: str | None = None,
 ) -> tuple[dict[str, EntryLayout] | None, dict[str, str], int, list[int] | None]:
     """`read_safetensors_header`, except when the header is exactly what the writer makes of
-    the entries `names` / `dtype_names` / `shapes` (in data-region order, no extra metadata).
+    the entries `names` / `dtype_names` / `shapes` (in data-region order, no extra metadata
+    but the checkpoint's `generation`, see `shard_metadata`).
 
     Then nothing needs parsing: the bytes equal the canonical encoding of a layout that is
     valid by construction (unique names, contiguous entries), every entry has the expected
@@ -542,17 +662,19 @@ def read_expected_safetensors_header(
     body = _pread(f, n, 8)
     if len(body) < n:
         raise TruncatedShardError(f"{path}: header cut short: read {len(body)} of {n} bytes")
-    begins = _match_header(body, file_size - 8 - n, names, dtype_names, shapes)
+    meta = shard_metadata(generation)
+    begins = _match_header(body, file_size - 8 - n, names, dtype_names, shapes, meta)
     if begins is not None:
-        return None, {"format": FORMAT_NAME}, 8 + n, begins
+        return None, meta, 8 + n, begins
     return (*decode_safetensors_header(prefix + body, file_size, path), None)
 
 
 def _match_header(
     body: bytes, region: int, names: list[str], dtype_names: list[str],
-    shapes: list[tuple[int, ...]],
+    shapes: list[tuple[int, ...]], meta: Mapping[str, str],
 ) -> list[int] | None:
-    """The entries' begin offsets if `body` is the writer's header for them, else None."""
+    """The entries' begin offsets if `body` is the writer's header for them (with ``__metadata__``
+    `meta`), else None."""
     sizes = list(map(_ITEMSIZE.__getitem__, dtype_names))
     if any(map(operator.lt, sizes, sizes[1:])):  # not in layout order: decode instead
         return None
@@ -564,8 +686,7 @@ def _match_header(
         return None
     begins = [0, *ends[:-1]] if ends else []
     try:
-        head, entries, tail = _header_text(names, dtype_names, shapes, begins, ends,
-                                           {"format": FORMAT_NAME})
+        head, entries, tail = _header_text(names, dtype_names, shapes, begins, ends, meta)
     except (ValueError, TypeError, UnicodeEncodeError):  # bad names: decode instead
         return None
     same = (len(body) == len(head) + len(entries) + len(tail) and body.startswith(head)
@@ -592,12 +713,15 @@ def _pread(f: BinaryIO | int, n: int, offset: int) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
-    """One shard file: plain file name, device task, codec ("raw" / "zstd"), size in bytes."""
+    """One shard file: plain file name, device task, codec ("raw" / "zstd"), size in bytes,
+    and the checkpoint generation its header must record (index.json's ``shardkit.generation``;
+    None for an index without one, format 2.0: then nothing is checked)."""
 
     file: str
     task: int
     codec: str
     bytes: int
+    generation: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,6 +780,7 @@ class CheckpointIndex:
     slice_xxh3: list[str | None]
     user_metadata: dict[str, Any] = field(default_factory=dict)
     version: str = FORMAT_VERSION
+    generation: str | None = None  # shardkit.generation (format 2.1); every shard records it
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __eq__(self, other: object) -> bool:
@@ -668,7 +793,7 @@ class CheckpointIndex:
     @classmethod
     def from_tensors(
         cls, callback: str, shards: list[ShardInfo], tensors: Mapping[str, TensorInfo],
-        user_metadata: dict[str, Any] | None = None,
+        user_metadata: dict[str, Any] | None = None, generation: str | None = None,
     ) -> CheckpointIndex:
         """An index from per-tensor objects; slices are listed shard by shard, in tensor order
         (the order of a writer that lays out one item size per shard)."""
@@ -679,14 +804,14 @@ class CheckpointIndex:
         rows.sort(key=_first)  # stable: tensor order within a shard
         for _, row, s in rows:
             if s.entry != entry_name(keys[row], s.spec):
-                raise ValueError(f"entry of {keys[row]!r} slice {s.spec!r} must be "
-                                 f"{entry_name(keys[row], s.spec)!r}, got {s.entry!r}")
+                raise ValueError(f"entry of {_shown(keys[row])} slice {_shown(s.spec)} must be "
+                                 f"{_shown(entry_name(keys[row], s.spec))}, got {_shown(s.entry)}")
         return cls(
             callback, list(shards), keys, [t.dtype for t in infos],
             [tuple(t.shape) for t in infos], [t.device for t in infos],
             [r for _, r, _ in rows], [s.spec for _, _, s in rows],
             [s.shard for _, _, s in rows], [s.xxh3 for _, _, s in rows],
-            dict(user_metadata or {}),
+            dict(user_metadata or {}), FORMAT_VERSION, generation,
         )
 
     @property
@@ -859,7 +984,9 @@ def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]
         b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(index.version),
         b',"metadata":{"total_size":', str(index.total_size()).encode(),
         b'},"weight_map":', dumps(weight_map),
-        b',"shardkit":{"callback":', dumps(index.callback), b',"devices":', dumps(devices),
+        b',"shardkit":{"callback":', dumps(index.callback),
+        *((b',"generation":', dumps(index.generation)) if index.generation is not None else ()),
+        b',"devices":', dumps(devices),
         b',"shards":', dumps(shard_list),
         b',"tensors":{"key":', dumps(index.keys), b',"dtype":', dumps(index.dtypes),
         b',"shape":', shapes, b',"device":', dumps(device_ids),
@@ -878,7 +1005,7 @@ def parse_version(version: Any, path: str) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
     if m is None:
         raise CorruptIndexError(
-            f"{path}: format_version must be a string like \"2.0\", found {version!r}"
+            f"{path}: format_version must be a string like \"2.0\", found {_shown(version)}"
         )
     major, minor = int(m.group(1)), int(m.group(2))
     if major > FORMAT_MAJOR:
@@ -898,7 +1025,8 @@ def parse_version(version: Any, path: str) -> tuple[int, int]:
 def check_shard_file_name(name: Any, path: str) -> str:
     """`name` if it is a plain file name inside the checkpoint directory, else ShardPathError."""
     if not isinstance(name, str) or not name:
-        raise CorruptIndexError(f"{path}: shard file name must be a non-empty string, got {name!r}")
+        raise CorruptIndexError(f"{path}: shard file name must be a non-empty string, got "
+                                f"{_shown(name)}")
     if (
         "/" in name
         or "\\" in name
@@ -910,7 +1038,8 @@ def check_shard_file_name(name: Any, path: str) -> str:
         or name == INDEX_FILE
     ):
         raise ShardPathError(
-            f"{path}: shard file name {name!r} is not a plain file name inside the checkpoint "
+            f"{path}: shard file name {_shown(name)} is not a plain file name inside the "
+            f"checkpoint "
             "directory (no '/', '\\', '..', absolute paths, drive letters, NUL or index.json)"
         )
     return name
@@ -927,13 +1056,12 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
     doc = _canonical_document(bytes(data))
     if doc is None:  # another writer's spelling, or something wrong: parse and check it all
         raw = _parse_object(bytes(data), path, CorruptIndexError, "")
-        try:
-            doc = _index_objects(raw, path)
-        except RecursionError:
-            raise CorruptIndexError(f"{path}: JSON is nested too deeply") from None
+        doc = _index_objects(raw, path)
+    elif not _document_within_depth(doc):
+        raise CorruptIndexError(_too_deep(path))
     if doc.get("format") != FORMAT_NAME:
         raise CorruptIndexError(
-            f"{path}: \"format\" must be {FORMAT_NAME!r}, found {doc.get('format')!r} "
+            f"{path}: \"format\" must be {_shown(FORMAT_NAME)}, found {_shown(doc.get('format'))} "
             "(not a shardkit checkpoint index)"
         )
     version = doc.get("format_version")
@@ -944,14 +1072,20 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
         if name not in doc:
             raise CorruptIndexError(f"{path}: missing field {name}")
         if not isinstance(doc[name], dict):
-            raise CorruptIndexError(f"{path}: {name!r} must be a JSON object")
+            raise CorruptIndexError(f"{path}: {_shown(name)} must be a JSON object")
     callback = _field(sk, "callback", str, path, "shardkit.")
+    generation = sk.get(GENERATION_KEY)
+    if generation is not None and not (
+            type(generation) is str and _GENERATION_RE.fullmatch(generation)):
+        raise CorruptIndexError(
+            f"{path}: field shardkit.{GENERATION_KEY} must be a string of 1 to 64 letters, "
+            f"digits, '_', '.' or '-', found {_shown(generation)}")
     user_metadata = _field(sk, "user_metadata", dict, path, "shardkit.")
-    shards = _decode_shards(_field(sk, "shards", list, path, "shardkit."), path)
+    shards = _decode_shards(_field(sk, "shards", list, path, "shardkit."), path, generation)
     device_names = _str_list(sk, "devices", path, "shardkit.")
     if len(set(device_names)) != len(device_names):
         dup = next(d for d, c in Counter(device_names).items() if c > 1)
-        raise CorruptIndexError(f"{path}: device {dup!r} is listed twice in shardkit.devices")
+        raise CorruptIndexError(f"{path}: device {_shown(dup)} is listed twice in shardkit.devices")
     tensors = _field(sk, "tensors", dict, path, "shardkit.")
     where = "shardkit.tensors."
     keys = _str_list(tensors, "key", path, where)
@@ -971,16 +1105,23 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
     if not _all_in(dtypes, _ITEMSIZE.keys()):
         bad = next(d for d in dtypes if not isinstance(d, str) or d not in _ITEMSIZE)
         raise CorruptIndexError(
-            f"{path}: tensor {keys[dtypes.index(bad)]!r} has unknown dtype {bad!r}; known: "
+            f"{path}: tensor {_shown(keys[dtypes.index(bad)])} has unknown dtype {_shown(bad)}; "
+            f"known: "
             + ", ".join(SAFETENSORS_NAMES)
         )
-    if not (set(map(type, shapes)) <= {list} and _nonneg_ints(chain.from_iterable(shapes))):
+    dims = list(chain.from_iterable(shapes)) if set(map(type, shapes)) <= {list} else None
+    if dims is None or not (set(map(type, dims)) <= _INT_ONLY and min(dims, default=0) >= 0):
         bad_row = next(i for i, s in enumerate(shapes) if not (
             isinstance(s, list) and _nonneg_ints(s)))
         raise CorruptIndexError(
-            f"{path}: tensor {keys[bad_row]!r} shape must be a list of non-negative integers, "
-            f"found {shapes[bad_row]!r}"
+            f"{path}: tensor {_shown(keys[bad_row])} shape must be a list of non-negative "
+            f"integers, found {_shown(shapes[bad_row])}"
         )
+    if max(dims, default=0) >= 2**31 or max(map(len, shapes), default=0) > MAX_NDIM:  # rare
+        for key, dtype, shape in zip(keys, dtypes, shapes):
+            problem = _shape_problem(shape, _ITEMSIZE[dtype])
+            if problem:
+                raise CorruptIndexError(f"{path}: tensor {_shown(key)}{problem}")
     _check_ids(device_ids, len(device_names), keys, "device", path, "shardkit.devices")
     _check_ids(slice_tensor, n, None, "tensor", path, "shardkit.tensors.key")
     _check_ids(slice_shard, len(shards), None, "shard", path, "shardkit.shards")
@@ -995,16 +1136,37 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
         j, bad_hash = next((j, x) for j, x in enumerate(slice_xxh3) if x is not None and not (
             isinstance(x, str) and _XXH3_RE.fullmatch(x)))
         raise CorruptIndexError(
-            f"{path}: tensor {keys[slice_tensor[j]]!r} slice {slice_spec[j]!r}: xxh3 must be 16 "
-            f"lowercase hex digits or null, found {bad_hash!r}"
+            f"{path}: tensor {_shown(keys[slice_tensor[j]])} slice {_shown(slice_spec[j])}: xxh3 "
+            f"must be 16 "
+            f"lowercase hex digits or null, found {_shown(bad_hash)}"
         )
     index = CheckpointIndex(
         callback, shards, keys, dtypes, list(map(tuple, shapes)),
         list(map(device_names.__getitem__, device_ids)), slice_tensor, slice_spec, slice_shard,
-        slice_xxh3, user_metadata, version,
+        slice_xxh3, user_metadata, version, generation,
     )
     _check_slices(index, path)
     return index
+
+
+def _document_within_depth(doc: dict[str, Any]) -> bool:
+    """The index document nests at most MAX_DEPTH levels, the known columns of
+    ``shardkit.tensors`` / ``shardkit.slices`` aside (their type checks allow only flat values,
+    and are not walked: 50,000 shapes)."""
+    sk = doc.get("shardkit")
+    if type(sk) is not dict:
+        return nesting_within(doc, MAX_DEPTH)
+    for k, v in doc.items():
+        if k != "shardkit" and not nesting_within(v, MAX_DEPTH - 1):
+            return False
+    for name, value in sk.items():
+        if name in _COLUMNS and type(value) is dict:
+            for column, cells in value.items():
+                if column not in _COLUMNS[name] and not nesting_within(cells, MAX_DEPTH - 3):
+                    return False
+        elif not nesting_within(value, MAX_DEPTH - 2):
+            return False
+    return True
 
 
 def _canonical_document(data: bytes) -> dict[str, Any] | None:
@@ -1042,15 +1204,16 @@ def _index_objects(raw: tuple[tuple[str, Any], ...], path: str) -> dict[str, Any
                     section = sk[name] = _object(value, what, path, err)
                     for column, cells in section.items():
                         if column not in _COLUMNS[name]:  # a later minor's: checked as JSON
-                            section[column] = _plain(cells, what, path, err)
+                            section[column] = _plain(cells, what, path, err, 4)
                 else:
-                    sk[name] = _plain(value, what, path, err)
+                    sk[name] = _plain(value, what, path, err, 3)
         else:
-            doc[k] = _plain(v, what, path, err)
+            doc[k] = _plain(v, what, path, err, 2)
     return doc
 
 
-def _decode_shards(raw_shards: list[Any], path: str) -> list[ShardInfo]:
+def _decode_shards(raw_shards: list[Any], path: str, generation: str | None
+                   ) -> list[ShardInfo]:
     shards: list[ShardInfo] = []
     seen_files: set[str] = set()
     for i, s in enumerate(raw_shards):
@@ -1059,12 +1222,12 @@ def _decode_shards(raw_shards: list[Any], path: str) -> list[ShardInfo]:
             raise CorruptIndexError(f"{path}: shardkit.shards[{i}] must be a JSON object")
         file = check_shard_file_name(_field(s, "file", str, path, where), path)
         if file in seen_files:
-            raise CorruptIndexError(f"{path}: shard file {file!r} is listed twice")
+            raise CorruptIndexError(f"{path}: shard file {_shown(file)} is listed twice")
         seen_files.add(file)
         task = _nonneg_int(s, "task", path, where)
         codec = _field(s, "codec", str, path, where)
         nbytes = _nonneg_int(s, "bytes", path, where)
-        shards.append(ShardInfo(file, task, codec, nbytes))
+        shards.append(ShardInfo(file, task, codec, nbytes, generation))
     return shards
 
 
@@ -1074,7 +1237,7 @@ def _check_slices(index: CheckpointIndex, path: str) -> None:
     keys, counts = index.keys, index.slice_counts()
     if len(keys) and counts.min() == 0:
         key = keys[int(np.argmin(counts))]
-        raise CorruptIndexError(f"{path}: tensor {key!r} has no slices")
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has no slices")
     if any(index.slice_spec) or len(index.slice_tensor) != len(keys):
         by_tensor: list[list[int]] = [[] for _ in keys]
         for j, row in enumerate(index.slice_tensor):
@@ -1088,12 +1251,13 @@ def _check_slices(index: CheckpointIndex, path: str) -> None:
                 try:
                     specs.append(parse_slice_spec(index.slice_spec[j], shape))
                 except SliceSpecError as e:
-                    raise CorruptIndexError(f"{path}: tensor {key!r}: {e}") from None
+                    raise CorruptIndexError(f"{path}: tensor {_shown(key)}: {e}") from None
             try:
                 check_tiling(shape, specs)
             except SliceSpecError as e:
                 raise CorruptIndexError(
-                    f"{path}: the slices of tensor {key!r} do not tile its shape {list(shape)}: "
+                    f"{path}: the slices of tensor {_shown(key)} do not tile its shape "
+                    f"{list(shape)}: "
                     f"{e}"
                 ) from None
     names = index.entry_names()
@@ -1104,8 +1268,9 @@ def _check_slices(index: CheckpointIndex, path: str) -> None:
             other = owner.setdefault((shard, name), key)
             if other is not key:
                 raise CorruptIndexError(
-                    f"{path}: entry {name!r} of shard {index.shards[shard].file!r} is claimed "
-                    f"by more than one slice (tensors {other!r} and {key!r})"
+                    f"{path}: entry {_shown(name)} of shard {_shown(index.shards[shard].file)} is "
+                    f"claimed "
+                    f"by more than one slice (tensors {_shown(other)} and {_shown(key)})"
                 )
 
 
@@ -1115,7 +1280,8 @@ def _field(d: dict[str, Any], name: str, kind: type, path: str, where: str) -> A
     v = d[name]
     if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
         raise CorruptIndexError(
-            f"{path}: field {where}{name} must be {kind.__name__}, found {type(v).__name__} {v!r}"
+            f"{path}: field {where}{name} must be {kind.__name__}, found {type(v).__name__} "
+            f"{_shown(v)}"
         )
     return v
 
@@ -1123,7 +1289,7 @@ def _field(d: dict[str, Any], name: str, kind: type, path: str, where: str) -> A
 def _nonneg_int(d: dict[str, Any], name: str, path: str, where: str) -> int:
     v = _field(d, name, int, path, where)
     if v < 0:
-        raise CorruptIndexError(f"{path}: field {where}{name} must be >= 0, found {v}")
+        raise CorruptIndexError(f"{path}: field {where}{name} must be >= 0, found {_shown(v)}")
     return int(v)
 
 
@@ -1160,9 +1326,9 @@ def _check_ids(ids: list[Any], n: int, keys: list[str] | None, name: str, path: 
     if _nonneg_ints(ids) and max(ids, default=-1) < n:
         return
     bad_at, bad = next((i, x) for i, x in enumerate(ids) if not (type(x) is int and 0 <= x < n))
-    what = f"tensor {keys[bad_at]!r}" if keys is not None else f"slice {bad_at}"
+    what = f"tensor {_shown(keys[bad_at])}" if keys is not None else f"slice {bad_at}"
     raise CorruptIndexError(
-        f"{path}: {what}: {name} {bad!r} is not an index into {target} ({n} entries)"
+        f"{path}: {what}: {name} {_shown(bad)} is not an index into {target} ({n} entries)"
     )
 
 

@@ -206,6 +206,12 @@ class CheckpointReader:
     # -- mapping-like API
 
     @property
+    def generation(self) -> str | None:
+        """The checkpoint's generation (a unique id made once per save, format 2.1); every
+        shard read is checked to be of it. None for a format 2.0 checkpoint, which has none."""
+        return self.index.generation
+
+    @property
     def metadata(self) -> dict[str, Any]:
         """The user metadata saved with the checkpoint."""
         return self.index.user_metadata

@@ -27,6 +27,7 @@ from .format import (
     INDEX_FILE,
     EntryLayout,
     ShardInfo,
+    check_generation,
     entries_at,
     read_expected_safetensors_header,
     read_safetensors_header,
@@ -97,8 +98,10 @@ class RawShard(ShardSource):
                     )
                 else:
                     self._entries, self.metadata, self.data_start, self.begins = (
-                        read_expected_safetensors_header(fd, size, path, *expected)
+                        read_expected_safetensors_header(fd, size, path, *expected,
+                                                         generation=info.generation)
                     )
+            check_generation(self.metadata, info.generation, path)
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
                 self._map = self._file.map()
         except BaseException:

@@ -156,6 +156,7 @@ def write_shards(
     level: int | None = None,
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
+    generation: str | None = None,
 ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
     """Write `shards` (validated callback output) into `directory` as shard files.
 
@@ -164,17 +165,20 @@ def write_shards(
     pieces (`format.index_chunks`); writing that file and publishing the directory is the
     caller's job (shardkit.commit). `saved` gives the order, dtypes, full shapes and devices of
     the saved tensors. With `durable`, each shard file is fsynced once complete.
+    `generation`: the checkpoint's unique id, recorded in the index and in every shard header
+    (default: a fresh `format.new_generation`).
     """
     if compression not in (None, "zstd"):
         raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
     codec = "raw" if compression is None else "zstd"
     threads = threads or default_threads()
-    plans = _plan(Path(directory), shards, codec)
+    generation = generation if generation is not None else fmt.new_generation()
+    plans = _plan(Path(directory), shards, codec, generation)
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
     bar = _progress_bar(total, progress)
 
     def describe() -> tuple[fmt.CheckpointIndex, tuple[list[bytes], list[bytes]]]:
-        index = _index(plans, saved, description, user_metadata or {}, codec)
+        index = _index(plans, saved, description, user_metadata or {}, codec, generation)
         return index, fmt.encode_index_parts(index)
 
     try:
@@ -182,8 +186,8 @@ def write_shards(
             index, parts = _run(plans, _regions(plans, threads), threads, durable, checksum, bar,
                                 describe)
         else:  # a compressed shard's size is known once it is written
-            _run_zstd(plans, threads, durable, checksum, bar,
-                      level=level, shuffle=shuffle, chunk_size=chunk_size)
+            _run_zstd(plans, threads, durable, checksum, bar, level=level, shuffle=shuffle,
+                      chunk_size=chunk_size, metadata={fmt.GENERATION_KEY: generation})
             index, parts = describe()
     finally:
         if bar is not None:
@@ -192,8 +196,10 @@ def write_shards(
     return index, fmt.index_chunks(index, parts)
 
 
-def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_ShardPlan]:
+def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str, generation: str
+          ) -> list[_ShardPlan]:
     count = len(shards)
+    meta = fmt.shard_metadata(generation)
     plans = []
     for i, shard in enumerate(shards):
         keys, specs, arrays = shard.keys, shard.specs, shard.arrays
@@ -207,7 +213,7 @@ def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str) -> list[_
                 rows = [rows[j] for j in order]
         layouts = None
         if codec == "raw":
-            header = fmt.header_parts(names, dtype_names, shapes, begins, ends)
+            header = fmt.header_parts(names, dtype_names, shapes, begins, ends, meta)
         else:
             header = []
             layouts = fmt.entry_layouts(names, dtype_names, shapes, begins.tolist(),
@@ -457,6 +463,7 @@ def _index(
     description: str,
     user_metadata: dict[str, Any],
     codec: str,
+    generation: str,
 ) -> fmt.CheckpointIndex:
     """The index of the shards `plans`, without checksums (see `_checksums`)."""
     keys, dtypes, shapes, devices = saved.keys, saved.dtypes, saved.shapes, saved.devices
@@ -492,10 +499,11 @@ def _index(
     names = {d: safetensors_name(d) for d in set(dtypes)}
     dtype_names = ([names[dtypes[0]]] * len(dtypes) if len(names) == 1
                    else list(map(names.__getitem__, dtypes)))
-    shards = [fmt.ShardInfo(p.file, p.task, codec, p.size) for p in plans]
+    shards = [fmt.ShardInfo(p.file, p.task, codec, p.size, generation) for p in plans]
     index = fmt.CheckpointIndex(
         description, shards, keys, dtype_names, shapes, devices,
         slice_tensor, slice_spec, slice_shard, [None] * len(slice_tensor), user_metadata,
+        fmt.FORMAT_VERSION, generation,
     )
     if saved.total_size is not None:
         index.set_total_size(saved.total_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import stat
 import struct
@@ -534,3 +535,66 @@ def test_header_not_utf8_names_the_position_not_the_byte(ckpt):
                        r"position \d+\)") as e:
         _read_all(ckpt)
     assert "0xff" not in str(e.value)
+
+
+# --- generations: one checkpoint's files only (format 2.1) ----------------------------------------
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_shard_of_another_save_is_refused_naming_both_generations(tmp_path, compression):
+    import shardkit
+    from shardkit.errors import GenerationMismatchError
+
+    state = {"a": np.arange(6, dtype=np.float32), "b": np.arange(3, dtype=np.int8)}
+    first = shardkit.save(tmp_path / "one", state, compression=compression)
+    second = shardkit.save(tmp_path / "two", {k: v + 1 for k, v in state.items()},
+                           compression=compression)
+    assert first.generation != second.generation
+    assert re.fullmatch(r"[0-9a-f]{32}", first.generation)
+    (name,) = [f for f in first.files if f != "index.json"]
+    (tmp_path / "one" / name).write_bytes((tmp_path / "two" / name).read_bytes())
+    _edit_index(tmp_path / "one", lambda doc: doc["shardkit"]["shards"][0].update(
+        bytes=(tmp_path / "two" / name).stat().st_size))
+    with rd.CheckpointReader(tmp_path / "one") as r:
+        assert r.generation == first.generation
+    message = (rf"{re.escape(str(tmp_path / 'one' / name))}: shard belongs to another "
+               rf"checkpoint: index\.json is of generation {first.generation}, the shard header "
+               rf"records generation '{second.generation}' \(the directory mixes files of "
+               r"different saves, or was partially replaced\)")
+    for mmap in (True, False):
+        with pytest.raises(GenerationMismatchError, match=message):
+            rd.load(tmp_path / "one", mmap=mmap)
+    with rd.CheckpointReader(tmp_path / "one") as r, pytest.raises(GenerationMismatchError):
+        r.verify()
+    with rd.CheckpointReader(tmp_path / "one") as r, pytest.raises(GenerationMismatchError):
+        r.get_slice("a", np.s_[1:])
+
+
+def test_a_shard_without_a_generation_in_a_2_1_checkpoint_is_refused(ckpt):
+    """A 2.0 shard (no generation) next to a 2.1 index is a mixed directory too."""
+    from shardkit.errors import GenerationMismatchError
+
+    _edit_index(ckpt, lambda doc: doc["shardkit"].update(generation="ab" * 16))
+    with pytest.raises(GenerationMismatchError,
+                       match=r"index\.json is of generation abab.*, the shard header records "
+                             r"generation none"):
+        _read_all(ckpt)
+
+
+def test_a_2_0_checkpoint_opens_without_a_generation_check(tmp_path):
+    """An index without shardkit.generation (format 2.0) checks nothing, whatever the shards
+    record."""
+    import shardkit
+
+    state = {"a": np.arange(6, dtype=np.float32)}
+    shardkit.save(tmp_path / "c", state)
+
+    def to_2_0(doc):
+        doc["format_version"] = "2.0"
+        del doc["shardkit"]["generation"]
+
+    _edit_index(tmp_path / "c", to_2_0)
+    with rd.CheckpointReader(tmp_path / "c") as r:
+        assert r.generation is None and r.index.version == "2.0"
+        np.testing.assert_array_equal(r["a"], state["a"])
+        assert r.verify() == 1

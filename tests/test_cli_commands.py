@@ -1,5 +1,7 @@
 """`shardkit demo`, `inspect` and `verify`."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -38,6 +40,8 @@ def test_inspect_lists_shards_and_slices(checkpoint, capsys):
     out = capsys.readouterr().out
     assert "2 tensors, 3 shards" in out
     assert "metadata: {'step': 3}" in out
+    generation = json.loads((checkpoint / "index.json").read_text())["shardkit"]["generation"]
+    assert f"generation: {generation}\n" in out
     assert "shard-00000-of-00003.safetensors  task 0  raw" in out
     assert "10 10 0,5:0,10" in out and "10 10 5,5:0,10" in out
     assert "F64" in out and "[10, 10]" in out

@@ -101,12 +101,14 @@ def test_resolve_compression_defaults_and_errors():
 
 
 @pytest.mark.parametrize(("text", "size"), [("4MiB", 4 << 20), ("1MB", 10**6), (" 64 ", 64),
-                                            ("512kib", 512 << 10), (4096, 4096), ("1GiB", 1 << 30)])
+                                            ("512kib", 512 << 10), (4096, 4096),
+                                            ("64MiB", 64 << 20)])
 def test_parse_chunk_size(text, size):
     assert skz.parse_chunk_size(text) == size
 
 
-@pytest.mark.parametrize("bad", ["4 parsecs", "", "-8", "100.5", 100, 56, 8, 0, "2GiB"])
+@pytest.mark.parametrize("bad", ["4 parsecs", "", "-8", "100.5", 100, 56, 8, 0, "2GiB", "1GiB",
+                                 (64 << 20) + 8])
 def test_parse_chunk_size_rejects(bad):
     with pytest.raises(ValueError, match="chunk_size"):
         skz.parse_chunk_size(bad)
@@ -732,3 +734,68 @@ def test_read_many_with_overlapping_and_partial_requests(tmp_path):
         with ThreadPoolExecutor(2) as pool:
             shard.read_many([(ea, 28, 20000, disjoint[1]), (ea, 0, 28, disjoint[0])], pool)
         assert (np.concatenate(disjoint) == a).all()
+
+
+
+# --- header limits: checked before anything is allocated ----------------------------------------
+
+
+def test_chunk_size_limit_is_64_mib_for_writers_and_readers():
+    assert skz.MAX_CHUNK_SIZE == 64 << 20
+    with pytest.raises(ValueError, match=r"chunk_size must be a multiple of 8 between 64 and "
+                       r"67108864 bytes, got '128MiB' \(134217728 bytes\)"):
+        skz.parse_chunk_size("128MiB")
+
+
+def _sparse_skz(path: Path, chunk: int, size: int, frames: int, file_size: int) -> None:
+    """A .skz file whose preamble claims `chunk`, `size`, `frames`, with a valid entry table for
+    `size` bytes of U8, the rest of its `file_size` bytes a hole (zeros, never written)."""
+    layouts = layout_entries([("x", np.dtype(np.uint8), (size,))])
+    head = skz.PREAMBLE.pack(skz.MAGIC, chunk, size, frames, 0) + fmt.encode_safetensors_header(
+        layouts, {"codec": "zstd"})
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(file_size)
+
+
+@pytest.mark.parametrize(("chunk", "match"), [
+    ((64 << 20) + 8, r"chunk size 67108872 is not a multiple of 8 in 64\.\.67108864 "
+                     r"\(the limit is 64 MiB\)"),
+    (1 << 30, r"chunk size 1073741824 is not a multiple of 8 in 64\.\.67108864"),
+])
+def test_open_refuses_a_chunk_size_over_the_limit_before_reading_the_frame_table(
+        tmp_path, chunk, match):
+    import tracemalloc
+
+    frames = 1 << 22  # a 128 MiB frame table, never read
+    path = tmp_path / "s.skz"
+    _sparse_skz(path, chunk, frames * chunk, frames, 1 << 28)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptHeaderError, match=rf"^{re.escape(str(path))}: " + match):
+            skz.open_zstd_shard(str(path), ShardInfo("s.skz", 0, "zstd", 1 << 28))
+        assert tracemalloc.get_traced_memory()[1] < 4 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_frame_count_is_checked_against_the_file_size_before_allocating(tmp_path):
+    """F frames need a 32F-byte table and at least one stored byte each: a claimed frame count
+    the file cannot hold fails before the table is read."""
+    import tracemalloc
+
+    frames = 1 << 22
+    path = tmp_path / "s.skz"
+    layouts_size = frames * 64
+    size = 33 * frames  # the 128 MiB table fits, one more byte per frame and the header not
+    _sparse_skz(path, 64, layouts_size, frames, size)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TruncatedShardError, match=(
+                rf"{re.escape(str(path))}: header with 4194304 frames needs at least \d+ bytes "
+                r"\(preamble, entry table, frame table, checksum and one byte per frame\), "
+                rf"file has {size}")):
+            skz.open_zstd_shard(str(path), ShardInfo("s.skz", 0, "zstd", size))
+        assert tracemalloc.get_traced_memory()[1] < 4 << 20
+    finally:
+        tracemalloc.stop()

@@ -24,6 +24,7 @@ from shardkit.errors import (
     CorruptHeaderError,
     CorruptIndexError,
     EntryLayoutError,
+    GenerationMismatchError,
     ShardPathError,
     TruncatedShardError,
     UnsupportedVersionError,
@@ -58,9 +59,11 @@ def write_checkpoint(
     checksum: bool = True,
     user_metadata: dict[str, Any] | None = None,
     full_shapes: dict[str, tuple[int, ...]] | None = None,
+    generation: str | None = None,
 ) -> fmt.CheckpointIndex:
     """Write shards + index.json with format.py's encoders. Items in save order; like the writer,
-    the index lists each shard's slices in data-region order (docs/FORMAT.md section 2)."""
+    the index lists each shard's slices in data-region order (docs/FORMAT.md section 2).
+    Without a `generation` the checkpoint is a format 2.0 one (no generation anywhere)."""
     path.mkdir(parents=True, exist_ok=True)
     n = n_shards if n_shards is not None else max(s for _, _, s, _ in items) + 1
     per_shard: list[list[Item]] = [[] for _ in range(n)]
@@ -84,7 +87,8 @@ def write_checkpoint(
         layouts = fmt.layout_entries(
             [(fmt.entry_name(k, s), a.dtype, a.shape) for k, s, _, a in shard_items]
         )
-        header = fmt.encode_safetensors_header(layouts)
+        header = fmt.encode_safetensors_header(
+            layouts, None if generation is None else {fmt.GENERATION_KEY: generation})
         data = bytearray(fmt.data_size(layouts))
         for e in layouts:
             key, spec, _, a = shard_items[e.order_index]
@@ -96,11 +100,11 @@ def write_checkpoint(
             slice_xxh3.append(xxhash.xxh3_64_hexdigest(raw) if checksum else None)
         name = fmt.shard_file_name(i, n)
         (path / name).write_bytes(header + bytes(data))
-        shard_infos.append(fmt.ShardInfo(name, 0, "raw", len(header) + len(data)))
+        shard_infos.append(fmt.ShardInfo(name, 0, "raw", len(header) + len(data), generation))
     index = fmt.CheckpointIndex(
         "test-callback", shard_infos, keys, [dtypes[k] for k in keys], [shapes[k] for k in keys],
         [DEVICE] * len(keys), slice_tensor, slice_spec, slice_shard, slice_xxh3,
-        dict(user_metadata or {}),
+        dict(user_metadata or {}), "2.0" if generation is None else fmt.FORMAT_VERSION, generation,
     )
     (path / fmt.INDEX_FILE).write_bytes(fmt.encode_index(index))
     return index
@@ -143,7 +147,7 @@ def tensor_view(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def test_constants():
     assert fmt.FORMAT_NAME == "shardkit"
-    assert fmt.FORMAT_VERSION == "2.0" and fmt.FORMAT_MAJOR == 2
+    assert fmt.FORMAT_VERSION == "2.1" and fmt.FORMAT_MAJOR == 2
     assert fmt.INDEX_FILE == "index.json"
     assert fmt.MAX_HEADER_BYTES == 100 * 1024 * 1024
     assert fmt.RAW_SUFFIX == ".safetensors"
@@ -380,9 +384,10 @@ D1 = "/job:w/replica:0/task:1/device:CPU:0"
 SHARD_A, SHARD_B = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
 
 
-def _index() -> fmt.CheckpointIndex:
-    """Rows: w (split over both shards), b, s, e; slices j: 0 w[0:2], 1 s, 2 w[2:4], 3 b, 4 e."""
-    return fmt.CheckpointIndex.from_tensors(
+def _index(generation: str | None = None) -> fmt.CheckpointIndex:
+    """Rows: w (split over both shards), b, s, e; slices j: 0 w[0:2], 1 s, 2 w[2:4], 3 b, 4 e.
+    Format 2.0 (no generation) unless a `generation` is given (2.1)."""
+    index = fmt.CheckpointIndex.from_tensors(
         "max-shard-size(1KiB)",
         [fmt.ShardInfo(SHARD_A, 0, "raw", 120), fmt.ShardInfo(SHARD_B, 1, "raw", 96)],
         {
@@ -394,8 +399,14 @@ def _index() -> fmt.CheckpointIndex:
             "s": fmt.TensorInfo("I64", (), "/device:CPU:0", [fmt.SliceInfo("", 0, "s", None)]),
             "e": fmt.TensorInfo("U8", (0,), D0, [fmt.SliceInfo("", 1, "e", "2d06800538d394c2")]),
         },
-        {"step": 3, "nested": {"lr": 0.5, "tags": ["a"]}},
+        {"step": 3, "nested": {"lr": 0.5, "tags": ["a"]}}, generation,
     )
+    if generation is None:
+        index.version = "2.0"
+    else:
+        index.shards = [fmt.ShardInfo(s.file, s.task, s.codec, s.bytes, generation)
+                        for s in index.shards]
+    return index
 
 
 EXPECTED_DOC: dict[str, Any] = {
@@ -450,6 +461,83 @@ def test_index_round_trip_and_hf_fields():
     assert [fresh.tensor_info(k) for k in fresh.keys] == list(index.tensors.values())
     with pytest.raises(KeyError):
         fresh.tensor_info("nope")
+
+
+GENERATION = "0123456789abcdef0123456789abcdef"
+
+
+def _doc_2_1() -> dict[str, Any]:
+    """EXPECTED_DOC as format 2.1 writes it: the generation right after the callback."""
+    doc = json.loads(json.dumps(EXPECTED_DOC))
+    doc["format_version"] = "2.1"
+    sk = doc["shardkit"]
+    doc["shardkit"] = {"callback": sk.pop("callback"), "generation": GENERATION, **sk}
+    return doc
+
+
+def test_index_2_1_bytes_record_the_generation_after_the_callback():
+    data = fmt.encode_index(_index(GENERATION))
+    assert data == _compact(_doc_2_1())
+    back = fmt.decode_index(data, "ckpt/index.json")
+    assert back == _index(GENERATION) and back.version == "2.1"
+    assert back.generation == GENERATION
+    assert {s.generation for s in back.shards} == {GENERATION}  # what each shard must record
+    assert fmt.encode_index(back) == data
+
+
+def test_index_2_0_without_a_generation_round_trips():
+    data = fmt.encode_index(_index())
+    assert b"generation" not in data
+    back = fmt.decode_index(data, "ckpt/index.json")
+    assert back.version == "2.0" and back.generation is None
+    assert {s.generation for s in back.shards} == {None}
+
+
+def test_new_generations_are_unique_hex():
+    made = {fmt.new_generation() for _ in range(1000)}
+    assert len(made) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", g) for g in made)
+
+
+GOLDEN_HEADER_2_1 = (
+    b"\xc8\x00\x00\x00\x00\x00\x00\x00"  # N = 200: 199 bytes of JSON + 1 space
+    b'{"__metadata__":{"format":"shardkit","generation":"0123456789abcdef0123456789abcdef"},'
+    b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+    b'"b:2 0,1":{"dtype":"I16","shape":[1],"data_offsets":[8,10]}}'
+    b" "
+)
+
+
+def test_golden_header_bytes_with_a_generation(tmp_path):
+    layouts = fmt.layout_entries([("b:2 0,1", np.dtype("i2"), (1,)), ("w", np.dtype("f4"), (2,))])
+    header = fmt.encode_safetensors_header(layouts, fmt.shard_metadata(GENERATION))
+    assert header == GOLDEN_HEADER_2_1
+    path = tmp_path / "s"
+    path.write_bytes(header + bytes(10))
+    with open(path, "rb") as f:  # the writer's bytes are taken without parsing
+        entries, meta, start, begins = fmt.read_expected_safetensors_header(
+            f, 218, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation=GENERATION)
+    assert (entries, begins, start) == (None, [0, 8], 208)
+    assert meta == {"format": "shardkit", "generation": GENERATION}
+    fmt.check_generation(meta, GENERATION, "s")
+    with open(path, "rb") as f:  # another generation: parsed, and the check then refuses it
+        entries, meta, _, begins = fmt.read_expected_safetensors_header(
+            f, 218, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation="f" * 32)
+    assert begins is None and list(entries) == ["w", "b:2 0,1"]
+    with pytest.raises(GenerationMismatchError, match=(
+            "s: shard belongs to another checkpoint: index.json is of generation f{32}, the "
+            f"shard header records generation '{GENERATION}'")):
+        fmt.check_generation(meta, "f" * 32, "s")
+    fmt.check_generation(meta, None, "s")  # a 2.0 index checks nothing
+
+
+@pytest.mark.parametrize("bad", ["", 5, [], "x" * 65, "a b", "ü" * 3, True])
+def test_index_rejects_a_malformed_generation(bad):
+    def change(doc):
+        doc["shardkit"]["generation"] = bad
+
+    with pytest.raises(CorruptIndexError, match=r"i\.json: field shardkit\.generation must be a "
+                       r"string of 1 to 64 letters, digits, '_', '\.' or '-', found "):
+        fmt.decode_index(_mutated(change), "i.json")
 
 
 def test_decode_accepts_any_member_order_and_whitespace():
@@ -678,7 +766,7 @@ def test_same_entry_name_in_different_shards_is_allowed():
         (b"\xff", "not UTF-8"),
         (b"[]", "must be a JSON object, found list"),
         (b'{"format": "shardkit", "format": "shardkit"}', "has the key 'format' twice"),
-        (b"[" * 100000 + b"]" * 100000, "nested too deeply|must be a JSON object"),
+        (b"[" * 100000 + b"]" * 100000, "nested more than 64 levels deep|must be a JSON object"),
     ],
 )
 def test_decode_index_rejects_bad_json(data, match):
@@ -798,6 +886,107 @@ def test_index_example_of_the_format_doc(tmp_path):
     """The index.json example of docs/FORMAT.md section 2, byte for byte."""
     items = whole({"a": np.arange(6, dtype=np.float32).reshape(2, 3),
                    "b/c": np.array(3, np.int8), "b/d": np.zeros(0)})
-    write_checkpoint(tmp_path, items)
+    write_checkpoint(tmp_path, items, generation=GENERATION)
     (documented,) = re.findall(r"```json\n(.*?)```", _doc_section("2. index.json"), re.S)
     assert (tmp_path / "index.json").read_bytes() == _compact(json.loads(documented))
+
+
+# --- hostile content: every failure a CorruptIndexError / CorruptHeaderError -------------------
+
+HUGE = "1" + "0" * 5000  # over Python's int-string limit (4300 digits)
+
+
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def _index_text(change=None, pretty: bool = False) -> bytes:
+    """The 2.1 index document, compact (as shardkit writes it) or pretty, with a JSON text edit:
+    `change` maps the compact text to the text wanted."""
+    data = fmt.encode_index(_index(GENERATION)).decode()
+    if change is not None:
+        data = change(data)
+    if pretty:  # another writer's spelling: the fully checked json path
+        data = data.replace(',"', ', "').rstrip("\n")
+    return data.encode() + (b"" if pretty else b"\n")
+
+
+@pytest.mark.parametrize("pretty", [False, True])
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.replace('"bytes":120', '"bytes":' + HUGE),
+     "an integer with more than 4300 digits"),
+    (lambda t: t.replace('"total_size":110', '"total_size":' + HUGE),
+     "an integer with more than 4300 digits"),
+    (lambda t: t.replace('"user_metadata":{', '"user_metadata":{"deep":' + _deep(62) + ","),
+     "nested more than 64 levels deep"),
+    (lambda t: t.replace('"format":"shardkit"', '"format":' + _deep(70)),
+     "nested more than 64 levels deep"),
+    (lambda t: t.replace('"weight_map":{', '"weight_map":{"x":' + _deep(5000) + ","),
+     "nested more than 64 levels deep"),
+    (lambda t: t.replace('"user_metadata":{', '"user_metadata":{"x":' + '{"a":' * 100 + "1"
+                         + "}" * 100 + ","), "nested more than 64 levels deep"),
+])
+def test_index_with_huge_numbers_or_deep_nesting_is_refused(edit, match, pretty):
+    with pytest.raises(CorruptIndexError, match=r"^ckpt/index\.json: .*" + match):
+        fmt.decode_index(_index_text(edit, pretty), "ckpt/index.json")
+
+
+@pytest.mark.parametrize("pretty", [False, True])
+def test_nesting_up_to_the_limit_is_accepted(pretty):
+    # the root object is level 1, shardkit 2, user_metadata 3: 61 more levels reach 64
+    data = _index_text(lambda t: t.replace('"user_metadata":{', '"user_metadata":{"d":'
+                                           + _deep(61) + ","), pretty)
+    assert fmt.MAX_DEPTH == 64
+    assert fmt.decode_index(data, "i.json").user_metadata["d"] == json.loads(_deep(61))
+
+
+@pytest.mark.parametrize("value", ["x" * 1_000_000, ["y" * 100] * 100_000, 10**4000],
+                         ids=["long-string", "long-list", "4000-digit-int"])
+def test_error_messages_never_echo_a_huge_value(value):
+    def change(doc):
+        doc["format"] = value
+
+    data = _mutated(change)
+    with pytest.raises(CorruptIndexError, match="not a shardkit checkpoint index") as e:
+        fmt.decode_index(data, "i.json")
+    assert len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize(("shape", "match"), [
+    ([0, 2**64], r"tensor 's': shape \[0, 18446744073709551616\] has more than 2\*\*63 - 1 bytes"),
+    ([0, 2**62, 2**62], r"tensor 's': shape \[0, 4611686018427387904, 4611686018427387904\] has "
+                        r"more than 2\*\*63 - 1 bytes"),
+    ([1] * 65, r"tensor 's' has 65 dimensions, more than the limit of 64"),
+])
+def test_index_refuses_shapes_no_array_can_have(shape, match):
+    with pytest.raises(CorruptIndexError, match=match):
+        fmt.decode_index(_mutated(_set("shardkit.tensors.shape.2", shape)), "i.json")
+
+
+def _header_bytes(text: str) -> bytes:
+    body = text.encode()
+    body += b" " * (-(len(body) + 8) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+ENTRY = '"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}'
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,' + HUGE + ']}}',
+     "an integer with more than 4300 digits"),
+    ('{"__metadata__":{"x":' + _deep(70) + '},' + ENTRY + '}', "nested more than 64 levels deep"),
+    ('{"__metadata__":{"x":' + _deep(5000) + '},' + ENTRY + '}', "nested more than 64 levels deep"),
+    ('{' + ENTRY + ',"b":{"dtype":' + _deep(100) + '}}', "nested more than 64 levels deep"),
+    ('{' + ENTRY + ',"b":{"dtype":"U8","shape":[0,' + str(2**64) + '],"data_offsets":[2,2]}}',
+     r"entry 'b': shape \[0, 18446744073709551616\] has more than 2\*\*63 - 1 bytes"),
+    ('{' + ENTRY + ',"b":{"dtype":"U8","shape":' + json.dumps([1] * 65)
+     + ',"data_offsets":[2,3]}}', "entry 'b' has 65 dimensions, more than the limit of 64"),
+    ('{"__metadata__":{"format":' + json.dumps(["z" * 100_000]) + '},' + ENTRY + '}',
+     r"__metadata__ must map str to str, got \{'format': \['z+\.\.\.z+'\]\}$"),
+])
+def test_shard_header_with_hostile_content_is_refused(text, match):
+    data = _header_bytes(text)
+    with pytest.raises(CorruptHeaderError, match=r"^s\.safetensors: .*" + match) as e:
+        fmt.decode_safetensors_header(data + b"\x01\x02\x03", len(data) + 2, "s.safetensors")
+    assert len(str(e.value)) < 400

@@ -133,7 +133,7 @@ def _document_of(callback: str, shards: list[fmt.ShardInfo], tensors: dict[str, 
                     key=lambda x: x[:2])
     return {
         "format": "shardkit",
-        "format_version": "2.0",
+        "format_version": fmt.FORMAT_VERSION,  # 2.1, without a generation here
         "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
         "weight_map": {key: shards[t.slices[0].shard].file for key, t in tensors.items()
                        if len(t.slices) == 1 and t.slices[0].spec == ""},
@@ -488,7 +488,9 @@ def test_header_in_another_order_is_parsed_and_checked(tmp_path):
     # rewrite the shard with the entries in the other order (still a valid shard)
     name = index["shardkit"]["shards"][0]["file"]
     layouts = fmt.layout_entries([("b", np.dtype("f4"), (2,)), ("a", np.dtype("f4"), (3,))])
-    data = fmt.encode_safetensors_header(layouts) + state["b"].tobytes() + state["a"].tobytes()
+    meta = {fmt.GENERATION_KEY: index["shardkit"]["generation"]}  # still of this checkpoint
+    data = (fmt.encode_safetensors_header(layouts, meta) + state["b"].tobytes()
+            + state["a"].tobytes())
     (path / name).write_bytes(data)
     index["shardkit"]["shards"][0]["bytes"] = len(data)
     (path / "index.json").write_text(json.dumps(index))

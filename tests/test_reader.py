@@ -1035,3 +1035,26 @@ def test_pread_reader_holds_a_bounded_number_of_descriptors(tmp_path):
         for k, v in flat.items():  # evicted files are opened again
             np.testing.assert_array_equal(r.get_slice(k, np.s_[1:3]), v[1:3])
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize("nd", [33, 40, 64])
+def test_tensors_of_33_to_64_dimensions_round_trip_in_every_read_mode(tmp_path, compression,
+                                                                     mmap, nd):
+    import shardkit
+
+    a = np.arange(12, dtype=np.float32).reshape((2,) + (1,) * (nd - 3) + (2, 3))
+    small = np.arange(2, dtype=np.int8).reshape((1,) * (nd - 1) + (2,))
+    shardkit.save(tmp_path / "c", {"a": a, "s": small}, compression=compression)
+    loaded = shardkit.load(tmp_path / "c", mmap=mmap, verify=True)
+    assert loaded["a"].shape == a.shape and np.array_equal(loaded["a"], a)
+    assert np.array_equal(loaded["s"], small)
+    with shardkit.open(tmp_path / "c", mmap=mmap) as r:
+        assert np.array_equal(r.get("a"), a)
+        index = (1,) + (0,) * (nd - 3) + (slice(None), slice(1, 3))
+        assert np.array_equal(r.get_slice("a", index), a[index])
+        assert r.verify() == 2
+    target = {"a": np.zeros_like(a), "s": np.zeros_like(small)}
+    shardkit.restore_into(tmp_path / "c", target)
+    assert np.array_equal(target["a"], a)

@@ -86,3 +86,19 @@ def test_bad_ranges_and_inputs_are_refused(impl):
         impl.make_views(np.zeros((2, 2), np.uint8), 0, [], [], [])
     with pytest.raises(ValueError, match="contiguous 1-d array of bytes"):
         impl.make_views(np.zeros(4, np.float32), 0, [], [], [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("nd", [32, 33, 40, 64])
+def test_views_of_up_to_64_dimensions(impl, nd):
+    """numpy 2 arrays have up to 64 dimensions; the kernel takes all of them."""
+    shape = (2,) + (1,) * (nd - 2) + (3,)
+    (view,) = impl.make_views(_base(), 8, [0], [np.dtype(np.uint8)], [shape])
+    assert view.shape == shape
+    np.testing.assert_array_equal(view.reshape(-1), np.arange(8, 14, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_views_of_more_than_64_dimensions_are_refused(impl):
+    with pytest.raises(ValueError, match="65"):
+        impl.make_views(_base(), 0, [0], [np.dtype(np.uint8)], [(1,) * 65])

@@ -83,7 +83,9 @@ def _check_checkpoint(path: Path, flat: dict[str, np.ndarray]) -> dict:
         in_index = [name for shard, name in _composed_entries(index) if shard == shard_no]
         assert in_index == _data_region_order(file)
         with safe_open(str(file), framework="np") as f:
-            assert f.metadata() == {"format": "shardkit"}
+            # the checkpoint's generation, the index's, in every shard (format 2.1)
+            assert f.metadata() == {"format": "shardkit",
+                                    "generation": index["shardkit"]["generation"]}
             assert sorted(f.keys()) == sorted(raw)
             by_entry = {s["entry"]: (key, s) for key, t in tensors.items()
                         for s in t["slices"] if s["shard"] == shard_no}
@@ -159,7 +161,8 @@ def test_index_records_order_devices_metadata_and_callback(tmp_path, rng):
             "a": _random(rng, np.dtype(np.int8), (3,))}
     api.save(tmp_path / "ckpt", flat, metadata={"step": 7, "tags": ["x"]}, durable=False)
     index = index_document(tmp_path / "ckpt")
-    assert index["format"] == "shardkit" and index["format_version"] == "2.0"
+    assert index["format"] == "shardkit" and index["format_version"] == "2.1"
+    assert re.fullmatch(r"[0-9a-f]{32}", index["shardkit"]["generation"])
     assert index["metadata"] == {"total_size": 19}
     assert index["weight_map"] == {"z": "shard-00000-of-00001.safetensors",
                                    "a": "shard-00000-of-00001.safetensors"}
@@ -270,6 +273,7 @@ def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, mon
     flat = {f"k{i}": _random(rng, np.dtype(np.float32), (int(rng.integers(0, 3000)),))
             for i in range(60)}
     flat["nc"] = _random(rng, np.dtype(np.float64), (50, 40))[:, ::3]
+    monkeypatch.setattr(fmt, "new_generation", lambda: "5" * 32)  # the same id for every save
     api.save(tmp_path / "ref", flat, durable=False, threads=1,
              sharding_callback=_OneShard())
     # Small groups and regions: many kernel calls, one shard cut into regions.
@@ -698,6 +702,7 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
     seen = []
     real = api._default_shards
     monkeypatch.setattr(api, "_default_shards", lambda *a: seen.append(1) or real(*a))
+    monkeypatch.setattr(fmt, "new_generation", lambda: "5" * 32)  # the same id for both saves
     api.save(tmp_path / "fast", flat, sharding_callback=policy, durable=False)
     assert seen  # the column path ran
     general = api.shardable_tensors
@@ -751,3 +756,23 @@ def test_writer_keeps_only_a_few_shard_files_open(tmp_path, monkeypatch, compres
     assert 1 <= most[0] <= 2, most[0]
     got = load(tmp_path / "c", verify=True)
     assert all((got[k] == v).all() for k, v in flat.items())
+
+
+def test_metadata_nested_deeper_than_the_format_allows_is_refused_at_save(tmp_path):
+    from shardkit.errors import InvalidMetadataError
+
+    def deep(levels):
+        value: object = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    # user_metadata is level 3 of index.json (the top object is 1): 62 levels fit in 64
+    api.save(tmp_path / "ok", {"a": np.zeros(2)}, metadata={"d": deep(61)}, durable=False)
+    assert load(tmp_path / "ok") and json.loads(
+        (tmp_path / "ok" / "index.json").read_text())["shardkit"]["user_metadata"]["d"] == deep(61)
+    for levels in (62, 5000):
+        with pytest.raises(InvalidMetadataError, match="metadata is nested more than 62 levels "
+                           r"deep; index\.json allows 64 levels \(user_metadata is level 3\)"):
+            api.save(tmp_path / f"bad{levels}", {"a": np.zeros(2)}, metadata={"d": deep(levels)})
+        assert not (tmp_path / f"bad{levels}").exists()
