@@ -610,7 +610,9 @@ class CheckpointReader:
             return None
         except (CheckpointFormatError, ShardIOError) as e:  # not a regular file, a symlink...
             problems[Problem(path, None, "shard file", "a readable regular file",
-                             _without_path(str(e), path), type(e))] = None
+                             _without_path(str(e), path),
+                             type(e) if isinstance(e, CheckpointFormatError)
+                             else CheckpointFormatError)] = None
             return None
         size = file.size
         try:

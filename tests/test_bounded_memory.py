@@ -152,7 +152,8 @@ def test_verify_of_a_decompression_bomb_stays_small(bomb, mmap):
 
 @pytest.fixture(scope="module")
 def large(tmp_path_factory):
-    """A 400 MB float32 tensor that compresses well, in the default and in 64 MiB chunks (the largest allowed)."""
+    """A 400 MB float32 tensor that compresses well, in the default and in 64 MiB chunks (the
+    largest allowed)."""
     a = np.zeros((100, 1_000_000), np.float32)
     a[:, ::1000] = 1.5
     a[50, 500_000] = 7.25  # the element the slice test reads
@@ -170,8 +171,8 @@ def test_get_slice_of_one_element_decodes_no_more_than_a_chunk(large, chunk, mma
     nbytes, paths = large
     delta, result = measure(paths[chunk], "slice", mmap)
     assert result == np.float32(7.25).tobytes().hex()
-    # Before: a chunk larger than the per-thread decode buffer was decoded whole (a whole 64 MiB chunk)
-    # and kept in the chunk cache.
+    # Before: a chunk larger than the per-thread decode buffer was decoded whole (64 MiB) and
+    # kept in the chunk cache.
     assert delta < 48 * MiB, f"get_slice peaked {delta / MiB:.0f} MiB ({nbytes} B tensor)"
 
 
