@@ -6,6 +6,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -67,15 +68,13 @@ def run_demo(
         same = True
         with _Bar(progress, total, "verifying") as bar:
             for keys, nbytes in groups:
-                _timed(times, VERIFY, lambda keys=keys: _verify(path, keys))
+                _timed(times, VERIFY, partial(_verify, path, keys))
                 bar.add(nbytes)
         with _Bar(progress, total, "restoring") as bar:
             for keys, nbytes in groups:
-                restored = _timed(times, LOAD, lambda keys=keys: load(path, keys))
-                _timed(times, TOUCH, lambda r=restored: [_touch(a) for a in r.values()])
-                same = _timed(times, COMPARE,
-                              lambda r=restored: all(_same_bytes(flat[k], r[k]) for k in r)
-                              ) and same
+                restored = _timed(times, LOAD, partial(load, path, keys))
+                _timed(times, TOUCH, partial(_touch_all, restored))
+                same = _timed(times, COMPARE, partial(_same_all, flat, restored)) and same
                 del restored  # unmaps the group's pages before the next group
                 bar.add(nbytes)
         zpath = Path(tmp) / "checkpoint-zstd"
@@ -83,8 +82,8 @@ def run_demo(
                                                   progress=progress))
         with _Bar(progress, total, "restoring zstd") as bar:
             for keys, nbytes in groups:
-                zrestored = _timed(times, ZLOAD, lambda keys=keys: load(zpath, keys))
-                same = all(_same_bytes(flat[k], zrestored[k]) for k in zrestored) and same
+                zrestored = _timed(times, ZLOAD, partial(load, zpath, keys))
+                same = _same_all(flat, zrestored) and same
                 del zrestored
                 bar.add(nbytes)
         if not same:
@@ -164,8 +163,12 @@ def _verify(path: Path, keys: list[str]) -> int:
         return reader.verify(keys)
 
 
-def _touch(a: np.ndarray) -> int:
-    return int(a.reshape(-1).view(np.uint8).sum())
+def _touch_all(arrays: dict[str, np.ndarray]) -> list[int]:
+    return [int(a.reshape(-1).view(np.uint8).sum()) for a in arrays.values()]
+
+
+def _same_all(original: dict[str, np.ndarray], restored: dict[str, np.ndarray]) -> bool:
+    return all(_same_bytes(original[k], restored[k]) for k in restored)
 
 
 def _timed(times: dict[str, float], label: str, fn: Callable[[], Any]) -> Any:

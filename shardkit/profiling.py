@@ -200,7 +200,7 @@ def plot_shard_sizes(
         ) from None
     # Figure without pyplot: no global state, no GUI backend; savefig renders with Agg.
     n = max(1, len(profiles))
-    fig = Figure(figsize=(8.0, 1.4 + 2.2 * n), layout="constrained")
+    fig = Figure(figsize=(8.0, 1.0 + 2.2 * n + (0.4 if title else 0.0)), layout="constrained")
     axes = fig.subplots(n, 1, squeeze=False, sharey=True)[:, 0]
     if title:
         fig.suptitle(title)
