@@ -9,16 +9,20 @@ OSError) for failures; `main` turns those into a one-line message and exit code 
     shardkit plan FILE.safetensors|FILE.npz [--plot sizes.png]
     shardkit inspect CHECKPOINT
     shardkit verify CHECKPOINT
+    shardkit --version
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import __version__
+from .api import DefaultShardingPolicy
 from .callback import ShardingCallback
 from .errors import PolicyError, ShardkitError
 from .models import MODELS, load_state_file, synthetic_state
@@ -32,6 +36,8 @@ __all__ = [
 
 PROG = "shardkit"
 DEFAULT_NUM_SHARDS = 8
+DEFAULT_POLICY = "default"
+"""The name `plan` and `demo` give `DefaultShardingPolicy`, the policy `save` uses."""
 _AUTO_MIN, _AUTO_MAX = 64 * 2**10, 2**30
 
 
@@ -40,13 +46,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
     except SystemExit as e:  # --help (0) or a usage error (2): argparse already printed
         return e.code if isinstance(e.code, int) else 2
+    except BrokenPipeError:  # the reader went away (`shardkit inspect CKPT | head`): stop quietly
+        _silence_stdout()
+        return 141  # what a shell reports for a command ended by SIGPIPE
     except (ShardkitError, OSError) as e:
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's final flush of
+    what is still buffered does not fail again ("Exception ignored ... BrokenPipeError")."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured in a test)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Sharded ML checkpoints: plan, save, inspect and verify them."
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _SUBCOMMANDS:
         add(sub)
@@ -75,7 +101,9 @@ def _add_plan_parser(sub: Any) -> None:
             "loaded and built-in models take no memory."
         ),
         epilog=(
-            f"built-in models:\n{models}\n\npolicies: {', '.join(POLICIES)}\n"
+            f"built-in models:\n{models}\n\n"
+            f"policies: {', '.join(_policy_names())}\n"
+            f"  {DEFAULT_POLICY} is the policy save() uses when given no callback\n"
             "  NAME:ARG sets the policy's argument, e.g. max-shard-size:256MiB, bin-pack:1GiB, "
             "balanced:4"
         ),
@@ -92,7 +120,8 @@ def _add_plan_parser(sub: Any) -> None:
         action="append",
         metavar="NAME[:ARG]",
         dest="policies",
-        help="a policy to profile; repeat for several (default: every built-in policy)",
+        help="a policy to profile; repeat for several "
+        f"(default: every built-in policy, {DEFAULT_POLICY} first)",
     )
     p.add_argument(
         "--max-shard-size",
@@ -128,13 +157,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         max_size, how = auto_max_shard_size(total), " (auto)"
     defaults = {"max_shard_size": max_size, "num_shards": args.num_shards}
-    policies = {spec: make_policy(spec, defaults) for spec in args.policies or POLICIES}
+    specs = args.policies or _policy_names()
+    policies = {spec: make_policy(spec, defaults) for spec in specs}
     print(f"{source}: {len(tensors)} tensors, {human_size(total)}")
     print(f"defaults: max shard size {human_size(max_size)}{how}, {args.num_shards} shards\n")
     profiles = profile(tensors, policies)
     print(format_table(profiles))
     if args.plot:
-        plot_shard_sizes(profiles, args.plot)
+        plot_shard_sizes(profiles, args.plot, title=f"shard sizes of {source}")
         print(f"\nplot written to {args.plot}")
     return 0
 
@@ -145,14 +175,25 @@ def auto_max_shard_size(total_bytes: int) -> int:
     return min(max(1 << (target.bit_length() - 1), _AUTO_MIN), _AUTO_MAX)
 
 
+def _policy_names() -> list[str]:
+    return [DEFAULT_POLICY, *POLICIES]
+
+
 def make_policy(spec: str, defaults: dict[str, Any]) -> ShardingCallback:
     """A policy from ``NAME`` or ``NAME:ARG``; ARG is the policy's one constructor argument.
 
-    Without ARG the argument comes from `defaults` (keyed by parameter name).
+    Without ARG the argument comes from `defaults` (keyed by parameter name). ``default`` is
+    `DefaultShardingPolicy` as `save` uses it; it takes no argument.
     """
     name, sep, arg = spec.partition(":")
+    if name == DEFAULT_POLICY:
+        if sep:
+            raise PolicyError(f"policy {name!r} takes no argument, got {spec!r}")
+        return DefaultShardingPolicy()
     if name not in POLICIES:
-        raise PolicyError(f"unknown policy {name!r} in {spec!r}; known: {', '.join(POLICIES)}")
+        raise PolicyError(
+            f"unknown policy {name!r} in {spec!r}; known: {', '.join(_policy_names())}"
+        )
     params = [
         p
         for p in inspect.signature(POLICIES[name]).parameters.values()
@@ -220,7 +261,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_inspect_parser(sub: Any) -> None:
-    p = sub.add_parser("inspect", help="list a checkpoint's shards and tensors")
+    p = sub.add_parser(
+        "inspect",
+        help="list a checkpoint's shards and tensors",
+        description=(
+            "Print a checkpoint's format version, sharding callback and user metadata, a table\n"
+            "of its shard files (task, codec, size) and a table of its tensors (dtype, shape,\n"
+            "stored slices, size, the shard each slice is in). Reads index.json only."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("path", metavar="CHECKPOINT", help="checkpoint directory")
     p.set_defaults(func=cmd_inspect)
 
@@ -238,9 +288,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if index.user_metadata:
             print(f"metadata: {index.user_metadata}")
         print("\nshards:")
-        for i, shard in enumerate(index.shards):
-            print(f"  [{i}] {shard.file}  task {shard.task}  {shard.codec}  "
-                  f"{human_size(shard.bytes)}")
+        shard_rows = [
+            (f"[{i}]", shard.file, f"task {shard.task}", shard.codec, human_size(shard.bytes))
+            for i, shard in enumerate(index.shards)
+        ]
+        _print_table(INSPECT_SHARD_COLUMNS, shard_rows)
         print("\ntensors:")
         rows = []
         for key in reader.keys():
@@ -250,11 +302,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 rows.append((key, info.dtype_name, str(list(info.shape)), s.spec or "(whole)",
                              human_size(info.nbytes), where))
                 key = ""  # further slices of the same tensor: key shown once
-        widths = [max(len(r[i]) for r in rows) for i in range(5)] if rows else []
-        for row in rows:
-            cells = [c.ljust(w) for c, w in zip(row, widths)]
-            print("  " + "  ".join(cells) + "  " + row[5])
+        _print_table(INSPECT_TENSOR_COLUMNS, rows)
     return 0
+
+
+INSPECT_SHARD_COLUMNS = ("#", "file", "task", "codec", "size")
+INSPECT_TENSOR_COLUMNS = ("key", "dtype", "shape", "slice", "size", "shard / entry")
+
+
+def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Left-aligned columns, two spaces apart, under a header line; the last column unpadded."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        cells = [c.ljust(w) for c, w in zip(row, widths)]
+        print("  " + "  ".join([*cells, row[-1]]))
 
 
 # ----------------------------------------------------------------------------- verify
@@ -264,6 +325,12 @@ def _add_verify_parser(sub: Any) -> None:
     p = sub.add_parser(
         "verify",
         help="check every shard header and checksum; exit 0 if intact, 1 naming what is corrupt",
+        description=(
+            "Read every shard of a checkpoint, check its header against index.json and the\n"
+            "xxh3-64 checksum of every stored entry. Exit 0 if all is intact; otherwise name\n"
+            "each corrupt tensor on stderr and exit 1."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", metavar="CHECKPOINT", help="checkpoint directory")
     p.set_defaults(func=cmd_verify)

@@ -162,7 +162,10 @@ def check_target(path: str | os.PathLike[str], overwrite: bool) -> None:
     target = Path(os.path.abspath(os.fspath(path)))
     if not os.path.lexists(target):
         return
-    if not overwrite:
+    replaceable = not target.is_symlink() and target.is_dir() and (
+        is_checkpoint(target) or not _scan(target)
+    )
+    if not overwrite and replaceable:
         raise CheckpointExistsError(
             f"{target} already exists; pass overwrite=True to replace the checkpoint there"
         )
@@ -171,7 +174,7 @@ def check_target(path: str | os.PathLike[str], overwrite: bool) -> None:
             f"{target} exists and is not a checkpoint directory (it is a file or a symlink); "
             "shardkit only replaces checkpoints it wrote. Remove it or choose another path"
         )
-    if not is_checkpoint(target) and _scan(target):
+    if not replaceable:
         raise CheckpointExistsError(
             f"{target} exists, is not empty and holds no shardkit {INDEX_NAME}; refusing to "
             "replace it even with overwrite=True, so as never to delete data that is not a "
@@ -297,6 +300,7 @@ def _publish(tmp: Path, target: Path, *, overwrite: bool) -> Path | None:
     if _renameat2(tmp, target, _RENAME_NOREPLACE):
         return None
     if not overwrite:
+        check_target(target, overwrite=True)  # not replaceable at all: say so, without the hint
         raise CheckpointExistsError(
             f"{target} was created by someone else while this save ran; pass overwrite=True "
             "to replace it"

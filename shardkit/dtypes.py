@@ -31,6 +31,8 @@ _BY_DTYPE: Final[dict[np.dtype, str]] = {dt: name for name, dt in _BY_NAME.items
 
 SAFETENSORS_NAMES: Final[tuple[str, ...]] = tuple(_BY_NAME)
 STORABLE: Final[frozenset[np.dtype]] = frozenset(_BY_DTYPE)
+STORABLE_NAMES: Final[tuple[str, ...]] = tuple(dt.name for dt in _BY_NAME.values())
+"""numpy names of the storable dtypes ("float64", "float32", ..., "bfloat16", ..., "bool")."""
 
 
 def is_supported(dtype: np.dtype) -> bool:

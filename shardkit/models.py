@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .dtypes import is_supported
+from .dtypes import STORABLE_NAMES, is_supported
 from .errors import (
     CheckpointFormatError,
     MissingDependencyError,
@@ -33,6 +33,7 @@ __all__ = [
     "MODELS",
     "load_state_file",
     "model_shapes",
+    "state_nbytes",
     "synthetic_state",
 ]
 
@@ -158,32 +159,45 @@ def model_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def synthetic_state(
-    name: str, *, dtype: Any = "float32", materialize: bool = False, seed: int = 0
+    name: str,
+    *,
+    dtype: Any = "float32",
+    materialize: bool = False,
+    seed: int = 0,
+    on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """The nested state (dicts of numpy arrays) of built-in model `name`.
 
     `dtype` is any storable dtype (``"float32"``, ``"bfloat16"``, ``"float16"``...). With
     ``materialize=False`` the arrays' memory is never touched (costs no RAM; contents undefined);
     with ``materialize=True`` they hold deterministic values drawn from `seed`: normal(0, 0.02)
-    weights, norms near 1 (integer dtypes: small integers; bool: coin flips).
+    weights, norms near 1 (integer dtypes: small integers; bool: coin flips). `on_progress` is
+    called with the bytes filled so far, every million values or so.
     """
     specs = model_shapes(name)
     dt = _storable_dtype(dtype)
     flat = _carve(specs, dt)
     if materialize:
-        _fill(flat, seed)
+        _fill(flat, seed, on_progress)
     return unflatten(flat)
+
+
+def state_nbytes(name: str, dtype: Any = "float32") -> int:
+    """Data bytes of built-in model `name` in `dtype`, without building it."""
+    itemsize = _storable_dtype(dtype).itemsize
+    return sum(math.prod(shape) * itemsize for _, shape in model_shapes(name))
 
 
 def _storable_dtype(dtype: Any) -> np.dtype:
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise UnsupportedDTypeError(f"unknown dtype {dtype!r}") from None
+        raise UnsupportedDTypeError(
+            f"unknown dtype {dtype!r}; valid dtypes: {', '.join(STORABLE_NAMES)}"
+        ) from None
     if not is_supported(dt) or dt.byteorder == ">":
         raise UnsupportedDTypeError(
-            f"dtype {dt} cannot be stored (use float32, float16, bfloat16, float64, "
-            "float8_e4m3fn, float8_e5m2, an integer type or bool)"
+            f"dtype {dt} cannot be stored; valid dtypes: {', '.join(STORABLE_NAMES)}"
         )
     return dt
 
@@ -213,7 +227,9 @@ def _carve(
 _CHUNK = 1 << 20  # values drawn per generator call; reused buffer, stays in cache
 
 
-def _fill(arrays: dict[str, np.ndarray], seed: int) -> None:
+def _fill(
+    arrays: dict[str, np.ndarray], seed: int, on_progress: Callable[[int], None] | None = None
+) -> None:
     """Fill the arrays, in order, from one stream of values drawn in large chunks.
 
     Drawing per chunk rather than per array keeps 50,000 small tensors as fast as one big one.
@@ -232,6 +248,7 @@ def _fill(arrays: dict[str, np.ndarray], seed: int) -> None:
             buf[...] = rng.integers(0, 2 if kind == "b" else 100, _CHUNK, dtype=np.int8)
 
     pos = _CHUNK
+    filled = 0
     for key, array in arrays.items():
         flat = array.reshape(-1)
         plus_one = floating and key.endswith("norm/weight")
@@ -249,6 +266,9 @@ def _fill(arrays: dict[str, np.ndarray], seed: int) -> None:
             flat[done : done + take] = values  # float32 -> bfloat16 / float8 rounds here
             done += take
             pos += take
+            if on_progress is not None:
+                filled += take * array.itemsize
+                on_progress(filled)
 
 
 def load_state_file(path: str | Path, *, materialize: bool = True) -> dict[str, np.ndarray]:

@@ -35,6 +35,8 @@ class PolicyProfile:
     """Tensors the policy cut into more slices than it was given."""
     plan_seconds: float
     """Time of the callback calls plus validation."""
+    max_shard_size: int | None = None
+    """The policy's size limit per shard (its ``max_shard_size``), if it has one."""
 
     @property
     def num_shards(self) -> int:
@@ -108,9 +110,15 @@ def profile(
                 num_tensors=len(tensors),
                 num_split=split,
                 plan_seconds=seconds,
+                max_shard_size=_limit(callback),
             )
         )
     return out
+
+
+def _limit(callback: ShardingCallback) -> int | None:
+    limit = getattr(callback, "max_shard_size", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def _policy_name(callback: ShardingCallback) -> str:
@@ -173,30 +181,62 @@ def format_table(profiles: Sequence[PolicyProfile]) -> str:
     return "\n".join(lines)
 
 
-def plot_shard_sizes(profiles: Sequence[PolicyProfile], path: str | Path) -> None:
-    """Write a PNG bar chart: one panel per policy, one bar per shard (MiB)."""
+def plot_shard_sizes(
+    profiles: Sequence[PolicyProfile], path: str | Path, *, title: str | None = None
+) -> Any:
+    """Write a PNG bar chart: one panel per policy, one bar per shard (MiB); return the Figure.
+
+    All panels share one y-scale, so shard sizes compare across policies; shard numbers are
+    integer ticks; a dashed line marks a policy's size limit when it is within the plotted
+    range (a limit far above every shard, like the default policy's 5 GB, is named in the panel
+    title instead). `title` heads the figure (e.g. the model's name).
+    """
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
+        from matplotlib.ticker import FixedLocator, MaxNLocator
     except ImportError:
         raise MissingDependencyError(
             "plotting shard sizes needs matplotlib: pip install shardkit[plot]"
         ) from None
     # Figure without pyplot: no global state, no GUI backend; savefig renders with Agg.
     n = max(1, len(profiles))
-    fig = Figure(figsize=(8.0, 1.0 + 2.2 * n), layout="constrained")
-    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    fig = Figure(figsize=(8.0, 1.0 + 2.2 * n + (0.4 if title else 0.0)), layout="constrained")
+    axes = fig.subplots(n, 1, squeeze=False, sharey=True)[:, 0]
+    if title:
+        fig.suptitle(title)
     if not profiles:
         axes[0].text(0.5, 0.5, "no policies", ha="center", va="center")
         axes[0].set_axis_off()
+    largest = max((p.max_bytes for p in profiles), default=0)
+    # A limit up to twice the largest shard is drawn; beyond, it would flatten every bar.
+    drawn = {
+        p.name: p.max_shard_size
+        for p in profiles
+        if p.max_shard_size is not None and p.max_shard_size <= 2 * max(largest, 1)
+    }
+    top = max([largest, *drawn.values()]) / 2**20 * 1.08 or 1.0
     for ax, p in zip(axes, profiles):
         ax.bar(range(p.num_shards), [b / 2**20 for b in p.shard_bytes], width=0.8)
+        limit = ""
+        if p.name in drawn:
+            ax.axhline(drawn[p.name] / 2**20, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"limit {human_size(drawn[p.name])}")
+            ax.legend(loc="upper right", fontsize=8)
+        elif p.max_shard_size is not None:
+            limit = f", limit {human_size(p.max_shard_size)} (off scale)"
         ax.set_title(
             f"{p.name}: {p.num_shards} shard{'' if p.num_shards == 1 else 's'}, "
-            f"max {human_size(p.max_bytes)}, imbalance {p.imbalance:.2f}",
+            f"max {human_size(p.max_bytes)}, imbalance {p.imbalance:.2f}{limit}",
             fontsize=9,
         )
         ax.set_ylabel("MiB")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, top)
+        # Integer shard numbers: every shard up to 12, else integer steps.
+        ax.xaxis.set_major_locator(
+            FixedLocator(range(p.num_shards)) if p.num_shards <= 12
+            else MaxNLocator(integer=True)
+        )
+        ax.set_xlim(-0.6, max(p.num_shards, 1) - 0.4)
     axes[-1].set_xlabel("shard")
     fig.savefig(path, format="png", dpi=100)
+    return fig

@@ -1,3 +1,4 @@
+import argparse
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from shardkit.models import synthetic_state
 from shardkit.tensors import flatten
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ALL_POLICIES = ["by-task", "max-shard-size", "all-in-one", "bin-pack", "balanced"]
+ALL_POLICIES = ["default", "by-task", "max-shard-size", "all-in-one", "bin-pack", "balanced"]
 
 
 def _rows(out: str) -> dict[str, list[str]]:
@@ -120,7 +121,7 @@ def test_plan_size_and_count_options_feed_policies_without_arguments(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--policy", "nope"], "unknown policy 'nope' in 'nope'; known: by-task"),
+        (["--policy", "nope"], "unknown policy 'nope' in 'nope'; known: default, by-task"),
         (["--policy", "by-task:3"], "policy 'by-task' takes no argument, got 'by-task:3'"),
         (
             ["--policy", "balanced:x"],
@@ -275,5 +276,95 @@ def test_multi_line_errors_are_printed_on_one_line(capsys, monkeypatch):
 def test_python_dash_m_shardkit_without_command_is_a_usage_error():
     proc = _run()
     assert proc.returncode == 2
-    assert proc.stderr.startswith("usage: shardkit [-h] {demo,plan,inspect,verify}")
+    assert proc.stderr.startswith("usage: shardkit [-h] [--version] {demo,plan,inspect,verify}")
     assert "the following arguments are required: command" in proc.stderr
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"shardkit {shardkit.__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["demo", "plan", "inspect", "verify"])
+def test_every_subcommand_help_has_a_description(capsys, command):
+    from shardkit.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"demo", "plan", "inspect", "verify"}
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    description = sub.choices[command].description
+    assert description and len(description) > 40
+    assert description.splitlines()[0] in out
+
+
+def test_unknown_dtype_lists_the_valid_ones(capsys):
+    assert main(["plan", "--model", "llm-tiny", "--dtype", "float33"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardkit: error: unknown dtype 'float33'; valid dtypes: ")
+    for name in ("float32", "bfloat16", "float8_e4m3fn", "int8", "uint64", "bool"):
+        assert name in err
+    assert err.count("\n") == 1
+
+
+def test_default_policy_is_listed_first_in_plan(capsys):
+    assert main(["plan", "--model", "llm-small"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert next(iter(rows)) == "default"
+    assert rows["default"][0] == "2"  # 300 MiB: one shard per writer thread (2 on 2 cores)
+    assert "default: shardkit default: near-equal shards" in out
+    assert main(["plan", "--model", "llm-tiny", "--policy", "default:3"]) == 1
+    assert "policy 'default' takes no argument" in capsys.readouterr().err
+
+
+def test_plot_shares_y_scale_integer_ticks_limit_line_and_title(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the [plot] extra) is not installed")
+    from shardkit.cli import make_policy
+    from shardkit.profiling import plot_shard_sizes, profile
+
+    state = synthetic_state("llm-small")
+    defaults = {"max_shard_size": 32 * 2**20, "num_shards": 8}
+    names = ["default", "all-in-one", "bin-pack", "balanced:3"]
+    profiles = profile(state, {n: make_policy(n, defaults) for n in names})
+    png = tmp_path / "sizes.png"
+    fig = plot_shard_sizes(profiles, png, title="shard sizes of model llm-small (float32)")
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    axes = fig.axes
+    assert len(axes) == 4
+    assert fig.get_suptitle() == "shard sizes of model llm-small (float32)"
+    ylims = {ax.get_ylim() for ax in axes}
+    assert len(ylims) == 1  # one y-scale
+    (bottom, top), = ylims
+    assert bottom == 0 and top >= 300  # the 300 MiB all-in-one shard fits every panel
+    for ax, p in zip(axes, profiles):
+        ticks = ax.get_xticks()
+        assert len(ticks) >= 1
+        assert all(float(t).is_integer() for t in ticks), (p.name, ticks)
+        assert [round(b.get_height(), 3) for b in ax.patches] == [
+            round(b / 2**20, 3) for b in p.shard_bytes
+        ]
+        horizontal = [ln for ln in ax.get_lines() if len(set(ln.get_ydata())) == 1]
+        if p.name == "bin-pack":  # its 32 MiB limit is drawn
+            assert [ln.get_ydata()[0] for ln in horizontal] == [32.0]
+        else:  # no limit (all-in-one, balanced), or far off scale (default: 5 GB)
+            assert horizontal == []
+    assert "limit 4.7 GiB (off scale)" in axes[0].get_title()
+    assert axes[1].get_title().startswith("all-in-one: 1 shard,")
+
+
+def test_plan_plot_names_the_model(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib", reason="matplotlib (the [plot] extra) is not installed")
+    from shardkit import cli
+
+    seen = {}
+    real = cli.plot_shard_sizes
+
+    def spy(profiles, path, **kwargs):
+        seen["fig"] = real(profiles, path, **kwargs)
+        return seen["fig"]
+
+    monkeypatch.setattr(cli, "plot_shard_sizes", spy)
+    assert main(["plan", "--model", "llm-tiny", "--plot", str(tmp_path / "p.png")]) == 0
+    assert seen["fig"].get_suptitle() == "shard sizes of model llm-tiny (float32)"

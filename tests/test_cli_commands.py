@@ -64,3 +64,91 @@ def test_verify_ok_and_corrupt(checkpoint, capsys):
 def test_verify_missing_checkpoint(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "nope")]) == 1
     assert "no checkpoint at" in capsys.readouterr().err
+
+
+def test_inspect_has_column_headers(checkpoint, capsys):
+    assert main(["inspect", str(checkpoint)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shards = lines.index("shards:")
+    assert lines[shards + 1].split() == ["#", "file", "task", "codec", "size"]
+    assert lines[shards + 2].lstrip().split()[:2] == ["[0]", "shard-00000-of-00003.safetensors"]
+    tensors = lines.index("tensors:")
+    assert lines[tensors + 1].split() == ["key", "dtype", "shape", "slice", "size", "shard", "/",
+                                          "entry"]
+    header = lines[tensors + 1]
+    first = lines[tensors + 2]
+    assert first.split()[0] == "a"
+    # Columns line up under their headers.
+    assert first.index("F32") == header.index("dtype")
+    assert first.index("[10, 10]") == header.index("shape")
+
+
+def _inspect_into(checkpoint, consumer):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import shardkit
+
+    env = {**os.environ, "PYTHONPATH": str(Path(shardkit.__file__).parents[1])}
+    cmd = f"{sys.executable} -m shardkit inspect {checkpoint} | {consumer}"
+    return subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True,
+                          env=env, timeout=120)
+
+
+@pytest.mark.parametrize("consumer", ["head -c 10", "head -1"])
+def test_inspect_into_a_closed_pipe_is_quiet(tmp_path, consumer):
+    path = tmp_path / "many"
+    # Enough rows that the output outgrows the pipe's buffer: the writes hit the closed pipe.
+    save(path, {f"t{i:05d}": np.zeros(1, np.float32) for i in range(20_000)})
+    proc = _inspect_into(path, consumer)
+    assert proc.stderr == b""
+    assert proc.returncode == 141  # the pipeline's status: shardkit's, as if ended by SIGPIPE
+    assert proc.stdout.startswith(str(path).encode()[:10])
+
+
+def test_inspect_into_an_open_pipe_exits_0(checkpoint):
+    proc = _inspect_into(checkpoint, "cat")
+    assert proc.returncode == 0 and proc.stderr == b""
+    assert b"tensors:" in proc.stdout
+
+
+def test_demo_lists_the_default_policy(tmp_path, capsys):
+    assert main(["demo", "--model", "llm-tiny", "--dir", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "\ndefault (save's) " in out
+    assert "default (save's): shardkit default: near-equal shards" in out
+
+
+def test_demo_shows_progress_on_stderr(tmp_path, capsys):
+    assert main(["demo", "--model", "llm-tiny", "--dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    for phase in ("building", "saving", "verifying", "restoring", "restoring zstd"):
+        assert f"{phase}: 100%" in captured.err, phase
+    assert captured.err.count("saving: 100%") == 2  # raw and zstd
+    assert "100%" not in captured.out
+
+
+def test_demo_holds_no_second_copy_of_the_state(tmp_path, monkeypatch):
+    import io
+    import tracemalloc
+
+    from shardkit import demo
+    from shardkit.models import state_nbytes
+
+    monkeypatch.setattr(demo, "_GROUP_BYTES", 16 * 2**20)  # at least 16 MiB per group
+    total = state_nbytes("llm-small")
+    tracemalloc.start()
+    try:
+        demo.run_demo(io.StringIO(), model="llm-small", directory=str(tmp_path), progress=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # The state itself, plus a group's decompressed zstd tensors and buffers: not a copy.
+    assert peak < 1.5 * total, f"traced peak {peak / 2**20:.0f} MiB, state {total / 2**20:.0f} MiB"
+
+
+def test_demo_unknown_dtype(tmp_path, capsys):
+    assert main(["demo", "--model", "llm-tiny", "--dtype", "nope", "--dir", str(tmp_path)]) == 1
+    assert "unknown dtype 'nope'; valid dtypes: float64, float32" in capsys.readouterr().err

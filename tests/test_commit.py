@@ -328,3 +328,63 @@ def test_published_directory_has_the_usual_mode(tmp_path):
     finally:
         os.umask(old_umask)
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("kind", ["data-dir", "foreign-index", "file", "symlink"])
+def test_no_overwrite_hint_where_overwrite_would_refuse(tmp_path, kind):
+    # Without overwrite=True, a target that overwrite=True would also refuse gets the reason,
+    # never the advice to pass overwrite=True.
+    target = tmp_path / "target"
+    if kind == "data-dir":
+        target.mkdir()
+        (target / "precious.txt").write_text("keep me")
+    elif kind == "foreign-index":
+        target.mkdir()
+        (target / "index.json").write_text(json.dumps({"weight_map": {}}))
+    elif kind == "file":
+        target.write_text("not a checkpoint")
+    else:
+        real = tmp_path / "real"
+        _save(real, "one")
+        target.symlink_to(real)
+    with pytest.raises(CheckpointExistsError) as info:
+        commit.stage(target, overwrite=False, durable=False)
+    message = str(info.value)
+    assert "pass overwrite=True" not in message
+    assert "Remove it or choose another path" in message
+    assert os.path.lexists(target)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "empty-dir"])
+def test_overwrite_hint_where_overwrite_would_replace(tmp_path, kind):
+    target = tmp_path / "target"
+    if kind == "checkpoint":
+        _save(target, "one")
+    else:
+        target.mkdir()
+    with pytest.raises(CheckpointExistsError, match="already exists; pass overwrite=True"):
+        commit.stage(target, overwrite=False, durable=False)
+
+
+def test_no_overwrite_hint_for_data_created_meanwhile(tmp_path):
+    target = tmp_path / "ckpt"
+    with pytest.raises(CheckpointExistsError) as info:
+        with commit.stage(target, overwrite=False, durable=False) as staging:
+            target.mkdir()  # someone else's data appears while this save runs
+            (target / "precious.txt").write_text("keep me")
+            staging.commit(INDEX)
+    assert "pass overwrite=True" not in str(info.value)
+    assert "refusing to replace it even with overwrite=True" in str(info.value)
+    assert (target / "precious.txt").read_text() == "keep me"
+
+
+def test_save_into_a_data_directory_gives_no_overwrite_hint(tmp_path):
+    import numpy as np
+
+    import shardkit
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointExistsError) as info:
+        shardkit.save(tmp_path / "data", {"w": np.zeros(3)})
+    assert "overwrite=True" in str(info.value) and "pass overwrite=True" not in str(info.value)

@@ -1,10 +1,13 @@
 """Packaging promises: no framework imported, a loud error without the build, stubs shipped."""
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 import shardkit
 
@@ -88,3 +91,101 @@ def test_typing_files_ship():
     assert (PACKAGE / "py.typed").is_file()
     for module in ("_sizes", "_packing", "_gather", "_shuffle"):
         assert (PACKAGE / "_kernels" / f"{module}.pyi").is_file(), module
+
+
+ROOT = PACKAGE.parent
+needs_checkout = pytest.mark.skipif(
+    not (ROOT / "setup.py").is_file(), reason="needs the source checkout (setup.py)"
+)
+
+_READ_SETUP = """
+    import json, os, sys
+    import Cython.Build, setuptools
+    from setuptools.dist import Distribution
+    captured = {}
+    Cython.Build.cythonize = lambda exts, **kw: (captured.update(cythonize=kw), exts)[1]
+    setuptools.setup = lambda **kw: captured.update(kw)
+    sys.argv = ["setup.py"]
+    namespace = {"__name__": "setup", "__file__": "setup.py"}
+    exec(compile(open("setup.py").read(), "setup.py", "exec"), namespace)
+    cmd = captured["cmdclass"]["build_ext"](Distribution({"ext_modules": captured["ext_modules"]}))
+    cmd.initialize_options()
+    cmd.ensure_finalized()
+    print(json.dumps({
+        "parallel": cmd.parallel,
+        "cpus": os.cpu_count(),
+        "nthreads": captured["cythonize"].get("nthreads"),
+        "force": captured["cythonize"].get("force"),
+        "boundscheck": captured["cythonize"]["compiler_directives"]["boundscheck"],
+        "exts": {e.name.rsplit(".", 1)[1]: [e.sources, e.extra_compile_args, e.define_macros]
+                 for e in captured["ext_modules"]},
+    }))
+"""
+
+
+def _read_setup(debug: bool) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "SHARDKIT_CYTHON_DEBUG"}
+    if debug:
+        env["SHARDKIT_CYTHON_DEBUG"] = "1"
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_READ_SETUP)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@needs_checkout
+def test_release_build_is_parallel_without_debug_info():
+    setup = _read_setup(debug=False)
+    cpus = setup["cpus"]
+    assert setup["parallel"] == cpus  # one compile job per CPU unless -j says otherwise
+    assert setup["nthreads"] == (cpus if cpus > 1 else 0)
+    assert setup["force"] is False and setup["boundscheck"] is False
+    exts = setup["exts"]
+    assert set(exts) == {"_gather", "_packing", "_shuffle", "_sizes", "_table", "_views"}
+    for name, (sources, flags, macros) in exts.items():
+        assert flags[0] == "-g0", name  # after Python's own -g: no debug info
+        assert flags[1] == ("-O3" if name in {"_gather", "_packing", "_shuffle", "_table"}
+                            else "-O2"), name
+        # The xxHash dispatcher is compiled once, into the one kernel that hashes.
+        dispatch = [s for s in sources if "xxh_x86dispatch" in s]
+        x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+        assert len(dispatch) == (1 if name == "_gather" and x86 else 0), name
+        if name != "_gather":
+            assert ["SHARDKIT_XXH_DISPATCH", "1"] not in macros, name
+
+
+@needs_checkout
+def test_debug_build_keeps_checks_and_debug_info():
+    setup = _read_setup(debug=True)
+    assert setup["force"] is True and setup["boundscheck"] is True
+    assert all(flags == ["-O0", "-g"] for _, flags, _ in setup["exts"].values())
+
+
+@needs_checkout
+def test_sdist_ships_the_licenses_and_changelog(tmp_path):
+    import tarfile
+
+    out = subprocess.run(
+        [sys.executable, "-c",
+         f"from setuptools import build_meta; print(build_meta.build_sdist({str(tmp_path)!r}))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    sdist = tmp_path / out.stdout.split()[-1]
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        pkg_info = tar.extractfile(f"{sdist.name[: -len('.tar.gz')]}/PKG-INFO").read().decode()
+    assert {"LICENSE", "CHANGELOG.md", "csrc/xxhash/LICENSE", "setup.py"} <= names
+    assert "License-Expression: Apache-2.0" in pkg_info
+    assert "License-File: LICENSE" in pkg_info
+
+
+def test_license_is_apache_2():
+    if not (ROOT / "LICENSE").is_file():
+        pytest.skip("needs the source checkout")
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("Copyright 2026 the shardkit authors\n")
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
