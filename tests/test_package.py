@@ -143,7 +143,7 @@ def test_release_build_is_parallel_without_debug_info():
     assert setup["nthreads"] == (cpus if cpus > 1 else 0)
     assert setup["force"] is False and setup["boundscheck"] is False
     exts = setup["exts"]
-    assert set(exts) == {"_gather", "_packing", "_shuffle", "_sizes", "_table", "_views"}
+    assert set(exts) == {"_gather", "_mmap", "_packing", "_shuffle", "_sizes", "_table", "_views"}
     for name, (sources, flags, macros) in exts.items():
         assert flags[0] == "-g0", name  # after Python's own -g: no debug info
         assert flags[1] == ("-O3" if name in {"_gather", "_packing", "_shuffle", "_table"}
