@@ -1,0 +1,486 @@
+"""Mutation fuzzing of checkpoint files: the mutators, and a runner that reads each mutant
+through every reader entry point in a forked child of a small server process.
+
+The server (`python fuzzing.py serve SEEDS_DIR`) imports shardkit once, then forks one child per
+mutant, so a crash, a hang or a runaway allocation costs one child, never the test process, and
+each child starts from the same clean state. The child classifies every entry point's outcome:
+
+- ``error``: a ShardkitError subclass was raised (the wanted answer to a corrupt file);
+- ``equal``: the data returned equals the original, byte for byte;
+- ``silent``: wrong data returned while no checksum was consulted (acceptable, counted);
+- anything else is a failure: ``foreign`` (another exception), ``wrong_after_verify`` (wrong
+  data after verify passed or from a verifying read), ``crash`` (killed by a signal), ``hang``
+  (over the time limit), ``memory`` (peak RSS growth over the cap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import resource
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MEMORY_CAP = 1 << 30  # peak RSS growth a child may show
+# seconds a child may take for all entry points of one mutant
+TIMEOUT = float(os.environ.get("SHARDKIT_FUZZ_TIMEOUT", "30"))
+FAILURES = ("foreign", "wrong_after_verify", "crash", "hang", "memory")
+
+# --- seeds --------------------------------------------------------------------------------------
+
+
+def seed_state() -> dict[str, np.ndarray]:
+    """A small state with every kind of entry: dtypes of each item size, 0-d, empty, split."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(7)
+    return {
+        "model/dense/kernel": rng.standard_normal((24, 16)).astype(np.float32),
+        "model/dense/bias": rng.standard_normal(16).astype(np.float32),
+        "model/embed": rng.standard_normal((40, 8)).astype(ml_dtypes.bfloat16),
+        "model/ids": rng.integers(-(2**40), 2**40, 9, dtype=np.int64),
+        "model/mask": rng.integers(0, 2, (3, 5)).astype(bool),
+        "model/q8": rng.integers(-128, 127, 33, dtype=np.int8),
+        "step": np.array(1234, np.int64),
+        "lr": np.array(0.125, np.float64),
+        "empty": np.zeros((0, 3), np.uint16),
+    }
+
+
+def make_seeds(root: Path) -> dict[str, Path]:
+    """Checkpoints written by shardkit itself: raw (tensors split over several shards by
+    MaxShardSizePolicy) and zstd (small chunks, so entries span chunks and chunks hold pieces of
+    several entries)."""
+    import shardkit
+
+    state = seed_state()
+    root.mkdir(parents=True, exist_ok=True)
+    np.savez(root / "original.npz", **{k.replace("/", "|"): _storable(v) for k, v in
+                                        state.items()})
+    seeds = {"raw": root / "raw", "zstd": root / "zstd"}
+    policy = shardkit.MaxShardSizePolicy(max_shard_size=1024)
+    shardkit.save(seeds["raw"], state, sharding_callback=policy, durable=False)
+    shardkit.save(seeds["zstd"], state, sharding_callback=shardkit.MaxShardSizePolicy(4096),
+                  compression="zstd", chunk_size=256, durable=False)
+    return seeds
+
+
+def _storable(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+
+def load_original(root: Path) -> dict[str, np.ndarray]:
+    import ml_dtypes
+
+    with np.load(root / "original.npz") as z:
+        out = {k.replace("|", "/"): z[k] for k in z.files}
+    out["model/embed"] = out["model/embed"].view(ml_dtypes.bfloat16)
+    return out
+
+
+# --- mutators (pure: bytes in, bytes out) -------------------------------------------------------
+
+HOSTILE_JSON = [
+    "1" + "0" * 5000,  # past Python's int-string limit
+    "-1",
+    "18446744073709551616",  # 2**64
+    "9223372036854775808",  # 2**63
+    "-9223372036854775809",
+    "1.5",
+    "1e400",
+    "true",
+    "null",
+    '"x"',
+    '""',
+    "[]",
+    "{}",
+    '"' + "a" * 200_000 + '"',
+    "[" * 20_000 + "]" * 20_000,  # deep nesting
+    '{"a":' * 5_000 + "1" + "}" * 5_000,
+    '"\\ud800"',  # a lone surrogate
+    '"../../etc/passwd"',
+    '"/dev/zero"',
+    "[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0]",
+    "[4294967296,4294967296,4294967296]",
+]
+
+
+def bit_flips(data: bytes, rnd: random.Random, lo: int = 0, hi: int | None = None) -> bytes:
+    hi = len(data) if hi is None else hi
+    if hi <= lo:
+        return data
+    out = bytearray(data)
+    for _ in range(rnd.choice((1, 1, 2, 8))):
+        i = rnd.randrange(lo, hi)
+        out[i] ^= 1 << rnd.randrange(8)
+    return bytes(out)
+
+
+def overwrite(data: bytes, rnd: random.Random, lo: int = 0, hi: int | None = None) -> bytes:
+    hi = len(data) if hi is None else hi
+    if hi <= lo:
+        return data
+    at = rnd.randrange(lo, hi)
+    n = min(hi - at, rnd.choice((1, 4, 8, 16)))
+    fill = rnd.choice((b"\x00", b"\xff", None))
+    new = fill * n if fill is not None else rnd.randbytes(n)
+    return data[:at] + new + data[at + n :]
+
+
+def truncate(data: bytes, rnd: random.Random) -> bytes:
+    return data[: rnd.randrange(0, max(1, len(data)))]
+
+
+def extend(data: bytes, rnd: random.Random) -> bytes:
+    return data + rnd.choice((b"\x00", b" ", rnd.randbytes(1))) * rnd.choice((1, 7, 8, 4096))
+
+
+def json_paths(node: Any, path: tuple = ()) -> list[tuple]:
+    """Every path to a value in a parsed JSON document."""
+    out = [path]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out.extend(json_paths(v, (*path, k)))
+    elif isinstance(node, list):
+        for i, v in enumerate(node[:64]):
+            out.extend(json_paths(v, (*path, i)))
+    return out
+
+
+def json_edit(text: bytes, rnd: random.Random) -> bytes:
+    """Parse, change one value (a hostile literal, a deletion, a duplicate key, a type swap)
+    and print again; the hostile literal is spliced in as text, since some cannot be built."""
+    doc = json.loads(text)
+    path = rnd.choice(json_paths(doc))
+    marker = "\x00HOSTILE\x00"
+    how = rnd.randrange(6)
+    parent = _at(doc, path[:-1]) if path else None
+    literal = rnd.choice(HOSTILE_JSON)
+    if how == 0 or not path:
+        if not path:
+            return literal.encode()
+        parent[path[-1]] = marker
+    elif how == 1:  # delete
+        if isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent.pop(path[-1])
+        literal = None
+    elif how == 2 and isinstance(parent, dict):  # duplicate key: the same name again, later
+        parent[path[-1] + marker] = marker
+        literal = None
+    elif how == 3:  # a value of another container type wrapping the old one
+        parent[path[-1]] = [parent[path[-1]]] if rnd.random() < 0.5 else {"v": parent[path[-1]]}
+        literal = None
+    elif how == 4:  # a number nudged by one, or a string changed by one character
+        v = parent[path[-1]]
+        if isinstance(v, bool) or v is None:
+            parent[path[-1]] = not v
+        elif isinstance(v, int):
+            parent[path[-1]] = v + rnd.choice((-1, 1, 8, -8, 2**32))
+        elif isinstance(v, str):
+            parent[path[-1]] = v[:-1] + rnd.choice("0aZ/:, ") if v else "x"
+        else:
+            parent[path[-1]] = marker
+    else:
+        parent[path[-1]] = marker
+    out = json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+    if how == 2:
+        out = out.replace(marker + '":"' + marker + '"', '":0')
+    if literal is not None:
+        out = out.replace('"' + marker + '"', literal)
+    return out.encode("utf-8", "surrogatepass")
+
+
+def _at(doc: Any, path: tuple) -> Any:
+    for p in path:
+        doc = doc[p]
+    return doc
+
+
+# --- file structure helpers ---------------------------------------------------------------------
+
+
+def safetensors_parts(data: bytes) -> tuple[int, bytes, bytes]:
+    """(header length, header text, rest) of a raw shard."""
+    (n,) = struct.unpack_from("<Q", data)
+    return n, data[8 : 8 + n], data[8 + n :]
+
+
+def with_header(text: bytes, rest: bytes) -> bytes:
+    text += b" " * (-(len(text) + 8) % 8)
+    return struct.pack("<Q", len(text)) + text + rest
+
+
+SKZ_PREAMBLE = 40
+
+
+def skz_parts(data: bytes) -> dict[str, int]:
+    """Byte offsets of the parts of a .skz shard (docs/FORMAT.md section 6)."""
+    (frames,) = struct.unpack_from("<Q", data, 24)
+    (n,) = struct.unpack_from("<Q", data, SKZ_PREAMBLE)
+    table = SKZ_PREAMBLE + 8 + n
+    check = table + 32 * frames
+    return {"header": SKZ_PREAMBLE + 8, "header_end": table, "table": table, "check": check,
+            "frames": check + 8}
+
+
+def reseal_skz(data: bytes) -> bytes:
+    """Recompute the header checksum, so a mutation reaches the checks behind it."""
+    import xxhash
+
+    try:
+        p = skz_parts(data)
+    except struct.error:
+        return data
+    if p["check"] + 8 > len(data) or p["check"] < 0:
+        return data
+    digest = xxhash.xxh3_64_intdigest(data[: p["check"]])
+    return data[: p["check"]] + struct.pack("<Q", digest) + data[p["check"] + 8 :]
+
+
+def set_recorded_size(index: bytes, name: str, size: int) -> bytes:
+    """index.json with shard `name`'s recorded byte count set to `size`."""
+    doc = json.loads(index)
+    for s in doc["shardkit"]["shards"]:
+        if s["file"] == name:
+            s["bytes"] = size
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def copy_checkpoint(seed: Path, dest: Path) -> None:
+    shutil.copytree(seed, dest)
+
+
+# --- the child: every reader entry point on one mutant ------------------------------------------
+
+
+def _index_forms(shape: tuple[int, ...]) -> list[Any]:
+    if not shape:
+        return [(), Ellipsis]
+    forms: list[Any] = [Ellipsis, (slice(1, None, 2),), (0,) if shape[0] else (slice(0, 0),)]
+    if len(shape) > 1:
+        forms.append((slice(None), slice(None, None, -3)))
+    return forms
+
+
+def _same(got: dict[str, np.ndarray], original: dict[str, np.ndarray]) -> bool:
+    if list(got) != list(original) and set(got) != set(original):
+        return False
+    for k, a in original.items():
+        b = np.asarray(got[k])
+        if b.dtype != a.dtype or b.shape != a.shape or b.tobytes() != a.tobytes():
+            return False
+    return True
+
+
+def run_entry_points(path: str, original: dict[str, np.ndarray]) -> dict[str, str]:
+    """Outcome of each reader entry point on the checkpoint at `path` (see module docstring)."""
+    import shardkit
+    from shardkit import cli
+    from shardkit.errors import ShardkitError
+
+    outcomes: dict[str, str] = {}
+    verified = False
+
+    def attempt(name: str, fn: Any, checks: bool = False) -> None:
+        nonlocal verified
+        try:
+            got = fn()
+        except ShardkitError:
+            outcomes[name] = "error"
+            return
+        except BaseException as e:
+            outcomes[name] = f"foreign: {type(e).__name__}: {str(e)[:300]}"
+            return
+        if got is None:
+            outcomes[name] = "equal"
+            if name == "verify":
+                verified = True
+            return
+        if _same(got, original):
+            outcomes[name] = "equal"
+        elif checks or verified:
+            outcomes[name] = "wrong_after_verify"
+        else:
+            outcomes[name] = "silent"
+
+    def verify() -> None:
+        with shardkit.open(path) as r:
+            r.verify()
+
+    def reader_reads(mmap: bool) -> dict[str, np.ndarray]:
+        with shardkit.open(path, mmap=mmap) as r:
+            got = {k: np.array(r[k]) for k in r.keys()}
+            for k in r.keys():
+                info = r.info(k)
+                for form in _index_forms(info.shape):
+                    part = np.array(r.get_slice(k, form))
+                    if k in original:
+                        want = original[k][form]
+                        if part.shape != want.shape or part.tobytes() != want.tobytes():
+                            got[k] = part  # a wrong slice: report it as wrong data
+        return got
+
+    def restore() -> dict[str, np.ndarray]:
+        targets = {k: np.zeros_like(a) for k, a in original.items()}
+        shardkit.restore_into(path, targets)
+        return targets
+
+    def cli_run(*args: str) -> None:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main([*args, path])
+        if code not in (0, 1):
+            raise RuntimeError(f"shardkit {args[0]} exited {code}")
+        if code == 1:
+            raise ShardkitError("reported by the command")
+
+    attempt("verify", verify)
+    attempt("load", lambda: shardkit.load(path))
+    attempt("load_pread", lambda: shardkit.load(path, mmap=False))
+    attempt("load_verify", lambda: shardkit.load(path, verify=True), checks=True)
+    attempt("load_verify_pread", lambda: shardkit.load(path, verify=True, mmap=False),
+            checks=True)
+    attempt("reader", lambda: reader_reads(True))
+    attempt("reader_pread", lambda: reader_reads(False))
+    attempt("restore_into", restore)
+    attempt("cli_inspect", lambda: cli_run("inspect"))
+    attempt("cli_verify", lambda: cli_run("verify"))
+    return outcomes
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _child(path: str, original: dict[str, np.ndarray], out_fd: int) -> None:
+    # A hostile file must not take the machine's memory: cap the address space well above
+    # what a legitimate read of these small checkpoints needs.
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * MEMORY_CAP, resource.RLIM_INFINITY))
+    start = _rss()
+    outcomes = run_entry_points(path, original)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    outcomes["_rss_growth"] = str(max(0, peak - start))
+    os.write(out_fd, json.dumps(outcomes).encode() + b"\n")
+
+
+def serve(seeds: Path) -> None:
+    """Read mutant paths from stdin, one per line; print one JSON result per line."""
+    import shardkit  # noqa: F401  (imported once, before any fork)
+
+    original = load_original(seeds)
+    for seed in ("raw", "zstd"):  # warm up: every lazy import and first-use cost, paid once
+        run_entry_points(str(seeds / seed), original)
+    for line in sys.stdin:
+        path = line.strip()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            os.close(r)
+            code = 0
+            try:
+                if path == "!segv":  # the harness's own check: a crash is seen as one
+                    os.kill(os.getpid(), signal.SIGSEGV)
+                if path == "!sleep":
+                    time.sleep(TIMEOUT + 5)
+                _child(path, original, w)
+            except BaseException:
+                code = 3
+            os._exit(code)
+        os.close(w)
+        result = _wait(pid, r)
+        os.close(r)
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+
+
+def _wait(pid: int, r: int) -> dict[str, Any]:
+    deadline = time.monotonic() + TIMEOUT
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return {"_status": "hang"}
+        ready, _, _ = select.select([r], [], [], min(left, 0.5))
+        if ready:
+            chunk = os.read(r, 1 << 16)
+            if chunk:
+                data += chunk
+                continue
+            break  # EOF: the child is done or dead
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return {"_status": f"crash: signal {os.WTERMSIG(status)}"}
+    if not data:
+        return {"_status": f"crash: exit {os.WEXITSTATUS(status)} without a result"}
+    result = json.loads(data)
+    result["_status"] = "done"
+    return result
+
+
+class FuzzServer:
+    """The parent's handle on a `serve` process."""
+
+    def __init__(self, seeds: Path, timeout: float = TIMEOUT) -> None:
+        env = dict(os.environ, SHARDKIT_FUZZ_TIMEOUT=str(timeout))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "serve", str(seeds)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
+        )
+
+    def run(self, path: Path | str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{path}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fuzz server died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    """The failures in one mutant's result (empty when it passed)."""
+    status = result.get("_status", "")
+    if status != "done":
+        return [status]
+    out = [f"{name}: {o}" for name, o in result.items()
+           if not name.startswith("_") and o not in ("error", "equal", "silent")]
+    growth = int(result.get("_rss_growth", 0))
+    if growth > MEMORY_CAP:
+        out.append(f"memory: peak RSS grew by {growth >> 20} MiB")
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    serve(Path(sys.argv[2]))
