@@ -321,10 +321,14 @@ def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
     """A host numpy array for `value` and the device it came from (None for host memory)."""
     if type(value) is np.ndarray:
         array, dev = value, None
-    elif _is_torch(value):
-        array, dev = _torch_to_host(value)
-    elif _is_jax(value):
-        array, dev = _jax_to_host(value)
+    elif _is_torch(value) or _is_jax(value):
+        framework = "torch" if _is_torch(value) else "jax"
+        try:
+            array, dev = (_torch_to_host if framework == "torch" else _jax_to_host)(value)
+        except Exception as e:  # sparse or meta tensors, deleted or unaddressable arrays...
+            raise UnsupportedDTypeError(
+                f"{key!r}: cannot copy this {framework} {type(value).__name__} to a host array: "
+                f"{e}") from e
     else:
         try:
             array, dev = np.asarray(value), None
@@ -332,17 +336,34 @@ def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
             raise UnsupportedDTypeError(
                 f"{key!r}: cannot convert {type(value).__name__} to an array: {e}"
             ) from e
+        if array.dtype.kind in "OUSV" and not isinstance(value, (np.ndarray, np.generic)):
+            raise UnsupportedDTypeError(_not_a_tensor(key, value))
     dt = array.dtype
     if dt.byteorder == ">":
         if not is_supported(dt):
             raise UnsupportedDTypeError(f"{key!r}: dtype {dt} cannot be stored")
         array = array.astype(dt.newbyteorder("<"))
     elif not is_supported(dt):
+        hint = "; strings and objects go in metadata=" if dt.kind in "OUSV" else ""
         raise UnsupportedDTypeError(
             f"{key!r}: dtype {dt} cannot be stored (supported: bool, (u)int8-64, float16/32/64, "
-            "bfloat16, float8_e4m3fn, float8_e5m2)"
+            f"bfloat16, float8_e4m3fn, float8_e5m2){hint}"
         )
     return array, dev
+
+
+def _not_a_tensor(key: str, value: Any) -> str:
+    """Why a Python value that is not numeric data cannot be a tensor, and where it can go."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (f"{key!r}: int {value} does not fit in 64 bits; store it as a float, or in "
+                "save(..., metadata={...})")
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    name = type(value).__name__
+    what = "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({shown})"
+    return (f"{key!r}: {what} is not an array or a number, so it cannot be a tensor; "
+            "put it in save(..., metadata={...}), which takes JSON values (str, numbers, bools, "
+            "None, lists, dicts)")
 
 
 def _is_torch(value: Any) -> bool:

@@ -94,3 +94,61 @@ def test_torch_tensors_become_host_views():
     assert by_key["s"].shape == () and float(by_key["s"].tensor) == 2.5
     bf0 = shardable_tensors({"x": torch.tensor(1.5, dtype=torch.bfloat16)})[0]
     assert bf0.shape == () and float(bf0.tensor) == 1.5
+
+
+@pytest.mark.parametrize(("value", "what"), [
+    ("hello", "a str ('hello')"),
+    (None, "None"),
+    (b"ab", "a bytes (b'ab')"),
+    (object(), "an object (<object object at"),
+    ({1, 2}, "a set ({1, 2})"),
+    ("x" * 100, "a str ('" + "x" * 36 + "...)"),
+])
+def test_non_array_values_are_refused_pointing_to_metadata(value, what):
+    with pytest.raises(UnsupportedDTypeError) as info:
+        shardable_tensors({"cfg": {"v": value}})
+    message = str(info.value)
+    assert message.startswith(f"'cfg/v': {what}")
+    assert "is not an array or a number" in message and "metadata=" in message
+
+
+def test_list_of_strings_names_the_item():
+    with pytest.raises(UnsupportedDTypeError, match=r"^'tags/1': a str \('b'\)"):
+        shardable_tensors({"tags": [np.ones(1), "b"]})
+
+
+def test_int_too_large_for_64_bits():
+    for big in (2**64, -(2**63) - 1):
+        with pytest.raises(UnsupportedDTypeError, match=rf"^'n': int {big} does not fit in 64"):
+            shardable_tensors({"n": big})
+    by_key = {t.checkpoint_key: t for t in shardable_tensors({"a": 2**64 - 1, "b": -(2**63)})}
+    assert by_key["a"].dtype == np.uint64 and by_key["b"].dtype == np.int64
+
+
+def test_string_and_object_arrays_point_to_metadata():
+    for array in (np.array(["x"]), np.array([None]), np.str_("x")):
+        with pytest.raises(UnsupportedDTypeError, match=r"cannot be stored .*go in metadata="):
+            shardable_tensors({"s": array})
+    with pytest.raises(UnsupportedDTypeError) as info:
+        shardable_tensors({"c": np.zeros(1, np.complex64)})
+    assert "metadata" not in str(info.value)  # numbers, not objects: no such hint
+
+
+def test_torch_tensors_without_host_data_are_a_shardkit_error():
+    torch = pytest.importorskip("torch")
+    cases = [(torch.ones(2).to_sparse(), "Sparse"), (torch.empty(2, device="meta"), "meta")]
+    for tensor, reason in cases:
+        with pytest.raises(UnsupportedDTypeError, match=rf"^'t': cannot copy this torch Tensor "
+                           rf"to a host array: .*{reason}"):
+            shardable_tensors({"t": tensor})
+
+
+def test_save_refuses_a_string_before_writing(tmp_path):
+    import shardkit
+
+    with pytest.raises(shardkit.ShardkitError, match=r"'name': a str \('run'\).*metadata="):
+        shardkit.save(tmp_path / "ckpt", {"w": np.ones(2), "name": "run"})
+    assert list(tmp_path.iterdir()) == []
+    shardkit.save(tmp_path / "ckpt", {"w": np.ones(2)}, metadata={"name": "run"})
+    with shardkit.open(tmp_path / "ckpt") as reader:
+        assert reader.metadata == {"name": "run"}
