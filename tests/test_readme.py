@@ -1,9 +1,15 @@
-"""Every ```python block of README.md runs, in order, in one namespace, in a temp directory."""
+"""README.md: every ```python block runs on its own, in a fresh interpreter in a temp directory
+(a block that defines ``test_`` functions is run by pytest, as a reader would run it); a block
+whose first line is ``# needs: torch, ...`` is skipped, saying so, only when one of those packages
+is missing. The quick-start commands, .ci/run and the extras the README names are checked too."""
 
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -12,22 +18,86 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+# what a `# needs:` line may name -> the module to import and the extra that installs it
+NEEDS = {"torch": ("torch", "torch"), "jax": ("jax", "jax"), "matplotlib": ("matplotlib", "plot"),
+         "pytest-benchmark": ("pytest_benchmark", "pytest")}
+
+
+def python_blocks() -> list[tuple[int, str]]:
+    """(line number in README.md, code) of every ```python block."""
+    text = README.read_text()
+    return [(text.count("\n", 0, m.start()) + 2, m[1])
+            for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S)]
+
+
+def needs(code: str) -> list[str]:
+    first = code.split("\n", 1)[0]
+    return [n.strip() for n in first.split(":", 1)[1].split(",")] if first.startswith(
+        "# needs:") else []
 
 
 def test_readme_has_examples():
     assert len(python_blocks()) >= 3
 
 
-def test_readme_examples_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "readme"}
-    for i, block in enumerate(python_blocks()):
-        try:
-            exec(compile(block, f"README.md block {i}", "exec"), namespace)
-        except Exception as e:  # pragma: no cover - the message is the point
-            raise AssertionError(f"README python block {i} failed: {e!r}\n{block}") from e
+def test_needs_lines_name_known_packages_and_their_extras():
+    """Every optional package a block needs is one the README tells the reader to install."""
+    text = README.read_text()
+    named = {n for _, code in python_blocks() for n in needs(code)}
+    assert named >= {"torch", "pytest-benchmark"}
+    for line, code in python_blocks():
+        imported = set(re.findall(r"^(?:import|from) (\w+)", code, flags=re.M))
+        used = {n for n, (module, _) in NEEDS.items() if module in imported}
+        if "checkpoint_benchmark" in code:
+            used.add("pytest-benchmark")
+        assert used <= set(needs(code)), f"README block at line {line}: add '# needs: {used}'"
+    for name in named:
+        assert name in NEEDS, f"unknown package in a '# needs:' line: {name}"
+        assert f'pip install "shardkit[{NEEDS[name][1]}]"' in text, name
+
+
+def test_readme_extras_exist():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    named = set(re.findall(r'"shardkit\[(\w+)\]"|"\.\[(\w+)\]"', README.read_text()))
+    named_extras = {a or b for a, b in named}
+    assert named_extras >= {"torch", "jax", "plot", "pytest", "test", "bench"}
+    assert named_extras <= set(extras)
+    for package, (_, extra) in NEEDS.items():
+        assert any(dep.startswith(package) for dep in extras[extra]), (package, extra)
+
+
+def plugin_args() -> list[str]:
+    """Load shardkit's pytest plugin by name when it is not installed (no entry point)."""
+    try:
+        dist = metadata.distribution("shardkit")
+    except metadata.PackageNotFoundError:
+        return ["-p", "shardkit.pytest_plugin"]
+    return [] if any(ep.group == "pytest11" for ep in dist.entry_points) else [
+        "-p", "shardkit.pytest_plugin"]
+
+
+@pytest.mark.parametrize("line_code", python_blocks(), ids=lambda b: f"line{b[0]}")
+def test_readme_block_runs_alone(tmp_path, line_code):
+    line, code = line_code
+    missing = [n for n in needs(code) if importlib.util.find_spec(NEEDS[n][0]) is None]
+    if missing:
+        pytest.skip(f"README block at line {line} needs {', '.join(missing)} (not installed)")
+    is_test = re.search(r"^def test_", code, flags=re.M) is not None
+    script = tmp_path / ("test_readme_block.py" if is_test else "readme_block.py")
+    script.write_text(code)
+    command = ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args(),
+                script.name] if is_test else [sys.executable, script.name])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (
+        f"README block at line {line} failed on its own:\n{code}\n{done.stdout}\n{done.stderr}")
+    if is_test:
+        assert re.search(r"\b[1-9]\d* passed\b", done.stdout) and "skipped" not in done.stdout, (
+            done.stdout)
 
 
 def bash_blocks() -> list[str]:
