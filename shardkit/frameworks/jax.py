@@ -1,9 +1,10 @@
 """numpy arrays -> jax arrays. Always a copy: jax arrays are immutable and live on a device.
 
-``jax.device_put`` copies each array to the target device (jax's default device when none is
-given). jax holds bfloat16 and float8 as the same ml_dtypes numpy does, so every dtype passes
-as it is. 64-bit dtypes need jax's 64-bit mode; without it jax would silently store them as 32
-bits, so they are refused instead (UnsupportedDTypeError naming the key).
+``jax.device_put(..., may_alias=False)`` copies each array to the target device (jax's default
+device when none is given), never aliasing the map. jax holds bfloat16 and float8 as the same
+ml_dtypes numpy does, so every dtype passes as it is. 64-bit dtypes need jax's 64-bit mode;
+without it jax would silently store them as 32 bits, so they are refused instead
+(UnsupportedDTypeError naming the key).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def converter(device: Any = None) -> Any:
                 f"{key!r}: dtype {dtype} needs jax's 64-bit mode, or jax stores it as "
                 f"{np.dtype(canonical)}: enable it (jax.config.update('jax_enable_x64', True)) "
                 "or load it with framework='numpy'")
-        return jax.device_put(array, target)
+        return jax.device_put(array, target, may_alias=False)  # never the map itself
 
     return convert
 
