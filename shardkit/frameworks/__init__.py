@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
+from ..tensors import _gc_paused
 
 FRAMEWORKS: tuple[str, ...] = ("numpy", "torch", "jax")
 """The values of ``framework=``: "numpy" (the default), "torch", "jax"."""
@@ -67,10 +68,11 @@ def to_framework(array: np.ndarray, framework: str = "numpy", device: Any = None
 
 
 def convert_all(arrays: Mapping[str, np.ndarray], conv: Converter | None) -> dict[str, Any]:
-    """Every array of `arrays` through `conv` (the same dict back when `conv` is None)."""
+    """Every array of `arrays` through `conv`, in order (the same arrays when `conv` is None)."""
     if conv is None:
         return dict(arrays)
-    return {key: conv(array, key) for key, array in arrays.items()}
+    with _gc_paused():  # tens of thousands of new tensors: one GC pass at the end
+        return dict(zip(arrays, map(conv, arrays.values(), arrays)))
 
 
 __all__ = ["FRAMEWORKS", "Converter", "convert_all", "converter", "to_framework"]

@@ -26,24 +26,30 @@ _REINTERPRET: dict[np.dtype, tuple[np.dtype, torch.dtype]] = {
 }
 
 
-def from_numpy(array: np.ndarray) -> torch.Tensor:
-    """A CPU tensor over `array`'s memory (a copy only when torch cannot share it)."""
-    if not array.flags.writeable or (array.ndim and min(array.strides) < 0):
+def from_numpy(array: np.ndarray, key: str = "") -> torch.Tensor:
+    """A CPU tensor over `array`'s memory (a copy only when torch cannot share it: read-only
+    memory, negative strides). `key` is unused (the converter signature)."""
+    if not array.flags.writeable:
         array = array.copy()
     special = _REINTERPRET.get(array.dtype)
-    if special is None:
-        return torch.from_numpy(array)
-    return torch.from_numpy(array.view(special[0])).view(special[1])
+    try:
+        if special is None:
+            return _from_numpy(array)
+        return _from_numpy(array.view(special[0])).view(special[1])
+    except ValueError:  # "At least one stride in the given numpy array is negative"
+        if array.ndim and min(array.strides) < 0:
+            return from_numpy(array.copy())
+        raise
+
+
+_from_numpy = torch.from_numpy
 
 
 def converter(device: Any = None) -> Any:
     """The array -> tensor function for `device` (None, "cpu", a str or a torch.device)."""
     target = _device(device)
     if target is None:
-        def on_cpu(array: np.ndarray, key: str = "") -> torch.Tensor:
-            return from_numpy(array)
-
-        return on_cpu
+        return from_numpy  # per tensor: one call, no wrapper
 
     def on_device(array: np.ndarray, key: str = "") -> torch.Tensor:
         return from_numpy(array).to(target)
