@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby, repeat
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import xxhash
@@ -66,6 +66,7 @@ from .format import (
     TensorInfo,
     decode_index,
 )
+from .frameworks import convert_all, converter
 from .slices import SliceSpec, parse_slice_spec
 from .slicing import (
     MAX_PIECES,
@@ -258,13 +259,26 @@ class CheckpointReader:
 
     # -- reading
 
-    def get(self, key: str) -> np.ndarray:
-        """The whole tensor `key` (ml_dtypes arrays for bfloat16 / float8)."""
+    @overload
+    def get(self, key: str, *, framework: Literal["numpy"] = ..., device: Any = ...
+            ) -> np.ndarray: ...
+    @overload
+    def get(self, key: str, *, framework: str, device: Any = ...) -> Any: ...
+
+    def get(self, key: str, *, framework: str = "numpy", device: Any = None) -> Any:
+        """The whole tensor `key` (ml_dtypes arrays for bfloat16 / float8).
+
+        `framework` ("numpy", "torch", "jax"; see `shardkit.frameworks`) and `device` return it
+        as that framework's tensor: torch shares the array's memory on the CPU, jax copies.
+        ``reader[key]`` is always a numpy array.
+        """
+        conv = converter(framework, device)  # checked before anything is read
         self._begin_read()
         try:
-            return self._get(key)
+            array = self._get(key)
         finally:
             self._end_read()
+        return array if conv is None else conv(array, key)
 
     def _get_many(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
         """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
@@ -430,18 +444,28 @@ class CheckpointReader:
                 target[r0:r1] = part
         return out
 
-    def get_slice(self, key: str, index: Any) -> np.ndarray:
+    @overload
+    def get_slice(self, key: str, index: Any, *, framework: Literal["numpy"] = ...,
+                  device: Any = ...) -> np.ndarray: ...
+    @overload
+    def get_slice(self, key: str, index: Any, *, framework: str, device: Any = ...
+                  ) -> Any: ...
+
+    def get_slice(self, key: str, index: Any, *, framework: str = "numpy",
+                  device: Any = None) -> Any:
         """``full_tensor[index]`` for a numpy basic index (ints, slices with steps, ``...``,
         None), reading only the needed bytes of the stored slices that intersect it.
 
         The result is a (writable) view of the private map when it comes from one raw entry and
-        `mmap` is on, else a new array.
+        `mmap` is on, else a new array; `framework` and `device` as for `get`.
         """
+        conv = converter(framework, device)  # checked before anything is read
         self._begin_read()
         try:
-            return self._get_slice(key, index)
+            array = self._get_slice(key, index)
         finally:
             self._end_read()
+        return array if conv is None else conv(array, key)
 
     def _get_slice(self, key: str, index: Any) -> np.ndarray:
         t = self._tensor(key)
@@ -949,6 +973,16 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
     return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks)
 
 
+@overload
+def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
+         mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
+         device: Any = ...) -> dict[str, np.ndarray]: ...
+@overload
+def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
+         mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
+         device: Any = ...) -> dict[str, Any]: ...
+
+
 def load(
     path: str | os.PathLike[str],
     keys: Sequence[str] | None = None,
@@ -956,7 +990,9 @@ def load(
     verify: bool = False,
     mmap: bool = True,
     follow_symlinks: bool = False,
-) -> dict[str, np.ndarray]:
+    framework: str = "numpy",
+    device: Any = None,
+) -> dict[str, Any]:
     """Read `keys` (default: all, in saved order) into a flat dict key -> array.
 
     With `mmap` whole raw tensors are views of private (copy-on-write) maps of the shards: they
@@ -964,7 +1000,15 @@ def load(
     checks the checksums of the loaded entries first. A single str `keys` is one key. When
     the checkpoint is replaced while it is being read, the load starts again (up to
     LOAD_ATTEMPTS times), so the result is always all of one checkpoint.
+
+    `framework` returns each value as a tensor of that framework instead of a numpy array
+    (`shardkit.frameworks.FRAMEWORKS`: "numpy", the default, "torch" or "jax"),
+    on `device` (torch: a str or torch.device, "cpu" by default; jax: a jax Device, Sharding or
+    platform string, jax's default device by default). torch tensors on the CPU share the
+    loaded memory (writable, copy-on-write: in-place ops never reach the files); jax arrays
+    are immutable copies. Framework and device are checked before anything is read.
     """
+    conv = converter(framework, device)  # checked before anything is read
     if isinstance(keys, str):
         keys = [keys]
     if keys is not None:
@@ -978,8 +1022,10 @@ def load(
                 reader._open_shards(keys)  # right after the index: the window for a replace
                 if verify:
                     reader.verify(keys)
-                return reader._get_many(keys)
+                arrays = reader._get_many(keys)
+            return arrays if conv is None else convert_all(arrays, conv)
         except CheckpointReplacedError:
             if attempt == LOAD_ATTEMPTS:
                 raise
     raise AssertionError("unreachable")
+
