@@ -37,7 +37,6 @@ from ._threads import WorkerPool
 from .dtypes import numpy_dtype
 from .errors import (
     CheckpointFormatError,
-    CheckpointNotFoundError,
     CheckpointReplacedError,
     ChecksumError,
     CorruptHeaderError,
@@ -50,22 +49,21 @@ from .errors import (
     UnknownCodecError,
 )
 from .files import (
+    CheckpointDirectory,
     FilePool,
     directory_identity,
+    locate,
     open_directory,
-    open_file,
     open_shard_file,
-    read_whole,
 )
 from .format import (
-    INDEX_FILE,
-    MAX_INDEX_BYTES,
     CheckpointIndex,
     EntryLayout,
     SliceInfo,
     TensorInfo,
-    decode_index,
 )
+from .formats import SHARDKIT, FormatAdapter
+from .formats import read_index as read_layout
 from .slices import SliceSpec, parse_slice_spec
 from .slicing import (
     MAX_PIECES,
@@ -129,10 +127,20 @@ class VerifyReport:
 
     checked: int
     problems: list[Problem]
+    checksums_stored: bool = True
+    """False when the checkpoint records no checksum at all (a HuggingFace or single
+    safetensors layout, or a save without checksums): only its structure was checked."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def summary(self) -> str:
+        """What was checked, in words (``shardkit verify`` prints it)."""
+        if not self.checksums_stored:
+            return "no checksums stored: structure checked only"
+        return f"{self.checked} entries checked"
 
     def error(self) -> CheckpointFormatError:
         """One exception for all the problems: the first one's class, every problem a line."""
@@ -180,15 +188,19 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self._mmap = bool(mmap)
         self._follow = bool(follow_symlinks)
-        self._dir_fd = open_directory(self.path)
+        self._dir_path, single = locate(self.path)  # a .safetensors file: its directory
+        self._dir_fd = open_directory(self._dir_path)
         self._dir_closer = weakref.finalize(self, os.close, self._dir_fd)
+        self._files = FilePool(MAX_OPEN_FILES)
         try:
-            self.index: CheckpointIndex = _read_index(self.path, self._dir_fd, self._follow)
+            self.layout, self._manifest, self.index = _read_index(
+                CheckpointDirectory(self._dir_path, self._dir_fd, self._follow, self._files),
+                single)
         except BaseException:
             self._dir_closer()
             raise
-        self._files = FilePool(MAX_OPEN_FILES)
-        self._shard_paths = [os.path.join(self.path, s.file) for s in self.index.shards]
+        self._manifest_path = os.path.join(self._dir_path, self._manifest)
+        self._shard_paths = [os.path.join(self._dir_path, s.file) for s in self.index.shards]
         self._sources: dict[int, ShardSource] = {}
         self._specs: dict[str, list[SliceSpec]] = {}
         self._lock = threading.Lock()
@@ -204,6 +216,11 @@ class CheckpointReader:
                 raise
 
     # -- mapping-like API
+
+    @property
+    def format(self) -> str:
+        """The layout read: "shardkit", "huggingface" or "safetensors" (`shardkit.formats`)."""
+        return self.layout.name
 
     @property
     def generation(self) -> str | None:
@@ -535,7 +552,8 @@ class CheckpointReader:
             by_shard.setdefault(index.slice_shard[j], []).append(j)
         names = index.entry_names()
         shapes = index.slice_shapes()
-        index_path = os.path.join(self.path, INDEX_FILE)
+        index_path = self._manifest_path
+        manifest = self._manifest
         for i, js in sorted(by_shard.items()):
             src = self._sources.get(i) or self._verify_source(i, index_path, problems, opened)
             if src is None:
@@ -586,9 +604,10 @@ class CheckpointReader:
                     what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
                             else f"checksum of entry {entry.name!r}")
                     problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
-                                     f"xxh3 {recorded} ({INDEX_FILE})", found,
+                                     f"xxh3 {recorded} ({manifest})", found,
                                      ChecksumError)] = None
-        return VerifyReport(checked, list(problems))
+        return VerifyReport(checked, list(problems),
+                            any(x is not None for x in index.slice_xxh3))
 
     def _verify_source(self, i: int, index_path: str, problems: dict[Problem, None],
                        opened: list[ShardSource]) -> ShardSource | None:
@@ -601,7 +620,7 @@ class CheckpointReader:
             opener = _opener(info.codec, path)
             file = self._open_shard(i)  # the reader's directory handle, its symlink rule
         except MissingShardError:
-            problems[Problem(path, None, "shard file", f"a file ({INDEX_FILE} lists it)",
+            problems[Problem(path, None, "shard file", f"a file ({self._manifest} lists it)",
                              "no such file", MissingShardError)] = None
             return None
         except UnknownCodecError as e:
@@ -620,7 +639,7 @@ class CheckpointReader:
         except CheckpointFormatError as e:
             file.close()
             if size != info.bytes:
-                problems[Problem(path, None, "file size", f"{info.bytes} bytes ({INDEX_FILE})",
+                problems[Problem(path, None, "file size", f"{info.bytes} bytes ({self._manifest})",
                                  f"{size} bytes", TruncatedShardError if size < info.bytes
                                  else CheckpointFormatError)] = None
             else:
@@ -716,7 +735,10 @@ class CheckpointReader:
                 file = self._open_shard(i)
                 try:
                     if opener is RawShard:
-                        src = RawShard(path, info, mmap=self._mmap, expected=self._expected(i),
+                        # a foreign layout's headers are in any order: no writer's header to
+                        # recognise, parse it
+                        expected = self._expected(i) if self.layout is SHARDKIT else None
+                        src = RawShard(path, info, mmap=self._mmap, expected=expected,
                                        file=file)
                     else:
                         src = opener(path, info, mmap=self._mmap, file=file)
@@ -765,7 +787,7 @@ class CheckpointReader:
         try:
             if os.fstat(self._dir_fd).st_nlink == 0:
                 return True
-            st = os.stat(self.path)
+            st = os.stat(self._dir_path)
         except OSError:
             return True
         return (st.st_dev, st.st_ino) != directory_identity(self._dir_fd)
@@ -803,9 +825,10 @@ class CheckpointReader:
             key, spec = index.keys[index.slice_tensor[j]], index.slice_spec[j]
             where = f"{src.path}: entry {name!r} (key {key!r}, slice {spec!r})"
             if entry is None:
-                raise CorruptHeaderError(f"{where} is listed in {INDEX_FILE} but not in the shard")
+                raise CorruptHeaderError(
+                    f"{where} is listed in {self._manifest} but not in the shard")
             raise CorruptHeaderError(
-                f"{where} does not match {INDEX_FILE}: expected dtype {dtype_name} shape "
+                f"{where} does not match {self._manifest}: expected dtype {dtype_name} shape "
                 f"{list(shape)}, the shard has dtype {entry.dtype_name} shape "
                 f"{list(entry.shape)}"
             )
@@ -884,26 +907,12 @@ class CheckpointReader:
             return self._pool
 
 
-def _read_index(path: str, dir_fd: int, follow_symlinks: bool) -> CheckpointIndex:
-    """index.json of the checkpoint directory `dir_fd` (at `path`), decoded."""
-    index_path = os.path.join(path, INDEX_FILE)
-    try:
-        fd, st = open_file(INDEX_FILE, index_path, INDEX_FILE, dir_fd=dir_fd,
-                           follow_symlinks=follow_symlinks)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {path}: {INDEX_FILE} is missing (an unfinished save leaves no "
-            "index; the directory is not a complete shardkit checkpoint)"
-        ) from None
-    try:
-        if st.st_size > MAX_INDEX_BYTES:
-            raise CorruptIndexError(
-                f"{index_path}: {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit"
-            )
-        data = read_whole(fd, st.st_size, index_path, INDEX_FILE)
-    finally:
-        os.close(fd)
-    return decode_index(data, index_path)
+def _read_index(directory: CheckpointDirectory, single: str | None
+                ) -> tuple[FormatAdapter, str, CheckpointIndex]:
+    """The entry table of the checkpoint in `directory` (or of its one file `single`): the
+    format adapter `shardkit.formats.detect` picks decodes it. Returns (adapter, the file the
+    table comes from, the table)."""
+    return read_layout(directory, single)
 
 
 _dtype_name_of = operator.attrgetter("dtype_name")
