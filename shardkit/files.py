@@ -188,6 +188,13 @@ class CheckpointFile:
                 self._users -= 1
                 pool._trim()
 
+    def stamp(self) -> tuple[int, int, int, int]:
+        """(device, inode, size, mtime in ns) of the open file now: equal stamps mean a
+        header parsed earlier is still the file's (`formats.ParsedHeader`)."""
+        with self as fd:
+            st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
     def map(self) -> Any:
         """The whole file mapped copy-on-write (a writable buffer that holds no descriptor)."""
         with self as fd:

@@ -62,7 +62,7 @@ from .format import (
     SliceInfo,
     TensorInfo,
 )
-from .formats import SHARDKIT, FormatAdapter
+from .formats import SHARDKIT, FormatAdapter, ParsedHeader
 from .formats import read_index as read_layout
 from .slices import SliceSpec, parse_slice_spec
 from .slicing import (
@@ -192,10 +192,13 @@ class CheckpointReader:
         self._dir_fd = open_directory(self._dir_path)
         self._dir_closer = weakref.finalize(self, os.close, self._dir_fd)
         self._files = FilePool(MAX_OPEN_FILES)
+        # shard headers a foreign layout's adapter parsed already: used on first read when the
+        # file is still the one parsed (same stamp), not parsed twice
+        self._headers: dict[int, ParsedHeader] = {}
         try:
             self.layout, self._manifest, self.index = _read_index(
                 CheckpointDirectory(self._dir_path, self._dir_fd, self._follow, self._files),
-                single)
+                single, self._headers)
         except BaseException:
             self._dir_closer()
             raise
@@ -738,8 +741,12 @@ class CheckpointReader:
                         # a foreign layout's headers are in any order: no writer's header to
                         # recognise, parse it
                         expected = self._expected(i) if self.layout is SHARDKIT else None
+                        parsed = self._headers.pop(i, None)
+                        header = None
+                        if parsed is not None and file.stamp() == parsed.stamp:
+                            header = parsed.entries, parsed.metadata, parsed.data_start
                         src = RawShard(path, info, mmap=self._mmap, expected=expected,
-                                       file=file)
+                                       file=file, header=header)
                     else:
                         src = opener(path, info, mmap=self._mmap, file=file)
                 except BaseException:
@@ -907,12 +914,13 @@ class CheckpointReader:
             return self._pool
 
 
-def _read_index(directory: CheckpointDirectory, single: str | None
+def _read_index(directory: CheckpointDirectory, single: str | None,
+                headers: dict[int, ParsedHeader] | None = None
                 ) -> tuple[FormatAdapter, str, CheckpointIndex]:
     """The entry table of the checkpoint in `directory` (or of its one file `single`): the
     format adapter `shardkit.formats.detect` picks decodes it. Returns (adapter, the file the
     table comes from, the table)."""
-    return read_layout(directory, single)
+    return read_layout(directory, single, headers)
 
 
 _dtype_name_of = operator.attrgetter("dtype_name")

@@ -488,3 +488,22 @@ def test_bad_header_json(hf_dir):
     _raw_file(hf_dir / "model-00002-of-00002.safetensors",
               {"c": {"dtype": "I64", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 24)
     _raises(hf_dir, EntryLayoutError, "entry 'c'")
+
+
+def test_headers_parsed_on_open_are_not_parsed_again(hf_dir, monkeypatch):
+    import shardkit.sources
+
+    def parse_again(*args, **kwargs):
+        raise AssertionError("header parsed a second time")
+
+    monkeypatch.setattr(shardkit.sources, "read_safetensors_header", parse_again)
+    for mmap in (True, False):
+        got = shardkit.load(hf_dir, mmap=mmap)
+        assert got["a"].tolist() == [0, 1, 2, 3] and got["b"].tolist() == [[1, 1], [1, 1]]
+    # a shard whose stamp (inode, size, mtime) changed since the open is parsed again
+    with shardkit.open(hf_dir) as r:
+        shard = hf_dir / "model-00002-of-00002.safetensors"
+        shard.write_bytes(shard.read_bytes())  # same bytes, new mtime
+        os.utime(shard, ns=(1, 1))
+        with pytest.raises(AssertionError, match="parsed a second time"):
+            r["c"]

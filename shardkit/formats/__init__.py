@@ -28,7 +28,7 @@ import orjson
 from ..errors import CheckpointNotFoundError
 from ..files import CheckpointDirectory
 from ..format import INDEX_FILE, MAX_INDEX_BYTES, CheckpointIndex
-from .base import FormatAdapter
+from .base import FormatAdapter, ParsedHeader
 from .huggingface import HUGGINGFACE, SAFETENSORS
 from .shardkit import SHARDKIT
 
@@ -70,11 +70,14 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
     )
 
 
-def read_index(directory: CheckpointDirectory, single: str | None = None
+def read_index(directory: CheckpointDirectory, single: str | None = None,
+               headers: dict[int, ParsedHeader] | None = None
                ) -> tuple[FormatAdapter, str, CheckpointIndex]:
-    """`detect`, then the adapter's table: (adapter, the file it came from, the index)."""
+    """`detect`, then the adapter's table: (adapter, the file it came from, the index); the
+    shard headers the adapter parsed on the way go into `headers`."""
     found = detect(directory, single)
-    return found.adapter, found.name, found.adapter.read_index(directory, found.name, found.data)
+    index = found.adapter.read_index(directory, found.name, found.data, headers)
+    return found.adapter, found.name, index
 
 
 def _is_shardkit(data: bytes) -> bool:
@@ -91,5 +94,5 @@ def _is_shardkit(data: bytes) -> bool:
 
 __all__ = [
     "HF_INDEX_FILE", "HF_SINGLE_FILE", "HUGGINGFACE", "MANIFEST_NAMES", "SAFETENSORS",
-    "SHARDKIT", "Detected", "FormatAdapter", "detect", "read_index",
+    "SHARDKIT", "Detected", "FormatAdapter", "ParsedHeader", "detect", "read_index",
 ]

@@ -12,6 +12,7 @@ shard the weight_map does not put it in. Nothing is checksummed (``slice_xxh3`` 
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 from ..errors import CorruptHeaderError, CorruptIndexError
@@ -29,24 +30,25 @@ from ..format import (
 )
 from ..keys import check_keys
 from ..tensors import DEFAULT_DEVICE
-from .base import FormatAdapter
+from .base import FormatAdapter, ParsedHeader
 
 RAW = "raw"
+_data_order = attrgetter("begin", "end", "order_index")
 
 
 def _shard_header(directory: CheckpointDirectory, file: str, listed_in: str
-                  ) -> tuple[list[EntryLayout], dict[str, str], int]:
-    """The entries of safetensors file `file` in data-region order, its ``__metadata__`` and
-    its size; the header is checked in full (`format.read_safetensors_header`)."""
+                  ) -> tuple[list[EntryLayout], int, ParsedHeader]:
+    """The entries of safetensors file `file` in data-region order, its size, and the parsed
+    header; the header is checked in full (`format.read_safetensors_header`)."""
     f = directory.open_shard(file, listed_in)
     try:
         with f as fd:
-            entries, metadata, _ = read_safetensors_header(fd, f.size, f.path)
-        size = f.size
+            entries, metadata, data_start = read_safetensors_header(fd, f.size, f.path)
+        stamp = f.stamp()
     finally:
         f.close()
-    ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end, e.order_index))
-    return ordered, metadata, size
+    ordered = sorted(entries.values(), key=_data_order)
+    return ordered, f.size, ParsedHeader(entries, metadata, data_start, stamp)
 
 
 def _table(files: list[str], sizes: list[int], keys: list[str], dtypes: list[str],
@@ -67,11 +69,14 @@ class SafetensorsFile(FormatAdapter):
     description = "safetensors file"
     checksums = False
 
-    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None
-                   ) -> CheckpointIndex:
+    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
+                   headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:
         path = directory.join(name)
         check_shard_file_name(name, path)
-        entries, metadata, size = _shard_header(directory, name, name)
+        entries, size, parsed = _shard_header(directory, name, name)
+        if headers is not None:
+            headers[0] = parsed
+        metadata = parsed.metadata
         keys = [e.name for e in entries]
         check_keys(keys, error=CorruptHeaderError, where=f"{path}: ")
         return _table([name], [size], keys, [e.dtype_name for e in entries],
@@ -87,8 +92,8 @@ class HuggingFaceSharded(FormatAdapter):
     description = "HuggingFace sharded safetensors checkpoint"
     checksums = False
 
-    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None
-                   ) -> CheckpointIndex:
+    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
+                   headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:
         assert data is not None
         path = directory.join(name)
         err = CorruptIndexError
@@ -118,7 +123,9 @@ class HuggingFaceSharded(FormatAdapter):
         shard_of: list[int] = []
         sizes: list[int] = []
         for i, file in enumerate(files):
-            entries, _, size = _shard_header(directory, file, name)
+            entries, size, parsed = _shard_header(directory, file, name)
+            if headers is not None:
+                headers[i] = parsed
             sizes.append(size)
             for e in entries:
                 owner = weight_map.get(e.name)

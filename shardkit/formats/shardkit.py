@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..files import CheckpointDirectory
 from ..format import CheckpointIndex, decode_index
-from .base import FormatAdapter
+from .base import FormatAdapter, ParsedHeader
 
 
 class ShardkitFormat(FormatAdapter):
@@ -12,8 +12,8 @@ class ShardkitFormat(FormatAdapter):
     description = "shardkit checkpoint"
     checksums = True
 
-    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None
-                   ) -> CheckpointIndex:
+    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
+                   headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:
         assert data is not None
         return decode_index(data, directory.join(name))
 
