@@ -170,7 +170,12 @@ class KeyInfo:
 
 
 class CheckpointReader:
-    """Read a checkpoint directory lazily; use as a context manager.
+    """Read a checkpoint lazily; use as a context manager.
+
+    `path` is a shardkit checkpoint directory, a HuggingFace one (``model.safetensors.index.json``
+    + shards, or just ``model.safetensors``) or a ``.safetensors`` file: `shardkit.formats`
+    detects the layout (`format`) and its adapter builds the entry table; everything below is
+    the same for all. Foreign layouts store no checksums (`verify` checks their structure).
 
     ``reader[key]`` / `get` return the whole tensor (a view of the private map when it is one
     raw entry and `mmap` is on; otherwise a new array). `get_slice` reads a numpy basic index of
