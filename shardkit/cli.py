@@ -6,9 +6,13 @@ OSError) for failures; `main` turns those into a one-line message and exit code 
 
     shardkit demo [--model llm-small] [--dtype float32] [--dir DIR]
     shardkit plan --model llm-1b [--policy NAME[:ARG]]... [--max-shard-size 1GiB] [--num-shards 8]
-    shardkit plan FILE.safetensors|FILE.npz [--plot sizes.png]
+    shardkit plan FILE.safetensors|FILE.npz|CHECKPOINT [--plot sizes.png]
     shardkit inspect CHECKPOINT
     shardkit verify CHECKPOINT
+
+CHECKPOINT is anything the reader opens: a shardkit checkpoint, a HuggingFace sharded
+directory (model.safetensors.index.json) or unsharded one (model.safetensors), or a
+.safetensors file.
     shardkit --version
 """
 
@@ -111,7 +115,9 @@ def _add_plan_parser(sub: Any) -> None:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "file", nargs="?", metavar="FILE", help="a .safetensors or .npz file to plan for"
+        "file", nargs="?", metavar="FILE",
+        help="a .safetensors or .npz file, or a checkpoint directory (shardkit's or "
+        "HuggingFace's), to plan for"
     )
     source.add_argument("--model", metavar="NAME", help="a built-in synthetic model (see below)")
     p.add_argument("--dtype", help="dtype of the built-in model (default: float32)")
@@ -147,6 +153,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         source = f"model {args.model} ({dtype})"
     elif args.dtype is not None:
         args.parser.error("--dtype applies to built-in models (--model) only")
+    elif os.path.isdir(args.file) or args.file.endswith(".safetensors"):
+        state = _stored_shapes(args.file)
+        source = args.file
     else:
         state = load_state_file(args.file, materialize=False)
         source = args.file
@@ -167,6 +176,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plot_shard_sizes(profiles, args.plot, title=f"shard sizes of {source}")
         print(f"\nplot written to {args.plot}")
     return 0
+
+
+def _stored_shapes(path: str) -> dict[str, Any]:
+    """Untouched arrays of the dtypes and shapes stored at `path` (anything the reader opens;
+    only its index and headers are read)."""
+    from .dtypes import numpy_dtype
+    from .errors import CheckpointFormatError
+    from .models import _carve
+    from .reader import open_checkpoint
+
+    try:
+        with open_checkpoint(path) as reader:
+            index = reader.index
+            specs = list(zip(index.keys, index.shapes))
+            return _carve(specs, [numpy_dtype(d) for d in index.dtypes])
+    except CheckpointFormatError as e:
+        if os.path.isdir(path):
+            raise
+        raise type(e)(f"{path!r}: not a readable safetensors file: {e}") from None
 
 
 def auto_max_shard_size(total_bytes: int) -> int:
@@ -267,7 +295,9 @@ def _add_inspect_parser(sub: Any) -> None:
         description=(
             "Print a checkpoint's format version, sharding callback and user metadata, a table\n"
             "of its shard files (task, codec, size) and a table of its tensors (dtype, shape,\n"
-            "stored slices, size, the shard each slice is in). Reads index.json only."
+            "stored slices, size, the shard each slice is in). Reads the index only (and, for\n"
+            "HuggingFace and safetensors layouts, which have no dtypes in their index, the\n"
+            "shard headers)."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -281,10 +311,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with open_checkpoint(args.path) as reader:
         index = reader.index
         total = sum(s.bytes for s in index.shards)
-        print(f"{args.path}: format {index.version}, {len(reader)} tensors, "
-              f"{len(index.shards)} shards, {human_size(total)}")
-        print(f"callback: {index.callback}")
-        print(f"generation: {index.generation or 'none (format 2.0)'}")
+        if reader.format == "shardkit":
+            print(f"{args.path}: format {index.version}, {len(reader)} tensors, "
+                  f"{len(index.shards)} shards, {human_size(total)}")
+            print(f"callback: {index.callback}")
+            print(f"generation: {index.generation or 'none (format 2.0)'}")
+        else:
+            print(f"{args.path}: {reader.layout.description}, {len(reader)} tensors, "
+                  f"{len(index.shards)} shards, {human_size(total)}")
+            print("checksums: none stored (the format has none)")
         if index.user_metadata:
             print(f"metadata: {index.user_metadata}")
         print("\nshards:")
@@ -352,20 +387,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except (CorruptIndexError, UnsupportedVersionError) as e:
         index_path = os.path.join(args.path, INDEX_FILE)
         message = " ".join(str(e).split())
-        if message.startswith(index_path + ": "):
-            message = message[len(index_path) + 2 :]
-        problems = [Problem(index_path, None, INDEX_FILE, "a valid shardkit index", message)]
-        checked = tensors = 0
+        named, sep, rest = message.partition(": ")
+        if sep and named.startswith(os.path.join(args.path, "")):  # the manifest found
+            index_path, message = named, rest
+        name = os.path.basename(index_path)
+        problems = [Problem(index_path, None, name, "a valid index", message)]
+        checked, tensors = "", 0
     else:
         with reader:
             report = reader.verify_report()
-        problems, checked, tensors = report.problems, report.checked, len(reader)
+        problems, tensors = report.problems, len(reader)
+        checked = report.summary
     if problems:
         for p in problems:
             print(f"CORRUPT: {p}", file=sys.stderr)
         print(f"{args.path}: {len(problems)} problem(s) found", file=sys.stderr)
         return 1
-    print(f"{args.path}: OK ({checked} entries checked, {tensors} tensors)")
+    print(f"{args.path}: OK ({checked}, {tensors} tensors)")
     return 0
 
 

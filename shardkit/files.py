@@ -22,6 +22,7 @@ from ._kernels import _mmap
 from .errors import (
     CheckpointNotFoundError,
     CheckpointReplacedError,
+    CorruptIndexError,
     MissingShardError,
     NotRegularFileError,
     ShardIOError,
@@ -56,6 +57,19 @@ def open_directory(path: str) -> int:
     except OSError as e:
         raise ShardIOError(e.errno, f"{path}: cannot open the checkpoint directory: "
                                     f"{e.strerror}") from None
+
+
+def locate(path: str) -> tuple[str, str | None]:
+    """(directory, file name) of what a reader opens at `path`: a ``.safetensors`` file is
+    read through its parent directory's handle as that one name; anything else is a checkpoint
+    directory (file name None)."""
+    if path.endswith(SAFETENSORS_SUFFIX) and os.path.isfile(path):
+        directory, name = os.path.split(path)
+        return directory or os.curdir, name
+    return path, None
+
+
+SAFETENSORS_SUFFIX = ".safetensors"
 
 
 def directory_identity(dir_fd: int) -> tuple[int, int]:
@@ -174,6 +188,13 @@ class CheckpointFile:
                 self._users -= 1
                 pool._trim()
 
+    def stamp(self) -> tuple[int, int, int, int]:
+        """(device, inode, size, mtime in ns) of the open file now: equal stamps mean a
+        header parsed earlier is still the file's (`formats.ParsedHeader`)."""
+        with self as fd:
+            st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
     def map(self) -> Any:
         """The whole file mapped copy-on-write (a writable buffer that holds no descriptor)."""
         with self as fd:
@@ -270,3 +291,56 @@ def open_shard_file(path: str, follow_symlinks: bool = False, *, name: str | Non
         raise MissingShardError(
             f"{path}: shard file listed in {INDEX_FILE} is missing from the checkpoint"
         ) from None
+
+
+MANIFEST_ROLE = "manifest"
+
+
+class CheckpointDirectory:
+    """The files of one opened checkpoint directory, as the format adapters see them: every name
+    is opened relative to the directory handle `dir_fd` by `open_file` (regular files only, no
+    symlinks unless `follow_symlinks`). `path` is the directory's path, for messages only."""
+
+    def __init__(self, path: str, dir_fd: int, follow_symlinks: bool = False,
+                 pool: FilePool | None = None) -> None:
+        self.path, self.dir_fd, self.follow_symlinks, self.pool = (path, dir_fd, follow_symlinks,
+                                                                   pool)
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def has(self, name: str) -> bool:
+        """Whether the directory has an entry `name` (of any kind: opening it decides)."""
+        try:
+            os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
+
+    def read_manifest(self, name: str, limit: int) -> bytes | None:
+        """The bytes of the manifest file `name` (an index), None when there is none;
+        CorruptIndexError when it is over `limit` bytes (checked before reading)."""
+        path = self.join(name)
+        try:
+            fd, st = open_file(name, path, name, dir_fd=self.dir_fd,
+                               follow_symlinks=self.follow_symlinks)
+        except FileNotFoundError:
+            return None
+        try:
+            if st.st_size > limit:
+                raise CorruptIndexError(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
+            return read_whole(fd, st.st_size, path, name)
+        finally:
+            os.close(fd)
+
+    def open_shard(self, name: str, listed_in: str | None = None) -> CheckpointFile:
+        """Shard file `name`, opened (see `open_shard_file`); `listed_in` names the manifest
+        that lists it, for the message when it is missing."""
+        path = self.join(name)
+        try:
+            return CheckpointFile(name, path, SHARD_ROLE, dir_fd=self.dir_fd,
+                                  follow_symlinks=self.follow_symlinks, pool=self.pool)
+        except FileNotFoundError:
+            raise MissingShardError(
+                f"{path}: shard file listed in {listed_in or INDEX_FILE} is missing from the "
+                "checkpoint") from None

@@ -37,7 +37,6 @@ from ._threads import WorkerPool
 from .dtypes import numpy_dtype
 from .errors import (
     CheckpointFormatError,
-    CheckpointNotFoundError,
     CheckpointReplacedError,
     ChecksumError,
     CorruptHeaderError,
@@ -50,22 +49,21 @@ from .errors import (
     UnknownCodecError,
 )
 from .files import (
+    CheckpointDirectory,
     FilePool,
     directory_identity,
+    locate,
     open_directory,
-    open_file,
     open_shard_file,
-    read_whole,
 )
 from .format import (
-    INDEX_FILE,
-    MAX_INDEX_BYTES,
     CheckpointIndex,
     EntryLayout,
     SliceInfo,
     TensorInfo,
-    decode_index,
 )
+from .formats import SHARDKIT, FormatAdapter, ParsedHeader
+from .formats import read_index as read_layout
 from .frameworks import convert_all, converter
 from .slices import SliceSpec, parse_slice_spec
 from .slicing import (
@@ -130,10 +128,20 @@ class VerifyReport:
 
     checked: int
     problems: list[Problem]
+    checksums_stored: bool = True
+    """False when the checkpoint records no checksum at all (a HuggingFace or single
+    safetensors layout, or a save without checksums): only its structure was checked."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def summary(self) -> str:
+        """What was checked, in words (``shardkit verify`` prints it)."""
+        if not self.checksums_stored:
+            return "no checksums stored: structure checked only"
+        return f"{self.checked} entries checked"
 
     def error(self) -> CheckpointFormatError:
         """One exception for all the problems: the first one's class, every problem a line."""
@@ -163,7 +171,12 @@ class KeyInfo:
 
 
 class CheckpointReader:
-    """Read a checkpoint directory lazily; use as a context manager.
+    """Read a checkpoint lazily; use as a context manager.
+
+    `path` is a shardkit checkpoint directory, a HuggingFace one (``model.safetensors.index.json``
+    + shards, or just ``model.safetensors``) or a ``.safetensors`` file: `shardkit.formats`
+    detects the layout (`format`) and its adapter builds the entry table; everything below is
+    the same for all. Foreign layouts store no checksums (`verify` checks their structure).
 
     ``reader[key]`` / `get` return the whole tensor (a view of the private map when it is one
     raw entry and `mmap` is on; otherwise a new array). `get_slice` reads a numpy basic index of
@@ -181,15 +194,22 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self._mmap = bool(mmap)
         self._follow = bool(follow_symlinks)
-        self._dir_fd = open_directory(self.path)
+        self._dir_path, single = locate(self.path)  # a .safetensors file: its directory
+        self._dir_fd = open_directory(self._dir_path)
         self._dir_closer = weakref.finalize(self, os.close, self._dir_fd)
+        self._files = FilePool(MAX_OPEN_FILES)
+        # shard headers a foreign layout's adapter parsed already: used on first read when the
+        # file is still the one parsed (same stamp), not parsed twice
+        self._headers: dict[int, ParsedHeader] = {}
         try:
-            self.index: CheckpointIndex = _read_index(self.path, self._dir_fd, self._follow)
+            self.layout, self._manifest, self.index = _read_index(
+                CheckpointDirectory(self._dir_path, self._dir_fd, self._follow, self._files),
+                single, self._headers)
         except BaseException:
             self._dir_closer()
             raise
-        self._files = FilePool(MAX_OPEN_FILES)
-        self._shard_paths = [os.path.join(self.path, s.file) for s in self.index.shards]
+        self._manifest_path = os.path.join(self._dir_path, self._manifest)
+        self._shard_paths = [os.path.join(self._dir_path, s.file) for s in self.index.shards]
         self._sources: dict[int, ShardSource] = {}
         self._specs: dict[str, list[SliceSpec]] = {}
         self._lock = threading.Lock()
@@ -205,6 +225,11 @@ class CheckpointReader:
                 raise
 
     # -- mapping-like API
+
+    @property
+    def format(self) -> str:
+        """The layout read: "shardkit", "huggingface" or "safetensors" (`shardkit.formats`)."""
+        return self.layout.name
 
     @property
     def generation(self) -> str | None:
@@ -559,7 +584,8 @@ class CheckpointReader:
             by_shard.setdefault(index.slice_shard[j], []).append(j)
         names = index.entry_names()
         shapes = index.slice_shapes()
-        index_path = os.path.join(self.path, INDEX_FILE)
+        index_path = self._manifest_path
+        manifest = self._manifest
         for i, js in sorted(by_shard.items()):
             src = self._sources.get(i) or self._verify_source(i, index_path, problems, opened)
             if src is None:
@@ -610,9 +636,10 @@ class CheckpointReader:
                     what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
                             else f"checksum of entry {entry.name!r}")
                     problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
-                                     f"xxh3 {recorded} ({INDEX_FILE})", found,
+                                     f"xxh3 {recorded} ({manifest})", found,
                                      ChecksumError)] = None
-        return VerifyReport(checked, list(problems))
+        return VerifyReport(checked, list(problems),
+                            any(x is not None for x in index.slice_xxh3))
 
     def _verify_source(self, i: int, index_path: str, problems: dict[Problem, None],
                        opened: list[ShardSource]) -> ShardSource | None:
@@ -625,7 +652,7 @@ class CheckpointReader:
             opener = _opener(info.codec, path)
             file = self._open_shard(i)  # the reader's directory handle, its symlink rule
         except MissingShardError:
-            problems[Problem(path, None, "shard file", f"a file ({INDEX_FILE} lists it)",
+            problems[Problem(path, None, "shard file", f"a file ({self._manifest} lists it)",
                              "no such file", MissingShardError)] = None
             return None
         except UnknownCodecError as e:
@@ -644,7 +671,7 @@ class CheckpointReader:
         except CheckpointFormatError as e:
             file.close()
             if size != info.bytes:
-                problems[Problem(path, None, "file size", f"{info.bytes} bytes ({INDEX_FILE})",
+                problems[Problem(path, None, "file size", f"{info.bytes} bytes ({self._manifest})",
                                  f"{size} bytes", TruncatedShardError if size < info.bytes
                                  else CheckpointFormatError)] = None
             else:
@@ -740,8 +767,15 @@ class CheckpointReader:
                 file = self._open_shard(i)
                 try:
                     if opener is RawShard:
-                        src = RawShard(path, info, mmap=self._mmap, expected=self._expected(i),
-                                       file=file)
+                        # a foreign layout's headers are in any order: no writer's header to
+                        # recognise, parse it
+                        expected = self._expected(i) if self.layout is SHARDKIT else None
+                        parsed = self._headers.pop(i, None)
+                        header = None
+                        if parsed is not None and file.stamp() == parsed.stamp:
+                            header = parsed.entries, parsed.metadata, parsed.data_start
+                        src = RawShard(path, info, mmap=self._mmap, expected=expected,
+                                       file=file, header=header)
                     else:
                         src = opener(path, info, mmap=self._mmap, file=file)
                 except BaseException:
@@ -789,7 +823,7 @@ class CheckpointReader:
         try:
             if os.fstat(self._dir_fd).st_nlink == 0:
                 return True
-            st = os.stat(self.path)
+            st = os.stat(self._dir_path)
         except OSError:
             return True
         return (st.st_dev, st.st_ino) != directory_identity(self._dir_fd)
@@ -827,9 +861,10 @@ class CheckpointReader:
             key, spec = index.keys[index.slice_tensor[j]], index.slice_spec[j]
             where = f"{src.path}: entry {name!r} (key {key!r}, slice {spec!r})"
             if entry is None:
-                raise CorruptHeaderError(f"{where} is listed in {INDEX_FILE} but not in the shard")
+                raise CorruptHeaderError(
+                    f"{where} is listed in {self._manifest} but not in the shard")
             raise CorruptHeaderError(
-                f"{where} does not match {INDEX_FILE}: expected dtype {dtype_name} shape "
+                f"{where} does not match {self._manifest}: expected dtype {dtype_name} shape "
                 f"{list(shape)}, the shard has dtype {entry.dtype_name} shape "
                 f"{list(entry.shape)}"
             )
@@ -908,26 +943,13 @@ class CheckpointReader:
             return self._pool
 
 
-def _read_index(path: str, dir_fd: int, follow_symlinks: bool) -> CheckpointIndex:
-    """index.json of the checkpoint directory `dir_fd` (at `path`), decoded."""
-    index_path = os.path.join(path, INDEX_FILE)
-    try:
-        fd, st = open_file(INDEX_FILE, index_path, INDEX_FILE, dir_fd=dir_fd,
-                           follow_symlinks=follow_symlinks)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {path}: {INDEX_FILE} is missing (an unfinished save leaves no "
-            "index; the directory is not a complete shardkit checkpoint)"
-        ) from None
-    try:
-        if st.st_size > MAX_INDEX_BYTES:
-            raise CorruptIndexError(
-                f"{index_path}: {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit"
-            )
-        data = read_whole(fd, st.st_size, index_path, INDEX_FILE)
-    finally:
-        os.close(fd)
-    return decode_index(data, index_path)
+def _read_index(directory: CheckpointDirectory, single: str | None,
+                headers: dict[int, ParsedHeader] | None = None
+                ) -> tuple[FormatAdapter, str, CheckpointIndex]:
+    """The entry table of the checkpoint in `directory` (or of its one file `single`): the
+    format adapter `shardkit.formats.detect` picks decodes it. Returns (adapter, the file the
+    table comes from, the table)."""
+    return read_layout(directory, single, headers)
 
 
 _dtype_name_of = operator.attrgetter("dtype_name")

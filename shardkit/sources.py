@@ -71,12 +71,16 @@ class RawShard(ShardSource):
 
     def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True,
                  expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None = None,
-                 file: CheckpointFile | None = None, follow_symlinks: bool = False) -> None:
+                 file: CheckpointFile | None = None, follow_symlinks: bool = False,
+                 header: tuple[dict[str, EntryLayout], dict[str, str], int] | None = None
+                 ) -> None:
         """`expected`: the entries (names, dtype names, shapes, in data-region order) the index
         says the shard holds; when the header is exactly the writer's encoding of them it is
         taken without parsing, `begins` holds their offsets and `matches_index` is True (see
         read_expected_safetensors_header). `file`: the shard already opened through the
         checkpoint's directory handle (else `path` is opened, see `shardkit.files`).
+        `header`: (entries, metadata, data_start) of this very file, already parsed and checked
+        (a foreign layout's adapter did, `formats.ParsedHeader`): not read again.
 
         A mapped shard is mapped copy-on-write and keeps no descriptor: views of it are
         writable, writing to them never reaches the file, and the map lives as long as they do.
@@ -91,16 +95,10 @@ class RawShard(ShardSource):
         try:
             size = self._file.size
             check_shard_size(path, size, info)
-            with self._file as fd:
-                if expected is None:
-                    self._entries, self.metadata, self.data_start = read_safetensors_header(
-                        fd, size, path
-                    )
-                else:
-                    self._entries, self.metadata, self.data_start, self.begins = (
-                        read_expected_safetensors_header(fd, size, path, *expected,
-                                                         generation=info.generation)
-                    )
+            if header is not None:
+                self._entries, self.metadata, self.data_start = header
+            else:
+                self._read_header(size, expected)
             check_generation(self.metadata, info.generation, path)
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
                 self._map = self._file.map()
@@ -110,6 +108,19 @@ class RawShard(ShardSource):
         if self._map is not None:
             self._file.close()  # a map needs no descriptor
         self._size = size
+
+    def _read_header(self, size: int,
+                     expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None) -> None:
+        with self._file as fd:
+            if expected is None:
+                self._entries, self.metadata, self.data_start = read_safetensors_header(
+                    fd, size, self.path
+                )
+            else:
+                self._entries, self.metadata, self.data_start, self.begins = (
+                    read_expected_safetensors_header(fd, size, self.path, *expected,
+                                                     generation=self.info.generation)
+                )
 
     @property
     def matches_index(self) -> bool:
