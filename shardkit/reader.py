@@ -7,7 +7,7 @@ unmapped only when its last view goes, so arrays stay valid after ``close()``. W
 writable arrays, through a bounded set of open descriptors (`MAX_OPEN_FILES`).
 
 One reader reads one checkpoint: it opens the checkpoint directory once and every file
-(index.json, shards) relative to that handle, safely (`shardkit.files`: regular files only,
+(the manifest, shards) relative to that handle, safely (`shardkit.files`: regular files only,
 symlinks only with ``follow_symlinks=True``). A shard that vanished because the checkpoint was
 replaced raises CheckpointReplacedError; `load` then starts again, a few times.
 
@@ -58,13 +58,15 @@ from .files import (
     read_whole,
 )
 from .format import (
-    INDEX_FILE,
+    LEGACY_MANIFEST_FILE,
+    MANIFEST_FILE,
     MAX_INDEX_BYTES,
     CheckpointIndex,
     EntryLayout,
     SliceInfo,
     TensorInfo,
     decode_index,
+    find_manifest,
 )
 from .slices import SliceSpec, parse_slice_spec
 from .slicing import (
@@ -103,7 +105,7 @@ class SlicePlacement:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One problem `CheckpointReader.verify` found: the file to blame (a shard, or index.json
+    """One problem `CheckpointReader.verify` found: the file to blame (a shard, or the manifest
     when the index is what disagrees), the checkpoint key (None when it is not about one key),
     what is wrong, what was expected and what was found, and the error class it raises as.
 
@@ -171,7 +173,7 @@ class CheckpointReader:
     changes the checkpoint.
 
     The reader reads the checkpoint that was at `path` when it was opened, and no other (see the
-    module docstring). Shard files and index.json must be regular files, and symlinks are
+    module docstring). Shard files and the manifest must be regular files, and symlinks are
     refused unless `follow_symlinks`.
     """
 
@@ -500,7 +502,7 @@ class CheckpointReader:
 
     def verify_report(self, keys: Sequence[str] | None = None) -> VerifyReport:
         """What `verify` checks, returned instead of raised: every distinct problem once, in
-        shard order, each blaming the file that is inconsistent (`index.json` when it records
+        shard order, each blaming the file that is inconsistent (the manifest when it records
         a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
         compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`)."""
         self._begin_read()
@@ -535,7 +537,7 @@ class CheckpointReader:
             by_shard.setdefault(index.slice_shard[j], []).append(j)
         names = index.entry_names()
         shapes = index.slice_shapes()
-        index_path = os.path.join(self.path, INDEX_FILE)
+        index_path = os.path.join(self.path, find_manifest(self._dir_fd) or MANIFEST_FILE)
         for i, js in sorted(by_shard.items()):
             src = self._sources.get(i) or self._verify_source(i, index_path, problems, opened)
             if src is None:
@@ -586,7 +588,7 @@ class CheckpointReader:
                     what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
                             else f"checksum of entry {entry.name!r}")
                     problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
-                                     f"xxh3 {recorded} ({INDEX_FILE})", found,
+                                     f"xxh3 {recorded} (the manifest)", found,
                                      ChecksumError)] = None
         return VerifyReport(checked, list(problems))
 
@@ -601,7 +603,7 @@ class CheckpointReader:
             opener = _opener(info.codec, path)
             file = self._open_shard(i)  # the reader's directory handle, its symlink rule
         except MissingShardError:
-            problems[Problem(path, None, "shard file", f"a file ({INDEX_FILE} lists it)",
+            problems[Problem(path, None, "shard file", "a file (the manifest lists it)",
                              "no such file", MissingShardError)] = None
             return None
         except UnknownCodecError as e:
@@ -620,7 +622,7 @@ class CheckpointReader:
         except CheckpointFormatError as e:
             file.close()
             if size != info.bytes:
-                problems[Problem(path, None, "file size", f"{info.bytes} bytes ({INDEX_FILE})",
+                problems[Problem(path, None, "file size", f"{info.bytes} bytes (the manifest)",
                                  f"{size} bytes", TruncatedShardError if size < info.bytes
                                  else CheckpointFormatError)] = None
             else:
@@ -803,9 +805,9 @@ class CheckpointReader:
             key, spec = index.keys[index.slice_tensor[j]], index.slice_spec[j]
             where = f"{src.path}: entry {name!r} (key {key!r}, slice {spec!r})"
             if entry is None:
-                raise CorruptHeaderError(f"{where} is listed in {INDEX_FILE} but not in the shard")
+                raise CorruptHeaderError(f"{where} is listed in the manifest but not in the shard")
             raise CorruptHeaderError(
-                f"{where} does not match {INDEX_FILE}: expected dtype {dtype_name} shape "
+                f"{where} does not match the manifest: expected dtype {dtype_name} shape "
                 f"{list(shape)}, the shard has dtype {entry.dtype_name} shape "
                 f"{list(entry.shape)}"
             )
@@ -885,22 +887,30 @@ class CheckpointReader:
 
 
 def _read_index(path: str, dir_fd: int, follow_symlinks: bool) -> CheckpointIndex:
-    """index.json of the checkpoint directory `dir_fd` (at `path`), decoded."""
-    index_path = os.path.join(path, INDEX_FILE)
+    """The manifest of the checkpoint directory `dir_fd` (at `path`), decoded."""
+    name = find_manifest(dir_fd)
+    index_path = os.path.join(path, name or MANIFEST_FILE)
     try:
-        fd, st = open_file(INDEX_FILE, index_path, INDEX_FILE, dir_fd=dir_fd,
+        if name is None:
+            raise FileNotFoundError
+        fd, st = open_file(name, index_path, name, dir_fd=dir_fd,
                            follow_symlinks=follow_symlinks)
     except FileNotFoundError:
+        if os.fstat(dir_fd).st_nlink == 0:  # replaced and deleted since it was opened: retry
+            raise CheckpointReplacedError(
+                f"{index_path}: the checkpoint at {path} was replaced while it was being "
+                "opened; open it again to read the new one") from None
         raise CheckpointNotFoundError(
-            f"no checkpoint at {path}: {INDEX_FILE} is missing (an unfinished save leaves no "
-            "index; the directory is not a complete shardkit checkpoint)"
+            f"no checkpoint at {path}: {MANIFEST_FILE} is missing (nor is there an "
+            f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1; an unfinished save leaves no manifest; "
+            "the directory is not a complete shardkit checkpoint)"
         ) from None
     try:
         if st.st_size > MAX_INDEX_BYTES:
             raise CorruptIndexError(
                 f"{index_path}: {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit"
             )
-        data = read_whole(fd, st.st_size, index_path, INDEX_FILE)
+        data = read_whole(fd, st.st_size, index_path, name)
     finally:
         os.close(fd)
     return decode_index(data, index_path)

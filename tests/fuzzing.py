@@ -251,8 +251,16 @@ def reseal_skz(data: bytes) -> bytes:
     return data[: p["check"]] + struct.pack("<Q", digest) + data[p["check"] + 8 :]
 
 
+def manifest_path(ckpt: Path) -> Path:
+    """The manifest of the checkpoint `ckpt`, found as the reader finds it: its
+    ``model.safetensors.index.json`` (or the ``index.json`` of format 2.0 / 2.1)."""
+    from shardkit.format import MANIFEST_FILE, find_manifest
+
+    return ckpt / (find_manifest(ckpt) or MANIFEST_FILE)
+
+
 def set_recorded_size(index: bytes, name: str, size: int) -> bytes:
-    """index.json with shard `name`'s recorded byte count set to `size`."""
+    """The manifest `index` with shard `name`'s recorded byte count set to `size`."""
     doc = json.loads(index)
     for s in doc["shardkit"]["shards"]:
         if s["file"] == name:
