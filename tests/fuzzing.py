@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,14 @@ def make_seeds(root: Path) -> dict[str, Path]:
                                         state.items()})
     seeds = {"raw": root / "raw", "zstd": root / "zstd"}
     policy = shardkit.MaxShardSizePolicy(max_shard_size=1024)
-    shardkit.save(seeds["raw"], state, sharding_callback=policy, durable=False)
-    shardkit.save(seeds["zstd"], state, sharding_callback=shardkit.MaxShardSizePolicy(4096),
-                  compression="zstd", chunk_size=256, durable=False)
+    # the seeds hold tensors stored as slices on purpose: each save warns that HuggingFace
+    # loaders cannot read them (SplitTensorsWarning), which is expected here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", shardkit.SplitTensorsWarning)
+        shardkit.save(seeds["raw"], state, sharding_callback=policy, durable=False)
+        shardkit.save(seeds["zstd"], state, sharding_callback=shardkit.MaxShardSizePolicy(4096),
+                      compression="zstd", chunk_size=256, durable=False)
+    assert [w.category for w in caught] == [shardkit.SplitTensorsWarning] * 2
     return seeds
 
 
