@@ -10,12 +10,15 @@ publishes it atomically (shardkit.commit). A failed save leaves any earlier chec
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 import operator
 import os
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -29,6 +32,7 @@ from .errors import (
     InvalidArgumentTypeError,
     InvalidMetadataError,
     PolicyError,
+    SplitTensorsWarning,
 )
 from .options import CheckpointOptions, check_threads
 from .reader import load
@@ -50,9 +54,9 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB
 
 @dataclass(frozen=True, slots=True)
 class SaveInfo:
-    """What a save wrote: the checkpoint `path`, its `files` (shards, then index.json), their
+    """What a save wrote: the checkpoint `path`, its `files` (shards, then the manifest), their
     total size in `bytes`, the wall time in `seconds`, and the checkpoint's `generation` (the
-    unique id recorded in index.json and every shard header)."""
+    unique id recorded in the manifest and every shard header)."""
 
     path: str
     files: tuple[str, ...]
@@ -185,7 +189,7 @@ def save(
     - `threads`: writer threads (default: one per core, at most 8).
     - `durable`: fsync files and directories before returning (survives power loss).
     - `checksum`: store an xxh3-64 checksum of every tensor slice, checked by ``verify``.
-    - `metadata`: a JSON-serialisable dict stored in ``index.json`` as ``user_metadata``.
+    - `metadata`: a JSON-serialisable dict stored in the manifest as ``user_metadata``.
     - `overwrite`: replace an existing checkpoint at `path` atomically; without it an existing
       path raises CheckpointExistsError. A path that is not a shardkit checkpoint is never
       replaced.
@@ -205,6 +209,13 @@ def save(
 
     Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
     and no temp directory behind.
+
+    With a callback that keeps tensors whole (the default, ShardByTaskPolicy, AllInOnePolicy)
+    and no compression, the checkpoint is a HuggingFace sharded safetensors checkpoint as it
+    stands (``model.safetensors.index.json`` and ``model-00001-of-0000N.safetensors``). When the
+    callback splits tensors (MaxShardSizePolicy, BinPackPolicy and BalancedPolicy may), the save
+    succeeds and then warns once with `SplitTensorsWarning`: HuggingFace loaders cannot read
+    the split tensors.
     """
     started = time.perf_counter()
     opts = _resolve_options(
@@ -233,7 +244,43 @@ def save(
         )
     commit.check_target(path, overwrite)  # fail fast, before the callback runs
     with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
-        return _save(path, state, opts, user_metadata, overwrite, progress, started)
+        info, split = _save(path, state, opts, user_metadata, overwrite, progress, started)
+    if split and _WARN_SPLIT.get():
+        warnings.warn(SplitTensorsWarning(_split_message(split, info.path)), stacklevel=2)
+    return info
+
+
+_WARN_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_warn_split",
+                                                                   default=True)
+
+
+@contextlib.contextmanager
+def _no_split_warning() -> Iterator[None]:
+    """`save` without SplitTensorsWarning, in this thread: for `Checkpoint`, whose keys are
+    object paths that no HuggingFace loader reads anyway."""
+    token = _WARN_SPLIT.set(False)
+    try:
+        yield
+    finally:
+        _WARN_SPLIT.reset(token)
+
+
+def _split_keys(shards: Sequence[ShardColumns]) -> list[str]:
+    """The keys of the tensors stored as slices (not as one entry of spec ""), in shard order,
+    each once: those the manifest's weight_map leaves out."""
+    return list(dict.fromkeys(
+        key for shard in shards if any(shard.specs)
+        for key, spec in zip(shard.keys, shard.specs) if spec != WHOLE))
+
+
+def _split_message(split: list[str], path: str) -> str:
+    count = f"{len(split)} tensor{'s' if len(split) != 1 else ''}"
+    return (
+        f"{path}: the sharding callback stored {count} as slices (e.g. {split[0]!r}); "
+        f"HuggingFace loaders (from_pretrained, safetensors) cannot read a tensor stored as "
+        f"slices: it is absent from weight_map in {fmt.MANIFEST_FILE} (shardkit reads it as "
+        "usual). DefaultShardingPolicy, ShardByTaskPolicy and AllInOnePolicy keep tensors whole"
+    )
 
 
 def _save(
@@ -244,7 +291,8 @@ def _save(
     overwrite: bool,
     progress: bool,
     started: float,
-) -> SaveInfo:
+) -> tuple[SaveInfo, list[str]]:
+    """The save, and the keys of the tensors the callback split (none for the default)."""
     callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
     description = callback_description(callback)
     planned = _default_shards(callback, state) if type(callback) is DefaultShardingPolicy else None
@@ -252,8 +300,10 @@ def _save(
         tensors = shardable_tensors(state)
         shards = shard_columns(shard_tensors(callback, tensors))
         saved = SavedTensors.of(tensors)
+        split = _split_keys(shards)
     else:
         shards, saved = planned
+        split = []
 
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
         index, index_chunks = write_shards(
@@ -274,9 +324,10 @@ def _save(
         staging.commit(index_chunks)
     target = str(staging.target)
     opts.run_write_callbacks(target)
-    files = (*(s.file for s in index.shards), fmt.INDEX_FILE)
+    files = (*(s.file for s in index.shards), fmt.MANIFEST_FILE)
     total = sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
-    return SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
+    info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
+    return info, split
 
 
 def _default_shards(
@@ -353,13 +404,13 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise InvalidArgumentTypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     data = dict(metadata)
-    levels = fmt.MAX_DEPTH - 2  # user_metadata is level 3 of index.json
+    levels = fmt.MAX_DEPTH - 2  # user_metadata is level 3 of the manifest
     try:
         if not fmt.nesting_within(json.loads(json.dumps(data, allow_nan=False)), levels):
             raise RecursionError
     except RecursionError:
         raise InvalidMetadataError(
-            f"metadata is nested more than {levels} levels deep; index.json allows "
+            f"metadata is nested more than {levels} levels deep; the manifest allows "
             f"{fmt.MAX_DEPTH} levels (user_metadata is level 3)") from None
     except (TypeError, ValueError) as e:
         raise InvalidArgumentTypeError(

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import api
 from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
-from .commit import INDEX_NAME, TMP_MARK
+from .commit import TMP_MARK, is_checkpoint
 from .errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -47,6 +47,7 @@ from .errors import (
     RestoreMismatchError,
     ShardkitError,
 )
+from .format import MANIFEST_FILE, find_manifest
 from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
@@ -437,7 +438,8 @@ class Checkpoint:
         self._writer.wait()
         tensors, metadata = self._collect()
         if not opts.enable_async:
-            info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True)
+            with api._no_split_warning():
+                info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True)
             if after_commit is not None:
                 after_commit(info.path)
             return SaveHandle(info.path)
@@ -448,8 +450,9 @@ class Checkpoint:
         target = os.path.abspath(path)
 
         def job() -> None:
-            info = api.save(target, snapshot, options=write_opts, metadata=metadata,
-                            overwrite=True)
+            with api._no_split_warning():
+                info = api.save(target, snapshot, options=write_opts, metadata=metadata,
+                                overwrite=True)
             if after_commit is not None:
                 after_commit(info.path)
 
@@ -569,14 +572,15 @@ class CheckpointManager:
 
     Checkpoints are ``<directory>/<checkpoint_name>-<number>``. Everything the manager reports
     (`checkpoints`, `latest_checkpoint`) is read from the directory: only committed checkpoints
-    (directories holding ``index.json``, which a save writes last) count, so a crash can never
+    (directories holding a shardkit manifest, ``model.safetensors.index.json``, which a save
+    writes last; ``index.json`` for checkpoints of format 2.0 / 2.1) count, so a crash can never
     leave the manager pointing at a half-written one. Old checkpoints are deleted only after the
     new one is committed (durable, with the default options), and only directories that match
     this manager's naming exactly.
 
     ``keep_checkpoint_every_n_hours``: of the checkpoints older than the newest `max_to_keep`,
     the oldest is kept, and every one saved at least that many hours after the previous kept
-    one (by the modification time of its ``index.json``). Those are not in `checkpoints`.
+    one (by the modification time of its manifest). Those are not in `checkpoints`.
     """
 
     def __init__(
@@ -676,7 +680,7 @@ class CheckpointManager:
         for name in names:
             m = self._pattern.fullmatch(name)
             path = os.path.join(self._directory, name)
-            if m and os.path.isfile(os.path.join(path, INDEX_NAME)):
+            if m and is_checkpoint(path):
                 found.append((int(m.group(1)), path))
         found.sort()
         return found
@@ -763,7 +767,7 @@ class CheckpointManager:
 
 def _commit_time(path: str) -> float:
     try:
-        return os.stat(os.path.join(path, INDEX_NAME)).st_mtime
+        return os.stat(os.path.join(path, find_manifest(path) or MANIFEST_FILE)).st_mtime
     except FileNotFoundError:
         return time.time()
 

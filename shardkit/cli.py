@@ -295,9 +295,10 @@ def _add_inspect_parser(sub: Any) -> None:
         description=(
             "Print a checkpoint's format version, sharding callback and user metadata, a table\n"
             "of its shard files (task, codec, size) and a table of its tensors (dtype, shape,\n"
-            "stored slices, size, the shard each slice is in). Reads the index only (and, for\n"
-            "HuggingFace and safetensors layouts, which have no dtypes in their index, the\n"
-            "shard headers)."
+            "stored slices, size, the shard each slice is in). Reads the manifest only\n"
+            "(model.safetensors.index.json; index.json for checkpoints of format 2.0/2.1) and,\n"
+            "for HuggingFace and safetensors layouts, which have no dtypes in their index, the\n"
+            "shard headers."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -361,7 +362,7 @@ def _add_verify_parser(sub: Any) -> None:
         "verify",
         help="check every shard header and checksum; exit 0 if intact, 1 naming what is corrupt",
         description=(
-            "Read every shard of a checkpoint, check its header against index.json and the\n"
+            "Read every shard of a checkpoint, check its header against the manifest and the\n"
             "xxh3-64 checksum of every stored entry. Exit 0 if all is intact; otherwise name\n"
             "each corrupt tensor on stderr and exit 1."
         ),
@@ -377,7 +378,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import os
 
     from .errors import CheckpointNotFoundError, CorruptIndexError, UnsupportedVersionError
-    from .format import INDEX_FILE
+    from .format import MANIFEST_FILE, find_manifest
     from .reader import Problem, open_checkpoint
 
     try:
@@ -385,7 +386,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except CheckpointNotFoundError:
         raise
     except (CorruptIndexError, UnsupportedVersionError) as e:
-        index_path = os.path.join(args.path, INDEX_FILE)
+        manifest = find_manifest(args.path) or MANIFEST_FILE
+        index_path = os.path.join(args.path, manifest)
         message = " ".join(str(e).split())
         named, sep, rest = message.partition(": ")
         if sep and named.startswith(os.path.join(args.path, "")):  # the manifest found

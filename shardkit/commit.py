@@ -1,9 +1,10 @@
 """Atomic publication of a checkpoint directory.
 
 A save writes everything into a hidden sibling temp directory ``.<name>.shardkit-tmp-<random>``,
-``index.json`` last, and publishes it with one rename; with ``durable=True`` every file, the temp
-directory and, after the rename, the parent directory are fsynced. A reader therefore sees the
-old complete checkpoint, the new complete one, or nothing; never a partial one.
+the manifest (``model.safetensors.index.json``) last, and publishes it with one rename; with
+``durable=True`` every file, the temp directory and, after the rename, the parent directory are
+fsynced. A reader therefore sees the old complete checkpoint, the new complete one, or nothing;
+never a partial one.
 
 Replacing an existing checkpoint (``overwrite=True``) keeps that promise: on Linux the two
 directories are swapped in one ``renameat2(RENAME_EXCHANGE)`` and the old one (now under the temp
@@ -39,8 +40,8 @@ import numpy as np
 
 from ._kernels import _gather
 from .errors import CheckpointExistsError, ShardkitError
+from .format import FORMAT_NAME, MANIFEST_FILE, find_manifest
 
-INDEX_NAME: Final = "index.json"
 TMP_MARK: Final = ".shardkit-tmp-"
 OLD_MARK: Final = ".shardkit-old-"
 
@@ -55,21 +56,28 @@ _FORMAT_FIELD = re.compile(rb'^\s*\{\s*"format"\s*:\s*"shardkit"\s*[,}]')
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """True if `path` is a directory holding a shardkit ``index.json``.
+    """True if `path` is a directory holding a shardkit manifest (`format.find_manifest`: a
+    ``model.safetensors.index.json``, or the ``index.json`` of formats 2.0 / 2.1) that is
+    shardkit's: ``"format": "shardkit"`` and a ``"shardkit"`` section. A HuggingFace
+    checkpoint's manifest (``metadata`` and ``weight_map`` only) is not.
 
     shardkit writes ``"format": "shardkit"`` as the first field, so normally only the start of
-    the file is read (an index of a million tensors is not parsed just to be replaced); an index
-    whose fields were reordered is parsed in full.
+    the file is read (an index of a million tensors is not parsed just to be replaced); a
+    manifest whose fields were reordered is parsed in full.
     """
+    name = find_manifest(path)
+    if name is None:
+        return False
     try:
-        with open(Path(path) / INDEX_NAME, "rb") as f:
+        with open(Path(path) / name, "rb") as f:
             head = f.read(4096)
             if _FORMAT_FIELD.match(head):
                 return True
             doc = json.loads(head + f.read())
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and doc.get("format") == "shardkit"
+    return (isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
+            and isinstance(doc.get("shardkit"), dict))
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -114,11 +122,11 @@ class Staging:
                 self._lock_fd = None
 
     def commit(self, index_bytes: bytes | Sequence[bytes]) -> None:
-        """Write ``index.json`` last and publish the temp directory at `target`. `index_bytes`
+        """Write the manifest last and publish the temp directory at `target`. `index_bytes`
         may come in pieces, written back to back."""
         if self._lock_fd is None:
             raise ShardkitError(f"cannot commit {self.target}: the save was already aborted")
-        index = self.path / INDEX_NAME
+        index = self.path / MANIFEST_FILE
         fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             chunks = [index_bytes] if isinstance(index_bytes, bytes) else index_bytes
@@ -176,7 +184,8 @@ def check_target(path: str | os.PathLike[str], overwrite: bool) -> None:
         )
     if not replaceable:
         raise CheckpointExistsError(
-            f"{target} exists, is not empty and holds no shardkit {INDEX_NAME}; refusing to "
+            f"{target} exists, is not empty and holds no shardkit {MANIFEST_FILE} (a HuggingFace "
+            "or other checkpoint is not shardkit's); refusing to "
             "replace it even with overwrite=True, so as never to delete data that is not a "
             "checkpoint. Remove it or choose another path"
         )

@@ -49,7 +49,7 @@ class InvalidKeyTypeError(InvalidKeyError, TypeError):
 
 
 class CheckpointNotFoundError(ShardkitError, FileNotFoundError):
-    """No checkpoint (no index.json) at the given path."""
+    """No checkpoint (no manifest) at the given path."""
 
 
 class KeyNotFoundError(ShardkitError, KeyError):
@@ -91,7 +91,7 @@ class EntryLayoutError(CorruptHeaderError):
 
 
 class GenerationMismatchError(CheckpointFormatError):
-    """A shard file belongs to another checkpoint than its index.json (its generation differs):
+    """A shard file belongs to another checkpoint than its manifest (its generation differs):
     the directory mixes files of two saves, or was partially replaced."""
 
 
@@ -100,11 +100,11 @@ class TruncatedShardError(CheckpointFormatError):
 
 
 class CorruptIndexError(CheckpointFormatError):
-    """index.json is not valid: bad JSON, missing or mistyped fields, slices that do not tile."""
+    """The manifest is not valid: bad JSON, missing or mistyped fields, slices that do not tile."""
 
 
 class ShardPathError(CorruptIndexError):
-    """A shard file name in index.json would leave the checkpoint directory."""
+    """A shard file name in the manifest would leave the checkpoint directory."""
 
 
 class UnknownCodecError(CheckpointFormatError):
@@ -116,7 +116,7 @@ class SliceIndexError(ShardkitError, IndexError):
 
 
 class MissingShardError(CheckpointFormatError):
-    """A shard file listed in index.json is missing from the checkpoint directory."""
+    """A shard file listed in the manifest is missing from the checkpoint directory."""
 
 
 class CheckpointReplacedError(CheckpointFormatError):
@@ -124,11 +124,11 @@ class CheckpointReplacedError(CheckpointFormatError):
 
 
 class NotRegularFileError(CheckpointFormatError):
-    """A shard or index.json is a directory, FIFO, device or socket, not a regular file."""
+    """A shard or the manifest is a directory, FIFO, device or socket, not a regular file."""
 
 
 class SymlinkRefusedError(CheckpointFormatError):
-    """A shard or index.json is a symbolic link and the reader was not asked to follow links."""
+    """A shard or the manifest is a symbolic link and the reader was not asked to follow links."""
 
 
 class ShardIOError(ShardkitError, OSError):
@@ -149,3 +149,10 @@ class UnknownModelError(ShardkitError, ValueError):
 
 class IncompleteRestoreError(ShardkitError, AssertionError):
     """A restore did not match every checkpoint value to an object, or every object to a value."""
+
+
+class SplitTensorsWarning(UserWarning):
+    """`shardkit.save` stored some tensors split into slices (the sharding callback split them):
+    HuggingFace loaders (``from_pretrained``, ``safetensors``) cannot read those, as they are
+    absent from the manifest's ``weight_map``; shardkit reads them as usual. Policies that keep
+    tensors whole: DefaultShardingPolicy, ShardByTaskPolicy, AllInOnePolicy."""

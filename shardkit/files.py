@@ -1,6 +1,6 @@
 """Opening the files of a checkpoint safely, and keeping few of them open.
 
-Every file a reader takes from a checkpoint (index.json, shards) is opened by `open_file`: relative
+Every file a reader takes from a checkpoint (manifest, shards) is opened by `open_file`: relative
 to the checkpoint's directory handle when there is one, non-blocking (a FIFO cannot hang the
 open), without following a symlink unless asked, and refused unless ``fstat`` says it is a
 regular file. `CheckpointFile` wraps one such file for the shard sources: its descriptor can be
@@ -28,7 +28,6 @@ from .errors import (
     ShardIOError,
     SymlinkRefusedError,
 )
-from .format import INDEX_FILE
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -82,7 +81,7 @@ def open_file(name: str, path: str, role: str, *, dir_fd: int | None = None,
     """Open the checkpoint file `name` (relative to `dir_fd`, else a path) for reading: a
     blocking, close-on-exec descriptor of a regular file, and its ``fstat``.
 
-    `path` (for messages) and `role` ("shard file", "index.json") name it in errors:
+    `path` (for messages) and `role` ("shard file", "manifest") name it in errors:
     SymlinkRefusedError for a symlink unless `follow_symlinks`, NotRegularFileError for a
     directory, FIFO, device or socket, ShardIOError for other failures. FileNotFoundError, when
     there is no such file, is left to the caller to word."""
@@ -289,7 +288,7 @@ def open_shard_file(path: str, follow_symlinks: bool = False, *, name: str | Non
                               dir_fd=dir_fd, follow_symlinks=follow_symlinks, pool=pool)
     except FileNotFoundError:
         raise MissingShardError(
-            f"{path}: shard file listed in {INDEX_FILE} is missing from the checkpoint"
+            f"{path}: shard file listed in the manifest is missing from the checkpoint"
         ) from None
 
 
@@ -342,5 +341,5 @@ class CheckpointDirectory:
                                   follow_symlinks=self.follow_symlinks, pool=self.pool)
         except FileNotFoundError:
             raise MissingShardError(
-                f"{path}: shard file listed in {listed_in or INDEX_FILE} is missing from the "
+                f"{path}: shard file listed in {listed_in or 'the manifest'} is missing from the "
                 "checkpoint") from None

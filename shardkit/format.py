@@ -1,4 +1,4 @@
-"""Checkpoint format v2: pure encode/decode of shard headers and index.json, with every limit.
+"""Checkpoint format v2: pure encode/decode of shard headers and the manifest, with every limit.
 
 A raw shard is a safetensors file: ``u64`` little-endian header length N, N bytes of UTF-8 JSON
 padded with spaces so that ``8 + N`` is a multiple of 8, then the data region. Entries are laid out
@@ -44,21 +44,28 @@ from .slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
 from .tensors import _columns_constructor, _gc_paused
 
 FORMAT_NAME: Final = "shardkit"
-FORMAT_VERSION: Final = "2.1"
+FORMAT_VERSION: Final = "2.2"
 FORMAT_MAJOR: Final = 2
-INDEX_FILE: Final = "index.json"
+# The manifest: HuggingFace's name for a sharded checkpoint's index (format 2.2 on), then the
+# name of formats 2.0 and 2.1. `find_manifest` is the one lookup; writers write MANIFEST_FILE.
+MANIFEST_FILE: Final = "model.safetensors.index.json"
+LEGACY_MANIFEST_FILE: Final = "index.json"
+MANIFEST_FILES: Final = (MANIFEST_FILE, LEGACY_MANIFEST_FILE)
+INDEX_FILE: Final = MANIFEST_FILE  # the manifest a save writes (alias kept for callers)
+HEADER_FORMAT: Final = "pt"  # __metadata__.format of a shard: what HuggingFace loaders accept
+SHARDKIT_KEY: Final = "shardkit"  # __metadata__.shardkit: the format version of the writer
 MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
 MAX_INDEX_BYTES: Final = 1024 * 1024 * 1024
 RAW_SUFFIX: Final = ".safetensors"
 ZSTD_SUFFIX: Final = ".skz"
 CODEC_SUFFIXES: Final[dict[str, str]] = {"raw": RAW_SUFFIX, "zstd": ZSTD_SUFFIX}
 HEADER_ALIGNMENT: Final = 8
-MAX_DEPTH: Final = 64  # JSON nesting levels in index.json and headers (the top object is 1)
+MAX_DEPTH: Final = 64  # JSON nesting levels in the manifest and headers (the top object is 1)
 MAX_NDIM: Final = 64  # dimensions of a tensor (numpy 2's limit)
 MAX_NBYTES: Final = 2**63 - 1  # bytes of a tensor, zero dimensions left out (numpy's limit)
 _INT_DIGITS: Final = 4300  # Python's int-string conversion limit (sys.int_info)
 METADATA_KEY: Final = "__metadata__"
-GENERATION_KEY: Final = "generation"  # in index.json's shardkit section and in __metadata__
+GENERATION_KEY: Final = "generation"  # in the manifest's shardkit section and in __metadata__
 
 _ITEMSIZE: Final[dict[str, int]] = {name: itemsize(name) for name in SAFETENSORS_NAMES}
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
@@ -95,15 +102,36 @@ def _shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def find_manifest(directory: str | os.PathLike[str] | int) -> str | None:
+    """The name of the manifest of the checkpoint `directory` (a path, or an open directory
+    descriptor): the first of `MANIFEST_FILES` present in it (a symbolic link counts as
+    present; opening it decides), or None when there is none. Read-only: one ``lstat`` each."""
+    for name in MANIFEST_FILES:
+        try:
+            if isinstance(directory, int):
+                os.stat(name, dir_fd=directory, follow_symlinks=False)
+            else:
+                os.lstat(os.path.join(directory, name))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:  # present but not statable (permissions): opening it words the error
+            return name
+        return name
+    return None
+
+
 def shard_file_name(index: int, count: int, codec: str = "raw") -> str:
-    """``shard-00000-of-00003.safetensors`` (``.skz`` for codec ``"zstd"``)."""
+    """HuggingFace's name for shard `index` (0-based) of `count`, numbered from 1:
+    ``model-00001-of-00003.safetensors`` (``.skz`` for codec ``"zstd"``). Checkpoints of
+    format 2.0 / 2.1 named them ``shard-00000-of-00003.safetensors``; readers take the names
+    the manifest lists."""
     try:
         suffix = CODEC_SUFFIXES[codec]
     except KeyError:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODEC_SUFFIXES)}") from None
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is outside 0..{count - 1}")
-    return f"shard-{index:05d}-of-{count:05d}{suffix}"
+    return f"model-{index + 1:05d}-of-{count:05d}{suffix}"
 
 
 def entry_name(key: str, slice_spec: str = WHOLE) -> str:
@@ -117,15 +145,28 @@ def new_generation() -> str:
 
 
 def shard_metadata(generation: str | None) -> dict[str, str]:
-    """The ``__metadata__`` a writer puts in a shard header of a checkpoint of `generation`."""
+    """The ``__metadata__`` a writer puts in a shard header of a checkpoint of `generation`:
+    ``{"format": "pt", "shardkit": "2.2", "generation": ...}`` (format 2.2; "pt" is what
+    HuggingFace's loaders require, "shardkit" names the format version that wrote it)."""
+    if generation is None:
+        return {"format": HEADER_FORMAT, SHARDKIT_KEY: FORMAT_VERSION}
+    return {"format": HEADER_FORMAT, SHARDKIT_KEY: FORMAT_VERSION, GENERATION_KEY: generation}
+
+
+def legacy_shard_metadata(generation: str | None) -> dict[str, str]:
+    """The ``__metadata__`` of a shard written by format 2.0 / 2.1: ``{"format": "shardkit"}``
+    (2.0), then the generation (2.1)."""
     if generation is None:
         return {"format": FORMAT_NAME}
     return {"format": FORMAT_NAME, GENERATION_KEY: generation}
 
 
+_LEGACY_HEAD: Final = b'{"__metadata__":{"format":"shardkit"'
+
+
 def check_generation(metadata: Mapping[str, Any], expected: str | None, path: str) -> None:
     """The shard at `path`, whose header has `metadata`, must be of generation `expected`
-    (index.json's); None (a 2.0 index, which records none) checks nothing.
+    (the manifest's); None (a 2.0 index, which records none) checks nothing.
 
     GenerationMismatchError otherwise: the shard belongs to another checkpoint."""
     if expected is None:
@@ -135,7 +176,7 @@ def check_generation(metadata: Mapping[str, Any], expected: str | None, path: st
         return
     shown = "none" if found is None else _shown(found)
     raise GenerationMismatchError(
-        f"{path}: shard belongs to another checkpoint: {INDEX_FILE} is of generation "
+        f"{path}: shard belongs to another checkpoint: the manifest is of generation "
         f"{expected}, the shard header records generation {shown} (the directory mixes files "
         "of different saves, or was partially replaced); a reader reads one generation only"
     )
@@ -253,9 +294,10 @@ def encode_safetensors_header(
     """The 8-byte length prefix plus the space-padded JSON header; data starts at len(result).
 
     `metadata` (str -> str, as safetensors requires) is merged into ``__metadata__`` after
-    ``"format": "shardkit"``. Entries appear in the order given (use `layout_entries`).
+    ``"format": "pt", "shardkit": "2.2"``. Entries appear in the order given (use
+    `layout_entries`).
     """
-    meta: dict[str, str] = {"format": FORMAT_NAME}
+    meta: dict[str, str] = shard_metadata(None)
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(f"shard metadata must map str to str, got {k!r}: {v!r}")
@@ -290,7 +332,7 @@ def header_parts(
             seen.add(name)
     try:
         text = _header_text(names, dtype_names, shapes, begins, ends,
-                            meta if meta is not None else {"format": FORMAT_NAME})
+                            meta if meta is not None else shard_metadata(None))
     except UnicodeEncodeError as err:
         raise ValueError(f"an entry name cannot be encoded as UTF-8: {err}") from None
     size = sum(map(len, text))
@@ -662,7 +704,8 @@ def read_expected_safetensors_header(
     body = _pread(f, n, 8)
     if len(body) < n:
         raise TruncatedShardError(f"{path}: header cut short: read {len(body)} of {n} bytes")
-    meta = shard_metadata(generation)
+    meta = (legacy_shard_metadata(generation) if body.startswith(_LEGACY_HEAD)
+            else shard_metadata(generation))
     begins = _match_header(body, file_size - 8 - n, names, dtype_names, shapes, meta)
     if begins is not None:
         return None, meta, 8 + n, begins
@@ -708,13 +751,13 @@ def _pread(f: BinaryIO | int, n: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
-# --- index.json -------------------------------------------------------------------------------
+# --- the manifest (model.safetensors.index.json; index.json before 2.2) -----------------------
 
 
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
     """One shard file: plain file name, device task, codec ("raw" / "zstd"), size in bytes,
-    and the checkpoint generation its header must record (index.json's ``shardkit.generation``;
+    and the checkpoint generation its header must record (the manifest's ``shardkit.generation``;
     None for an index without one, format 2.0: then nothing is checked)."""
 
     file: str
@@ -759,7 +802,7 @@ _new_tensor_infos = _columns_constructor(TensorInfo)
 
 @dataclass(slots=True, eq=False)
 class CheckpointIndex:
-    """The content of index.json, column-wise (docs/FORMAT.md section 2).
+    """The content of the manifest, column-wise (docs/FORMAT.md section 2).
 
     Tensors, in save order: `keys`, `dtypes` (safetensors names), full `shapes`, `devices`.
     Stored slices, shard by shard and within a shard in data-region order: `slice_tensor` (the
@@ -932,7 +975,7 @@ _INDEX_FIELDS: Final = tuple(f for f in CheckpointIndex.__slots__ if f != "_cach
 
 
 def encode_index(index: CheckpointIndex) -> bytes:
-    """index.json bytes: compact UTF-8 JSON (as ``json.dumps(doc, separators=(",", ":"),
+    """The manifest's bytes: compact UTF-8 JSON (as ``json.dumps(doc, separators=(",", ":"),
     ensure_ascii=False)``) and a newline. Column-wise, encoded by orjson (byte-identical to
     that json.dumps for these values, about 10x faster on 50,000 tensors).
     """
@@ -1035,18 +1078,19 @@ def check_shard_file_name(name: Any, path: str) -> str:
         or name.startswith("..")
         or os.path.isabs(name)
         or (len(name) > 1 and name[1] == ":")  # Windows drive
-        or name == INDEX_FILE
+        or name in MANIFEST_FILES
     ):
         raise ShardPathError(
             f"{path}: shard file name {_shown(name)} is not a plain file name inside the "
             f"checkpoint "
-            "directory (no '/', '\\', '..', absolute paths, drive letters, NUL or index.json)"
+            f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, "
+            f"{MANIFEST_FILE} or {LEGACY_MANIFEST_FILE})"
         )
     return name
 
 
 def decode_index(data: bytes, path: str) -> CheckpointIndex:
-    """Parse and validate index.json; every error is a CorruptIndexError (or subclass)
+    """Parse and validate a manifest; every error is a CorruptIndexError (or subclass)
     naming `path` and the field, except other majors: UnsupportedVersionError."""
     with _gc_paused():  # one GC pass at the end instead of many during the decode
         return _decode_index(data, path)
@@ -1194,7 +1238,7 @@ def _index_objects(raw: tuple[tuple[str, Any], ...], path: str) -> dict[str, Any
     """The index document from `_loads_pairs` as dicts, duplicates checked everywhere; the
     columns of ``shardkit.tensors`` and ``shardkit.slices`` stay as parsed (their checks reject
     anything but the documented value types, JSON objects included)."""
-    what, err = "index.json", CorruptIndexError
+    what, err = "manifest", CorruptIndexError
     doc = _object(raw, what, path, err)
     for k, v in doc.items():
         if k == "shardkit" and type(v) is tuple:

@@ -5,7 +5,7 @@ A checkpoint key is a str that is
 - not empty;
 - not ``__metadata__`` (the name a safetensors header reserves for its metadata);
 - valid UTF-8 when encoded (no lone surrogates such as ``"\\ud800"``): keys are stored in UTF-8
-  JSON, in ``index.json`` and in the shard headers;
+  JSON, in the manifest and in the shard headers;
 - unique in its checkpoint. Nested state is flattened by joining keys with ``/``, so
   ``{"a/b": x, "a": {"b": y}}`` gives ``a/b`` twice and is refused.
 

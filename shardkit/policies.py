@@ -5,6 +5,13 @@ shards ``{checkpoint_key: {slice_spec: array}}``. A policy that splits a tensor 
 of it (``tensor[region]``) under TensorFlow slice specs that name the region within the full,
 original tensor, also when the input is itself already a slice. No policy returns an empty shard.
 
+HuggingFace loaders read only tensors stored whole (spec ``""``, listed in the manifest's
+``weight_map``). ``DefaultShardingPolicy`` (shardkit.api), ``ShardByTaskPolicy`` and
+``AllInOnePolicy`` keep every tensor whole. ``BinPackPolicy`` and ``BalancedPolicy`` split
+tensors larger than their target; ``MaxShardSizePolicy`` gives every tensor TensorFlow's explicit
+spec (``"4 6 0,4:0,6"``), so none is whole in HuggingFace's sense. ``save`` warns
+(``SplitTensorsWarning``) when a policy stored any tensor as slices.
+
 The planning cores run in the compiled kernels (``shardkit._kernels._packing``); this module only
 gathers sizes and shapes into int64 arrays and builds the shard dicts from the plan.
 """

@@ -7,7 +7,7 @@ unmapped only when its last view goes, so arrays stay valid after ``close()``. W
 writable arrays, through a bounded set of open descriptors (`MAX_OPEN_FILES`).
 
 One reader reads one checkpoint: it opens the checkpoint directory once and every file
-(index.json, shards) relative to that handle, safely (`shardkit.files`: regular files only,
+(the manifest, shards) relative to that handle, safely (`shardkit.files`: regular files only,
 symlinks only with ``follow_symlinks=True``). A shard that vanished because the checkpoint was
 replaced raises CheckpointReplacedError; `load` then starts again, a few times.
 
@@ -102,7 +102,7 @@ class SlicePlacement:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One problem `CheckpointReader.verify` found: the file to blame (a shard, or index.json
+    """One problem `CheckpointReader.verify` found: the file to blame (a shard, or the manifest
     when the index is what disagrees), the checkpoint key (None when it is not about one key),
     what is wrong, what was expected and what was found, and the error class it raises as.
 
@@ -185,7 +185,7 @@ class CheckpointReader:
     changes the checkpoint.
 
     The reader reads the checkpoint that was at `path` when it was opened, and no other (see the
-    module docstring). Shard files and index.json must be regular files, and symlinks are
+    module docstring). Shard files and the manifest must be regular files, and symlinks are
     refused unless `follow_symlinks`.
     """
 
@@ -549,7 +549,7 @@ class CheckpointReader:
 
     def verify_report(self, keys: Sequence[str] | None = None) -> VerifyReport:
         """What `verify` checks, returned instead of raised: every distinct problem once, in
-        shard order, each blaming the file that is inconsistent (`index.json` when it records
+        shard order, each blaming the file that is inconsistent (the manifest when it records
         a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
         compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`)."""
         self._begin_read()

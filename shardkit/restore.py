@@ -32,7 +32,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     and every checkpoint key in `state` (else IncompleteRestoreError naming both sides, unless
     ``partial=True``: then the leaves the checkpoint has are restored, the others left as they
     are, and the status lists what did not match), and each leaf's shape and dtype must be the
-    stored ones (RestoreMismatchError). `follow_symlinks`: read shard files and index.json that
+    stored ones (RestoreMismatchError). `follow_symlinks`: read shard files and the manifest that
     are symlinks (refused by default)."""
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")

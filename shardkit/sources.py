@@ -24,7 +24,6 @@ from .errors import (
 )
 from .files import CheckpointFile, open_shard_file
 from .format import (
-    INDEX_FILE,
     EntryLayout,
     ShardInfo,
     check_generation,
@@ -233,14 +232,14 @@ def _run_each(calls: Sequence[Callable[[], None]]) -> None:
 
 
 def check_shard_size(path: str, size: int, info: ShardInfo) -> None:
-    """The shard file must be exactly as long as index.json recorded."""
+    """The shard file must be exactly as long as the manifest recorded."""
     if size < info.bytes:
         raise TruncatedShardError(
-            f"{path}: shard is truncated: file has {size} bytes, {INDEX_FILE} records {info.bytes}"
+            f"{path}: shard is truncated: file has {size} bytes, the manifest records {info.bytes}"
         )
     if size > info.bytes:
         raise CheckpointFormatError(
-            f"{path}: shard file has {size} bytes, but {INDEX_FILE} records {info.bytes} "
+            f"{path}: shard file has {size} bytes, but the manifest records {info.bytes} "
             "(replaced or appended to after the checkpoint was written)"
         )
 

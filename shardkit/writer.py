@@ -161,7 +161,7 @@ def write_shards(
     """Write `shards` (validated callback output) into `directory` as shard files.
 
     Raw safetensors shards, or zstd shards (``.skz``, shardkit.compression) when `compression`
-    is ``"zstd"``. Returns the checkpoint index describing them and its ``index.json`` bytes in
+    is ``"zstd"``. Returns the checkpoint index describing them and its manifest bytes in
     pieces (`format.index_chunks`); writing that file and publishing the directory is the
     caller's job (shardkit.commit). `saved` gives the order, dtypes, full shapes and devices of
     the saved tensors. With `durable`, each shard file is fsynced once complete.

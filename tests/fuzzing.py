@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,14 @@ def make_seeds(root: Path) -> dict[str, Path]:
                                         state.items()})
     seeds = {"raw": root / "raw", "zstd": root / "zstd"}
     policy = shardkit.MaxShardSizePolicy(max_shard_size=1024)
-    shardkit.save(seeds["raw"], state, sharding_callback=policy, durable=False)
-    shardkit.save(seeds["zstd"], state, sharding_callback=shardkit.MaxShardSizePolicy(4096),
-                  compression="zstd", chunk_size=256, durable=False)
+    # the seeds hold tensors stored as slices on purpose: each save warns that HuggingFace
+    # loaders cannot read them (SplitTensorsWarning), which is expected here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", shardkit.SplitTensorsWarning)
+        shardkit.save(seeds["raw"], state, sharding_callback=policy, durable=False)
+        shardkit.save(seeds["zstd"], state, sharding_callback=shardkit.MaxShardSizePolicy(4096),
+                      compression="zstd", chunk_size=256, durable=False)
+    assert [w.category for w in caught] == [shardkit.SplitTensorsWarning] * 2
     return seeds
 
 
@@ -251,8 +257,16 @@ def reseal_skz(data: bytes) -> bytes:
     return data[: p["check"]] + struct.pack("<Q", digest) + data[p["check"] + 8 :]
 
 
+def manifest_path(ckpt: Path) -> Path:
+    """The manifest of the checkpoint `ckpt`, found as the reader finds it: its
+    ``model.safetensors.index.json`` (or the ``index.json`` of format 2.0 / 2.1)."""
+    from shardkit.format import MANIFEST_FILE, find_manifest
+
+    return ckpt / (find_manifest(ckpt) or MANIFEST_FILE)
+
+
 def set_recorded_size(index: bytes, name: str, size: int) -> bytes:
-    """index.json with shard `name`'s recorded byte count set to `size`."""
+    """The manifest `index` with shard `name`'s recorded byte count set to `size`."""
     doc = json.loads(index)
     for s in doc["shardkit"]["shards"]:
         if s["file"] == name:

@@ -18,6 +18,7 @@ import shardkit.api as api
 from shardkit._snapshot import ALIGNMENT, HostBufferPool, alloc_host_buffer
 from shardkit.checkpoint import Checkpoint, CheckpointManager
 from shardkit.errors import ShardkitError
+from shardkit.format import MANIFEST_FILE
 from shardkit.options import CheckpointOptions
 from shardkit.reader import load
 
@@ -45,7 +46,7 @@ def failing_writer(monkeypatch):
     """Make the shard writer fail half-way, as a full disk would."""
 
     def fail(directory, *args, **kwargs):
-        (Path(directory) / "shard-00000-of-00001.safetensors").write_bytes(b"partial")
+        (Path(directory) / "model-00001-of-00001.safetensors").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(api, "write_shards", fail)
@@ -170,7 +171,7 @@ def test_next_call_waits_for_pending_write(tmp_path, gate, call):
     gate.set()
     thread.join(10)
     assert not thread.is_alive() and "error" not in box, box.get("error")
-    assert first.done() and (tmp_path / "c-1" / "index.json").exists()
+    assert first.done() and (tmp_path / "c-1" / MANIFEST_FILE).exists()
 
 
 def test_async_error_raised_by_next_call_once(tmp_path, failing_writer):
@@ -299,7 +300,7 @@ def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path, compre
     assert "failed" not in proc.stderr, proc.stderr
     loaded = load(tmp_path / "c-1", verify=True)
     assert [float(loaded[f"s/x{i}"][0]) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
-    assert len(list((tmp_path / "c-1").glob("shard-*"))) >= 2
+    assert len(list((tmp_path / "c-1").glob("model-*"))) >= 2
 
 
 def test_restore_while_the_interpreter_exits(tmp_path):

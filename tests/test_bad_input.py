@@ -39,7 +39,10 @@ from shardkit.errors import (
     UnknownCodecError,
     UnsupportedVersionError,
 )
+from shardkit.format import MANIFEST_FILE
 from shardkit.restore import restore_into
+
+M = re.escape(MANIFEST_FILE)  # in the messages that name the manifest
 
 SHARD0 = fmt.shard_file_name(0, 1)
 
@@ -52,9 +55,9 @@ def ckpt(tmp_path) -> Path:
 
 
 def _edit_index(path: Path, change) -> None:
-    doc = json.loads((path / "index.json").read_bytes())
+    doc = json.loads((path / MANIFEST_FILE).read_bytes())
     change(doc)
-    (path / "index.json").write_text(json.dumps(doc))
+    (path / MANIFEST_FILE).write_text(json.dumps(doc))
 
 
 def _replace_shard(path: Path, data: bytes, name: str = SHARD0) -> None:
@@ -99,16 +102,17 @@ def test_checkpoint_path_is_a_file(tmp_path):
 
 
 def test_missing_index(ckpt):
-    (ckpt / "index.json").unlink()
-    with pytest.raises(CheckpointNotFoundError, match=r"ckpt: index\.json is missing"):
+    (ckpt / MANIFEST_FILE).unlink()
+    with pytest.raises(CheckpointNotFoundError,
+                       match=rf"ckpt: {M} is missing \(nor is there an index\.json"):
         rd.CheckpointReader(ckpt)
 
 
 def test_index_is_a_directory(ckpt):
-    (ckpt / "index.json").unlink()
-    (ckpt / "index.json").mkdir()
+    (ckpt / MANIFEST_FILE).unlink()
+    (ckpt / MANIFEST_FILE).mkdir()
     with pytest.raises(NotRegularFileError,
-                       match=r"ckpt/index\.json: index\.json is a directory, not a regular file"):
+                       match=rf"ckpt/{M}: {M} is a directory, not a regular file"):
         rd.CheckpointReader(ckpt)
 
 
@@ -125,23 +129,23 @@ def test_missing_key(ckpt):
 def test_missing_shard_file(ckpt):
     (ckpt / SHARD0).unlink()
     with rd.CheckpointReader(ckpt) as r:
-        with pytest.raises(MissingShardError, match=rf"{SHARD0}: shard file listed in index\.json "
+        with pytest.raises(MissingShardError, match=rf"{SHARD0}: shard file listed in the manifest "
                            r"is missing .*while reading key 'w'"):
             r["w"]
 
 
-# --- index.json ---------------------------------------------------------------------------------
+# --- the manifest ---------------------------------------------------------------------------------
 
 
 def test_corrupt_index_json(ckpt):
-    (ckpt / "index.json").write_bytes(b'{"format": "shardkit", ')
-    with pytest.raises(CorruptIndexError, match=r"ckpt/index\.json: not valid JSON"):
+    (ckpt / MANIFEST_FILE).write_bytes(b'{"format": "shardkit", ')
+    with pytest.raises(CorruptIndexError, match=rf"ckpt/{M}: not valid JSON"):
         rd.CheckpointReader(ckpt)
 
 
 def test_newer_major_version(ckpt):
     _edit_index(ckpt, lambda d: d.update(format_version="3.1"))
-    with pytest.raises(UnsupportedVersionError, match=r"index\.json: checkpoint format version 3\.1"
+    with pytest.raises(UnsupportedVersionError, match=rf"{M}: checkpoint format version 3\.1"
                        r" is newer than this shardkit reads \(up to 2\.x\); upgrade shardkit"):
         rd.load(ckpt)
 
@@ -157,7 +161,7 @@ def test_pre_release_version_1_is_refused(ckpt):
         del doc["shardkit"]["slices"], doc["shardkit"]["devices"]
 
     _edit_index(ckpt, to_v1)
-    with pytest.raises(UnsupportedVersionError, match=r"index\.json: checkpoint format version 1\.0"
+    with pytest.raises(UnsupportedVersionError, match=rf"{M}: checkpoint format version 1\.0"
                        r" is a pre-release layout this shardkit no longer reads \(it reads 2\.x\); "
                        r"load it with the shardkit that wrote it and save it again"):
         rd.CheckpointReader(ckpt)
@@ -170,7 +174,7 @@ def test_shard_name_leaving_the_directory(ckpt, name):
         doc["shardkit"]["shards"][0]["file"] = name
     _edit_index(ckpt, change)
     with pytest.raises(ShardPathError,
-                       match=r"index\.json: shard file name .* is not a plain file"):
+                       match=rf"{M}: shard file name .* is not a plain file"):
         rd.CheckpointReader(ckpt)
 
 
@@ -198,7 +202,7 @@ def test_index_and_header_disagree(ckpt):
     _edit_index(ckpt, change)
     with rd.CheckpointReader(ckpt) as r:
         with pytest.raises(CorruptHeaderError, match=rf"{SHARD0}: entry 'w' \(key 'w', slice ''\) "
-                           r"does not match index\.json: expected dtype I32 shape \[2, 3\], the "
+                           r"does not match the manifest: expected dtype I32 shape \[2, 3\], the "
                            r"shard has dtype F32 shape \[6\]"):
             r["w"]
 
@@ -216,8 +220,8 @@ def _set_spec(key: str, spec: str):
     [
         # the entry name is composed from key and spec: a full-box spec names "w:6 0,6"
         (_set_spec("w", "6 0,6"), r"entry 'w:6 0,6' \(key 'w', slice '6 0,6'\) is listed in "
-                                  r"index\.json but not in the shard"),
-        (_set_row("key", "w", "w2"), r"entry 'w2' \(key 'w2', slice ''\) is listed in index\.json "
+                                  r"the manifest but not in the shard"),
+        (_set_row("key", "w", "w2"), r"entry 'w2' \(key 'w2', slice ''\) is listed in the manifest "
                                      r"but not in the shard"),
     ],
     ids=["full-box-spec", "renamed-key"],
@@ -239,7 +243,7 @@ def test_truncated_shard(ckpt):
     for use_mmap in (True, False):
         with rd.CheckpointReader(ckpt, mmap=use_mmap) as r:
             with pytest.raises(TruncatedShardError, match=rf"{SHARD0}: shard is truncated: file "
-                               rf"has {len(data) - 3} bytes, index\.json records {len(data)} "
+                               rf"has {len(data) - 3} bytes, the manifest records {len(data)} "
                                r".*while reading key 'b'"):
                 r["b"]
 
@@ -248,7 +252,7 @@ def test_shard_longer_than_recorded(ckpt):
     with open(ckpt / SHARD0, "ab") as f:
         f.write(b"junk")
     with rd.CheckpointReader(ckpt) as r:
-        with pytest.raises(CheckpointFormatError, match=r"bytes, but index\.json records"):
+        with pytest.raises(CheckpointFormatError, match=r"bytes, but the manifest records"):
             r["b"]
 
 
@@ -331,7 +335,7 @@ def test_checksum_mismatch_verify_and_load(ckpt):
     with rd.CheckpointReader(ckpt) as r:
         r["w"]  # reading without verification does not look at checksums
         with pytest.raises(ChecksumError, match=rf"{SHARD0}: 'b': checksum of entry 'b', expected "
-                           r"xxh3 [0-9a-f]{16} \(index\.json\) vs found [0-9a-f]{16}$"):
+                           r"xxh3 [0-9a-f]{16} \(the manifest\) vs found [0-9a-f]{16}$"):
             r.verify()
         assert r.verify(["w"]) == 1
     for use_mmap in (True, False):
@@ -348,7 +352,7 @@ def test_checksum_mismatch_in_a_slice(tmp_path):
     a = np.arange(24, dtype=np.int32).reshape(6, 4)
     write_checkpoint(tmp_path, row_slices("a", a, 2, [0, 1]))
     _flip_data_byte(tmp_path, fmt.shard_file_name(1, 2))
-    with pytest.raises(ChecksumError, match=r"shard-00001-of-00002\.safetensors: 'a': checksum "
+    with pytest.raises(ChecksumError, match=r"model-00002-of-00002\.safetensors: 'a': checksum "
                        r"of slice '6 4 3,3:0,4' \(entry 'a:6 4 3,3:0,4'\), expected xxh3"):
         rd.load(tmp_path, verify=True, mmap=False)
 
@@ -370,7 +374,7 @@ def test_random_damage_never_escapes_as_a_foreign_error(tmp_path, target):
     base = tmp_path / "base"
     a = np.arange(40, dtype=np.float32).reshape(8, 5)
     write_checkpoint(base, row_slices("a", a, 2, [0, 1]) + whole({"b": np.ones(3, np.int16)}))
-    name = fmt.shard_file_name(0, 2) if target == "shard" else "index.json"
+    name = fmt.shard_file_name(0, 2) if target == "shard" else MANIFEST_FILE
     original = (base / name).read_bytes()
     rng = random.Random(target)
     outcomes = {"ok": 0, "error": 0}
@@ -445,10 +449,10 @@ def test_shard_is_a_fifo(ckpt, use_mmap):
 
 
 def test_index_is_a_fifo(ckpt):
-    (ckpt / "index.json").unlink()
-    os.mkfifo(ckpt / "index.json")
+    (ckpt / MANIFEST_FILE).unlink()
+    os.mkfifo(ckpt / MANIFEST_FILE)
     out = _load_in_child(ckpt)
-    assert out == (f"NotRegularFileError {ckpt / 'index.json'}: index.json is a FIFO, not a "
+    assert out == (f"NotRegularFileError {ckpt / MANIFEST_FILE}: {MANIFEST_FILE} is a FIFO, not a "
                    "regular file"), out
 
 
@@ -506,10 +510,10 @@ def test_symlinked_shard_is_refused_unless_asked(ckpt, tmp_path):
 
 def test_symlinked_index_is_refused_unless_asked(ckpt, tmp_path):
     real = tmp_path / "index-elsewhere.json"
-    real.write_bytes((ckpt / "index.json").read_bytes())
-    (ckpt / "index.json").unlink()
-    (ckpt / "index.json").symlink_to(real)
-    with pytest.raises(SymlinkRefusedError, match=r"ckpt/index\.json: index\.json is a "
+    real.write_bytes((ckpt / MANIFEST_FILE).read_bytes())
+    (ckpt / MANIFEST_FILE).unlink()
+    (ckpt / MANIFEST_FILE).symlink_to(real)
+    with pytest.raises(SymlinkRefusedError, match=rf"ckpt/{M}: {M} is a "
                        r"symbolic link; .*follow_symlinks=True"):
         rd.CheckpointReader(ckpt)
     assert list(rd.load(ckpt, follow_symlinks=True)) == ["w", "b"]
@@ -551,14 +555,14 @@ def test_a_shard_of_another_save_is_refused_naming_both_generations(tmp_path, co
                            compression=compression)
     assert first.generation != second.generation
     assert re.fullmatch(r"[0-9a-f]{32}", first.generation)
-    (name,) = [f for f in first.files if f != "index.json"]
+    (name,) = [f for f in first.files if f != MANIFEST_FILE]
     (tmp_path / "one" / name).write_bytes((tmp_path / "two" / name).read_bytes())
     _edit_index(tmp_path / "one", lambda doc: doc["shardkit"]["shards"][0].update(
         bytes=(tmp_path / "two" / name).stat().st_size))
     with rd.CheckpointReader(tmp_path / "one") as r:
         assert r.generation == first.generation
     message = (rf"{re.escape(str(tmp_path / 'one' / name))}: shard belongs to another "
-               rf"checkpoint: index\.json is of generation {first.generation}, the shard header "
+               rf"checkpoint: the manifest is of generation {first.generation}, the shard header "
                rf"records generation '{second.generation}' \(the directory mixes files of "
                r"different saves, or was partially replaced\)")
     for mmap in (True, False):
@@ -576,7 +580,7 @@ def test_a_shard_without_a_generation_in_a_2_1_checkpoint_is_refused(ckpt):
 
     _edit_index(ckpt, lambda doc: doc["shardkit"].update(generation="ab" * 16))
     with pytest.raises(GenerationMismatchError,
-                       match=r"index\.json is of generation abab.*, the shard header records "
+                       match=r"the manifest is of generation abab.*, the shard header records "
                              r"generation none"):
         _read_all(ckpt)
 

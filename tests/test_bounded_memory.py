@@ -24,6 +24,7 @@ import zstandard
 from shardkit import api
 from shardkit import compression as skz
 from shardkit import format as fmt
+from shardkit.format import MANIFEST_FILE
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
                                 reason="measures peak memory through Linux's /proc")
@@ -120,7 +121,7 @@ def _bomb(path: Path) -> int:
     }
     index = fmt.CheckpointIndex.from_tensors(
         "bomb", [fmt.ShardInfo(name, 0, "zstd", len(data))], tensors)
-    (path / "index.json").write_bytes(fmt.encode_index(index))
+    (path / MANIFEST_FILE).write_bytes(fmt.encode_index(index))
     return n * chunk
 
 
@@ -145,7 +146,7 @@ def test_verify_of_a_decompression_bomb_stays_small(bomb, mmap):
     # end of the pass: over 4 GiB resident.
     assert delta < 160 * MiB, f"verify peaked {delta / MiB:.0f} MiB over its start"
     if isinstance(result, str):  # a reader with a lower chunk-size limit refuses the header
-        assert "shard-00000-of-00001.skz" in result, result
+        assert "model-00001-of-00001.skz" in result, result
     else:
         assert result == 2
 

@@ -21,6 +21,7 @@ from shardkit.checkpoint import (
     SaveHandle,
 )
 from shardkit.errors import CheckpointNotFoundError, IncompleteRestoreError, RestoreMismatchError
+from shardkit.format import MANIFEST_FILE
 from shardkit.options import CheckpointOptions
 from shardkit.reader import load, open_checkpoint
 
@@ -34,7 +35,7 @@ def ptr(a: np.ndarray) -> int:
 
 
 def index_of(path: str) -> dict:
-    with open(os.path.join(path, "index.json")) as f:
+    with open(os.path.join(path, MANIFEST_FILE)) as f:
         return json.load(f)
 
 
@@ -280,7 +281,7 @@ def test_compressed_checkpoint_round_trips(tmp_path, enable_async):
     ckpt = Checkpoint(model=model, optimizer=opt)
     path = ckpt.save(tmp_path / "c", opts)
     ckpt.sync()
-    assert [p.suffix for p in sorted(Path(path).glob("shard-*"))] == [".skz"]
+    assert [p.suffix for p in sorted(Path(path).glob("model-*"))] == [".skz"]
     model2, opt2 = trained(1)
     Checkpoint(model=model2, optimizer=opt2).read(path).assert_consumed()
     for a, b in zip(model.parameters(), model2.parameters()):

@@ -7,6 +7,8 @@ import pytest
 
 from shardkit.api import save
 from shardkit.cli import main
+from shardkit.errors import SplitTensorsWarning
+from shardkit.format import MANIFEST_FILE
 from shardkit.policies import MaxShardSizePolicy
 
 
@@ -14,7 +16,8 @@ from shardkit.policies import MaxShardSizePolicy
 def checkpoint(tmp_path):
     path = tmp_path / "ckpt"
     state = {"a": np.arange(100, dtype=np.float32).reshape(10, 10), "b": {"c": np.ones(3)}}
-    save(path, state, sharding_callback=MaxShardSizePolicy(200), metadata={"step": 3})
+    with pytest.warns(SplitTensorsWarning, match=r"stored 2 tensors as slices \(e\.g\. 'a'\)"):
+        save(path, state, sharding_callback=MaxShardSizePolicy(200), metadata={"step": 3})
     return path
 
 
@@ -40,9 +43,9 @@ def test_inspect_lists_shards_and_slices(checkpoint, capsys):
     out = capsys.readouterr().out
     assert "2 tensors, 3 shards" in out
     assert "metadata: {'step': 3}" in out
-    generation = json.loads((checkpoint / "index.json").read_text())["shardkit"]["generation"]
+    generation = json.loads((checkpoint / MANIFEST_FILE).read_text())["shardkit"]["generation"]
     assert f"generation: {generation}\n" in out
-    assert "shard-00000-of-00003.safetensors  task 0  raw" in out
+    assert "model-00001-of-00003.safetensors  task 0  raw" in out
     assert "10 10 0,5:0,10" in out and "10 10 5,5:0,10" in out
     assert "F64" in out and "[10, 10]" in out
 
@@ -50,14 +53,14 @@ def test_inspect_lists_shards_and_slices(checkpoint, capsys):
 def test_verify_ok_and_corrupt(checkpoint, capsys):
     assert main(["verify", str(checkpoint)]) == 0
     assert "OK (3 entries checked, 2 tensors)" in capsys.readouterr().out
-    shard = checkpoint / "shard-00001-of-00003.safetensors"
+    shard = checkpoint / "model-00002-of-00003.safetensors"
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert main(["verify", str(checkpoint)]) == 1
     err = capsys.readouterr().err
-    assert "CORRUPT:" in err and "shard-00001-of-00003.safetensors" in err
-    assert "shard-00001-of-00003.safetensors: 'a': checksum of slice '10 10 " in err
+    assert "CORRUPT:" in err and "model-00002-of-00003.safetensors" in err
+    assert "model-00002-of-00003.safetensors: 'a': checksum of slice '10 10 " in err
     assert "1 problem(s) found" in err
 
 
@@ -71,7 +74,7 @@ def test_inspect_has_column_headers(checkpoint, capsys):
     lines = capsys.readouterr().out.splitlines()
     shards = lines.index("shards:")
     assert lines[shards + 1].split() == ["#", "file", "task", "codec", "size"]
-    assert lines[shards + 2].lstrip().split()[:2] == ["[0]", "shard-00000-of-00003.safetensors"]
+    assert lines[shards + 2].lstrip().split()[:2] == ["[0]", "model-00001-of-00003.safetensors"]
     tensors = lines.index("tensors:")
     assert lines[tensors + 1].split() == ["key", "dtype", "shape", "slice", "size", "shard", "/",
                                           "entry"]

@@ -14,6 +14,7 @@ import pytest
 
 from shardkit import commit
 from shardkit.errors import CheckpointExistsError, ShardkitError
+from shardkit.format import MANIFEST_FILE
 
 INDEX = json.dumps({"format": "shardkit", "format_version": "2.0"}).encode()
 
@@ -38,7 +39,7 @@ def test_fresh_save_appears_whole_with_index_last(tmp_path):
     target = tmp_path / "ckpt"
     tmp = _save(target, "one")
     assert (target / "data").read_text() == "one"
-    assert (target / "index.json").read_bytes() == INDEX
+    assert (target / MANIFEST_FILE).read_bytes() == INDEX
     assert not tmp.exists()
     assert _listing(tmp_path) == ["ckpt"]
     assert commit.is_checkpoint(target)
@@ -99,20 +100,37 @@ def test_overwrite_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
     target = tmp_path / "mydata"
     target.mkdir()
     (target / "precious.txt").write_text("keep me")
-    with pytest.raises(CheckpointExistsError, match=r"not empty and holds no shardkit index\.json"
+    with pytest.raises(CheckpointExistsError,
+                       match=r"not empty and holds no shardkit model\.safetensors\.index\.json "
+                       r"\(a HuggingFace or other checkpoint is not shardkit's\)"
                        r"; refusing to replace it even with overwrite=True"):
         commit.stage(target, overwrite=True, durable=False)
     assert (target / "precious.txt").read_text() == "keep me"
     assert _listing(tmp_path) == ["mydata"]
 
 
-def test_overwrite_refuses_a_foreign_index_json(tmp_path):
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "index.json"])
+def test_overwrite_refuses_a_foreign_index_json(tmp_path, name):
+    # a HuggingFace checkpoint: its manifest has metadata and weight_map, no shardkit section
     target = tmp_path / "hf"
     target.mkdir()
-    (target / "index.json").write_text(json.dumps({"weight_map": {}}))
-    with pytest.raises(CheckpointExistsError, match=r"holds no shardkit index\.json"):
+    (target / name).write_text(json.dumps({"metadata": {"total_size": 4},
+                                           "weight_map": {"w": "model.safetensors"}}))
+    (target / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(CheckpointExistsError,
+                       match=r"holds no shardkit model\.safetensors\.index\.json"):
         commit.stage(target, overwrite=True, durable=False)
-    assert (target / "index.json").exists()
+    assert (target / name).exists() and (target / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_2_1_checkpoint_with_index_json_is_replaced(tmp_path):
+    target = tmp_path / "old"
+    target.mkdir()
+    (target / "index.json").write_bytes(INDEX)  # format 2.0 / 2.1 named the manifest so
+    (target / "shard-00000-of-00001.safetensors").write_bytes(b"old")
+    assert commit.is_checkpoint(target)
+    _save(target, "new", overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == ["data", MANIFEST_FILE]
 
 
 @pytest.mark.parametrize("kind", ["file", "symlink"])
@@ -177,7 +195,7 @@ def test_durable_commit_fsyncs_index_directory_and_parent(tmp_path, monkeypatch)
     with commit.stage(target, overwrite=False, durable=True) as staging:
         tmp = str(staging.path)
         staging.commit(INDEX)
-    assert synced == [f"{tmp}/index.json", tmp, str(tmp_path)]
+    assert synced == [f"{tmp}/{MANIFEST_FILE}", tmp, str(tmp_path)]
     synced.clear()
     _save(tmp_path / "other", "x", durable=False)
     assert synced == []
@@ -186,7 +204,7 @@ def test_durable_commit_fsyncs_index_directory_and_parent(tmp_path, monkeypatch)
 def test_stale_temp_dirs_are_cleaned_by_the_next_save(tmp_path):
     stale = tmp_path / ".ckpt.shardkit-tmp-abc123"
     stale.mkdir()
-    (stale / "shard-00000-of-00001.safetensors").write_bytes(b"partial")
+    (stale / "model-00001-of-00001.safetensors").write_bytes(b"partial")
     stale_other = tmp_path / ".other.shardkit-tmp-zz9"
     stale_other.mkdir()
     unrelated = tmp_path / ".ckpt.backup"
@@ -304,7 +322,7 @@ def test_leftover_old_dir_is_cleaned_once_the_checkpoint_exists(tmp_path):
     _save(target, "new")
     old = tmp_path / ".ckpt.shardkit-old-zzz"
     old.mkdir()
-    (old / "index.json").write_bytes(INDEX)
+    (old / MANIFEST_FILE).write_bytes(INDEX)
     _save(tmp_path / "other", "x")
     assert _listing(tmp_path) == ["ckpt", "other"]
 
@@ -312,11 +330,16 @@ def test_leftover_old_dir_is_cleaned_once_the_checkpoint_exists(tmp_path):
 def test_is_checkpoint_reads_reordered_and_rejects_broken_indexes(tmp_path):
     reordered = tmp_path / "reordered"
     reordered.mkdir()
-    (reordered / "index.json").write_text(json.dumps({"weight_map": {}, "format": "shardkit"}))
+    (reordered / MANIFEST_FILE).write_text(
+        json.dumps({"weight_map": {}, "shardkit": {}, "format": "shardkit"}))
     assert commit.is_checkpoint(reordered)
+    no_section = tmp_path / "no-section"
+    no_section.mkdir()
+    (no_section / MANIFEST_FILE).write_text(json.dumps({"weight_map": {}, "format": "shardkit"}))
+    assert not commit.is_checkpoint(no_section)
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "index.json").write_bytes(b'{"format": "shard')
+    (broken / MANIFEST_FILE).write_bytes(b'{"format": "shard')
     assert not commit.is_checkpoint(broken)
     assert not commit.is_checkpoint(tmp_path / "missing")
 
@@ -340,7 +363,7 @@ def test_no_overwrite_hint_where_overwrite_would_refuse(tmp_path, kind):
         (target / "precious.txt").write_text("keep me")
     elif kind == "foreign-index":
         target.mkdir()
-        (target / "index.json").write_text(json.dumps({"weight_map": {}}))
+        (target / MANIFEST_FILE).write_text(json.dumps({"weight_map": {}}))
     elif kind == "file":
         target.write_text("not a checkpoint")
     else:

@@ -25,9 +25,10 @@ from shardkit.errors import (
     ChecksumError,
     CorruptHeaderError,
     EntryLayoutError,
+    SplitTensorsWarning,
     TruncatedShardError,
 )
-from shardkit.format import EntryLayout, ShardInfo, layout_entries
+from shardkit.format import MANIFEST_FILE, EntryLayout, ShardInfo, layout_entries
 from shardkit.policies import MaxShardSizePolicy
 from shardkit.reader import CheckpointReader
 
@@ -290,7 +291,7 @@ def test_header_round_trip():
     assert len(head) == head_len and head.startswith(skz.MAGIC)
     h = skz.decode_skz_header(head, head_len + sum(sizes), "s.skz")
     assert (h.chunk_size, h.data_size, h.shuffle, h.data_start) == (160, 403, True, head_len)
-    assert h.metadata == {"format": "shardkit", "codec": "zstd", "note": "x"}
+    assert h.metadata == {"format": "pt", "shardkit": "2.2", "codec": "zstd", "note": "x"}
     assert list(h.entries) == ["w", "b"] and h.entries["b"].begin == 400
     assert h.frames.tobytes() == frames.tobytes()
 
@@ -585,10 +586,11 @@ def codecs(path: Path) -> list[str]:
 def test_checkpoint_round_trip(tmp_path, shuffle, level, chunk, mmap):
     state = make_state(np.random.default_rng(11))
     policy = MaxShardSizePolicy(3000)  # several shards, "big" split into row slices
-    api.save(tmp_path / "c", state, sharding_callback=policy, compression="zstd", level=level,
-             shuffle=shuffle, chunk_size=chunk, durable=False)
+    with pytest.warns(SplitTensorsWarning, match="tensors as slices"):
+        api.save(tmp_path / "c", state, sharding_callback=policy, compression="zstd",
+                 level=level, shuffle=shuffle, chunk_size=chunk, durable=False)
     names = sorted(os.listdir(tmp_path / "c"))
-    assert names[0] == "index.json" and all(n.endswith(".skz") for n in names[1:])
+    assert names[-1] == MANIFEST_FILE and all(n.endswith(".skz") for n in names[:-1])
     assert len(names) > 2 and set(codecs(tmp_path / "c")) == {"zstd"}
     loaded = api.load(tmp_path / "c", mmap=mmap, verify=True)
     assert_same(loaded, state)
@@ -670,8 +672,8 @@ def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path):
                  "z/i": np.arange(100, dtype=np.int16)}
     api.save(tmp_path / "a", raw_part, durable=False)
     api.save(tmp_path / "b", zstd_part, compression="zstd", durable=False)
-    ia = fmt.decode_index((tmp_path / "a" / "index.json").read_bytes(), "a")
-    ib = fmt.decode_index((tmp_path / "b" / "index.json").read_bytes(), "b")
+    ia = fmt.decode_index((tmp_path / "a" / MANIFEST_FILE).read_bytes(), "a")
+    ib = fmt.decode_index((tmp_path / "b" / MANIFEST_FILE).read_bytes(), "b")
     assert len(ia.shards) == len(ib.shards) == 1
     out = tmp_path / "mixed"
     out.mkdir()
@@ -684,7 +686,7 @@ def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path):
     index = fmt.CheckpointIndex.from_tensors(
         "merged", [replace(ia.shards[0], file=names[0]), replace(ib.shards[0], file=names[1])],
         tensors)
-    (out / "index.json").write_bytes(fmt.encode_index(index))
+    (out / MANIFEST_FILE).write_bytes(fmt.encode_index(index))
     assert codecs(out) == ["raw", "zstd"]
     assert_same(api.load(out, verify=True), {**raw_part, **zstd_part})
     with CheckpointReader(out) as r:

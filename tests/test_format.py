@@ -29,6 +29,7 @@ from shardkit.errors import (
     TruncatedShardError,
     UnsupportedVersionError,
 )
+from shardkit.format import MANIFEST_FILE
 from shardkit.slices import format_slice_spec
 
 # --- checkpoint factory (used by the reader tests too) -----------------------------------------
@@ -60,10 +61,15 @@ def write_checkpoint(
     user_metadata: dict[str, Any] | None = None,
     full_shapes: dict[str, tuple[int, ...]] | None = None,
     generation: str | None = None,
+    legacy: bool = False,
 ) -> fmt.CheckpointIndex:
-    """Write shards + index.json with format.py's encoders. Items in save order; like the writer,
-    the index lists each shard's slices in data-region order (docs/FORMAT.md section 2).
-    Without a `generation` the checkpoint is a format 2.0 one (no generation anywhere)."""
+    """Write shards + the manifest with format.py's encoders. Items in save order; like the
+    writer, the manifest lists each shard's slices in data-region order (docs/FORMAT.md section
+    2). Without a `generation` the manifest says format 2.0 (no generation anywhere).
+    `legacy`: exactly as formats 2.0 / 2.1 wrote checkpoints (2.1 with a `generation`):
+    ``index.json``, shards ``shard-00000-of-0000N.safetensors`` whose ``__metadata__`` is
+    ``{"format": "shardkit"}`` (then the generation); else the names and header metadata of
+    format 2.2 (`fmt.MANIFEST_FILE`, `fmt.shard_file_name`, `fmt.shard_metadata`)."""
     path.mkdir(parents=True, exist_ok=True)
     n = n_shards if n_shards is not None else max(s for _, _, s, _ in items) + 1
     per_shard: list[list[Item]] = [[] for _ in range(n)]
@@ -87,8 +93,14 @@ def write_checkpoint(
         layouts = fmt.layout_entries(
             [(fmt.entry_name(k, s), a.dtype, a.shape) for k, s, _, a in shard_items]
         )
-        header = fmt.encode_safetensors_header(
-            layouts, None if generation is None else {fmt.GENERATION_KEY: generation})
+        if legacy:
+            header = fmt.encode_header_columns(
+                [e.name for e in layouts], [e.dtype_name for e in layouts],
+                [e.shape for e in layouts], [e.begin for e in layouts], [e.end for e in layouts],
+                fmt.legacy_shard_metadata(generation))
+        else:
+            header = fmt.encode_safetensors_header(
+                layouts, None if generation is None else {fmt.GENERATION_KEY: generation})
         data = bytearray(fmt.data_size(layouts))
         for e in layouts:
             key, spec, _, a = shard_items[e.order_index]
@@ -98,16 +110,23 @@ def write_checkpoint(
             slice_spec.append(spec)
             slice_shard.append(i)
             slice_xxh3.append(xxhash.xxh3_64_hexdigest(raw) if checksum else None)
-        name = fmt.shard_file_name(i, n)
+        name = legacy_shard_name(i, n) if legacy else fmt.shard_file_name(i, n)
         (path / name).write_bytes(header + bytes(data))
         shard_infos.append(fmt.ShardInfo(name, 0, "raw", len(header) + len(data), generation))
     index = fmt.CheckpointIndex(
         "test-callback", shard_infos, keys, [dtypes[k] for k in keys], [shapes[k] for k in keys],
         [DEVICE] * len(keys), slice_tensor, slice_spec, slice_shard, slice_xxh3,
-        dict(user_metadata or {}), "2.0" if generation is None else fmt.FORMAT_VERSION, generation,
+        dict(user_metadata or {}),
+        "2.0" if generation is None else "2.1" if legacy else fmt.FORMAT_VERSION, generation,
     )
-    (path / fmt.INDEX_FILE).write_bytes(fmt.encode_index(index))
+    manifest = fmt.LEGACY_MANIFEST_FILE if legacy else fmt.MANIFEST_FILE
+    (path / manifest).write_bytes(fmt.encode_index(index))
     return index
+
+
+def legacy_shard_name(i: int, n: int) -> str:
+    """Shard `i` (0-based) of `n` as formats 2.0 / 2.1 named it."""
+    return f"shard-{i:05d}-of-{n:05d}.safetensors"
 
 
 def _full(spec: str) -> tuple[int, ...]:
@@ -120,8 +139,10 @@ def whole(items: dict[str, np.ndarray], n_shards: int = 1) -> list[Item]:
 
 
 def index_document(path: Path) -> dict[str, Any]:
-    """The parsed index.json of the checkpoint at `path`."""
-    return json.loads((Path(path) / fmt.INDEX_FILE).read_bytes())
+    """The parsed manifest of the checkpoint at `path` (found as the reader finds it)."""
+    name = fmt.find_manifest(Path(path))
+    assert name is not None, f"no manifest in {path}"
+    return json.loads((Path(path) / name).read_bytes())
 
 
 def tensor_view(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -147,16 +168,23 @@ def tensor_view(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def test_constants():
     assert fmt.FORMAT_NAME == "shardkit"
-    assert fmt.FORMAT_VERSION == "2.1" and fmt.FORMAT_MAJOR == 2
-    assert fmt.INDEX_FILE == "index.json"
+    assert fmt.FORMAT_VERSION == "2.2" and fmt.FORMAT_MAJOR == 2
+    assert fmt.MANIFEST_FILE == "model.safetensors.index.json"  # HuggingFace's name
+    assert fmt.MANIFEST_FILES == ("model.safetensors.index.json", "index.json")  # lookup order
+    assert fmt.LEGACY_MANIFEST_FILE == "index.json" and fmt.INDEX_FILE == fmt.MANIFEST_FILE
+    assert fmt.HEADER_FORMAT == "pt"
+    assert fmt.shard_metadata("g") == {"format": "pt", "shardkit": "2.2", "generation": "g"}
+    assert fmt.legacy_shard_metadata("g") == {"format": "shardkit", "generation": "g"}
     assert fmt.MAX_HEADER_BYTES == 100 * 1024 * 1024
     assert fmt.RAW_SUFFIX == ".safetensors"
 
 
 def test_shard_file_name():
-    assert fmt.shard_file_name(0, 3) == "shard-00000-of-00003.safetensors"
-    assert fmt.shard_file_name(2, 3, "raw") == "shard-00002-of-00003.safetensors"
-    assert fmt.shard_file_name(1, 12, "zstd") == "shard-00001-of-00012.skz"
+    # HuggingFace's names, numbered from 1 (format 2.2; 2.0 / 2.1 wrote shard-00000-of-...)
+    assert fmt.shard_file_name(0, 3) == "model-00001-of-00003.safetensors"
+    assert fmt.shard_file_name(2, 3, "raw") == "model-00003-of-00003.safetensors"
+    assert fmt.shard_file_name(1, 12, "zstd") == "model-00002-of-00012.skz"
+    assert fmt.shard_file_name(0, 1) == "model-00001-of-00001.safetensors"
     with pytest.raises(ValueError, match="unknown codec 'lz4'"):
         fmt.shard_file_name(0, 1, "lz4")
     with pytest.raises(ValueError, match=r"outside 0\.\.2"):
@@ -224,13 +252,25 @@ def test_layout_rejects_duplicates_and_bad_shapes():
 
 # --- header ----------------------------------------------------------------------------------
 
-GOLDEN_HEADER = (
+GOLDEN_HEADER = (  # format 2.0
     b"\x98\x00\x00\x00\x00\x00\x00\x00"  # N = 152: 151 bytes of JSON + 1 space
     b'{"__metadata__":{"format":"shardkit"},'
     b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
     b'"b:2 0,1":{"dtype":"I16","shape":[1],"data_offsets":[8,10]}}'
     b" "
 )
+GOLDEN_HEADER_2_2 = (  # no generation: the writer always adds one (GOLDEN_HEADER_2_2_GEN)
+    b"\xa8\x00\x00\x00\x00\x00\x00\x00"  # N = 168: 162 bytes of JSON + 6 spaces
+    b'{"__metadata__":{"format":"pt","shardkit":"2.2"},'
+    b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+    b'"b:2 0,1":{"dtype":"I16","shape":[1],"data_offsets":[8,10]}}'
+    b"      "
+)
+
+
+def _columns(layouts: list[fmt.EntryLayout]) -> tuple[list[Any], ...]:
+    return ([e.name for e in layouts], [e.dtype_name for e in layouts],
+            [e.shape for e in layouts], [e.begin for e in layouts], [e.end for e in layouts])
 
 
 def test_golden_header_bytes():
@@ -238,9 +278,11 @@ def test_golden_header_bytes():
         [("b:2 0,1", np.dtype("i2"), (1,)), ("w", np.dtype("f4"), (2,))]
     )
     header = fmt.encode_safetensors_header(layouts)
-    assert header == GOLDEN_HEADER
-    assert len(header) == 160
-    assert struct.unpack("<Q", header[:8])[0] == 152
+    assert header == GOLDEN_HEADER_2_2
+    assert len(header) == 176
+    assert struct.unpack("<Q", header[:8])[0] == 168
+    legacy = fmt.encode_header_columns(*_columns(layouts), fmt.legacy_shard_metadata(None))
+    assert legacy == GOLDEN_HEADER and len(legacy) == 160
 
 
 def test_header_round_trip_with_metadata():
@@ -251,7 +293,7 @@ def test_header_round_trip_with_metadata():
     size = len(header) + fmt.data_size(layouts)
     entries, meta, start = fmt.decode_safetensors_header(header, size, "s.safetensors")
     assert start == len(header)
-    assert meta == {"format": "shardkit", "note": "x"}
+    assert meta == {"format": "pt", "shardkit": "2.2", "note": "x"}
     assert list(entries) == ["a", "e", "ü/ключ"]
     for e in layouts:
         d = entries[e.name]
@@ -358,7 +400,7 @@ def test_safetensors_package_reads_our_shard(tmp_path):
         assert loaded[k].dtype == a.dtype and loaded[k].shape == a.shape
         np.testing.assert_array_equal(loaded[k], a)
     with safe_open(str(shard), "np") as f:
-        assert f.metadata() == {"format": "shardkit"}
+        assert f.metadata() == {"format": "pt", "shardkit": "2.2"}
         np.testing.assert_array_equal(f.get_tensor("f64"), arrays["f64"])
 
 
@@ -467,9 +509,10 @@ GENERATION = "0123456789abcdef0123456789abcdef"
 
 
 def _doc_2_1() -> dict[str, Any]:
-    """EXPECTED_DOC as format 2.1 writes it: the generation right after the callback."""
+    """EXPECTED_DOC as formats 2.1 and 2.2 write it: the generation right after the callback
+    (2.2 changed file names and headers, not the manifest's content)."""
     doc = json.loads(json.dumps(EXPECTED_DOC))
-    doc["format_version"] = "2.1"
+    doc["format_version"] = fmt.FORMAT_VERSION
     sk = doc["shardkit"]
     doc["shardkit"] = {"callback": sk.pop("callback"), "generation": GENERATION, **sk}
     return doc
@@ -479,7 +522,7 @@ def test_index_2_1_bytes_record_the_generation_after_the_callback():
     data = fmt.encode_index(_index(GENERATION))
     assert data == _compact(_doc_2_1())
     back = fmt.decode_index(data, "ckpt/index.json")
-    assert back == _index(GENERATION) and back.version == "2.1"
+    assert back == _index(GENERATION) and back.version == "2.2"
     assert back.generation == GENERATION
     assert {s.generation for s in back.shards} == {GENERATION}  # what each shard must record
     assert fmt.encode_index(back) == data
@@ -498,6 +541,14 @@ def test_new_generations_are_unique_hex():
     assert len(made) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", g) for g in made)
 
 
+GOLDEN_HEADER_2_2_GEN = (
+    b"\xd8\x00\x00\x00\x00\x00\x00\x00"  # N = 216: 210 bytes of JSON + 6 spaces
+    b'{"__metadata__":{"format":"pt","shardkit":"2.2",'
+    b'"generation":"0123456789abcdef0123456789abcdef"},'
+    b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+    b'"b:2 0,1":{"dtype":"I16","shape":[1],"data_offsets":[8,10]}}'
+    b"      "
+)
 GOLDEN_HEADER_2_1 = (
     b"\xc8\x00\x00\x00\x00\x00\x00\x00"  # N = 200: 199 bytes of JSON + 1 space
     b'{"__metadata__":{"format":"shardkit","generation":"0123456789abcdef0123456789abcdef"},'
@@ -507,24 +558,35 @@ GOLDEN_HEADER_2_1 = (
 )
 
 
-def test_golden_header_bytes_with_a_generation(tmp_path):
+@pytest.mark.parametrize("version", ["2.2", "2.1"])
+def test_golden_header_bytes_with_a_generation(tmp_path, version):
     layouts = fmt.layout_entries([("b:2 0,1", np.dtype("i2"), (1,)), ("w", np.dtype("f4"), (2,))])
-    header = fmt.encode_safetensors_header(layouts, fmt.shard_metadata(GENERATION))
-    assert header == GOLDEN_HEADER_2_1
+    if version == "2.2":
+        header = fmt.encode_safetensors_header(layouts, {fmt.GENERATION_KEY: GENERATION})
+        assert header == GOLDEN_HEADER_2_2_GEN
+        assert fmt.encode_header_columns(*_columns(layouts), fmt.shard_metadata(GENERATION)) \
+            == header
+        expected_meta = {"format": "pt", "shardkit": "2.2", "generation": GENERATION}
+    else:  # what format 2.1 wrote, which readers still take without parsing
+        header = fmt.encode_header_columns(*_columns(layouts),
+                                           fmt.legacy_shard_metadata(GENERATION))
+        assert header == GOLDEN_HEADER_2_1
+        expected_meta = {"format": "shardkit", "generation": GENERATION}
     path = tmp_path / "s"
     path.write_bytes(header + bytes(10))
+    size = len(header) + 10
     with open(path, "rb") as f:  # the writer's bytes are taken without parsing
         entries, meta, start, begins = fmt.read_expected_safetensors_header(
-            f, 218, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation=GENERATION)
-    assert (entries, begins, start) == (None, [0, 8], 208)
-    assert meta == {"format": "shardkit", "generation": GENERATION}
+            f, size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation=GENERATION)
+    assert (entries, begins, start) == (None, [0, 8], len(header))
+    assert meta == expected_meta
     fmt.check_generation(meta, GENERATION, "s")
     with open(path, "rb") as f:  # another generation: parsed, and the check then refuses it
         entries, meta, _, begins = fmt.read_expected_safetensors_header(
-            f, 218, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation="f" * 32)
-    assert begins is None and list(entries) == ["w", "b:2 0,1"]
+            f, size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation="f" * 32)
+    assert begins is None and list(entries) == ["w", "b:2 0,1"] and meta == expected_meta
     with pytest.raises(GenerationMismatchError, match=(
-            "s: shard belongs to another checkpoint: index.json is of generation f{32}, the "
+            "s: shard belongs to another checkpoint: the manifest is of generation f{32}, the "
             f"shard header records generation '{GENERATION}'")):
         fmt.check_generation(meta, "f" * 32, "s")
     fmt.check_generation(meta, None, "s")  # a 2.0 index checks nothing
@@ -797,7 +859,7 @@ def test_duplicate_keys_inside_an_unknown_column_are_rejected(section):
         doc["shardkit"][section]["added_later"] = ["DUP"]
 
     data = _mutated(newer).replace(b'"DUP"', b'{"x": 1, "x": 2}')
-    with pytest.raises(CorruptIndexError, match=r"i\.json: index\.json has the key 'x' twice"):
+    with pytest.raises(CorruptIndexError, match=r"i\.json: manifest has the key 'x' twice"):
         fmt.decode_index(data, "i.json")
 
 
@@ -806,9 +868,13 @@ def test_write_checkpoint_helper_produces_a_valid_tree(tmp_path):
     items = row_slices("a", a, 2, [0, 1]) + whole({"b": np.ones(2, np.int8)})
     index = write_checkpoint(tmp_path, items)
     assert sorted(os.listdir(tmp_path)) == [
-        "index.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
-    back = fmt.decode_index((tmp_path / "index.json").read_bytes(), "index.json")
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", MANIFEST_FILE]
+    back = fmt.decode_index((tmp_path / MANIFEST_FILE).read_bytes(), MANIFEST_FILE)
     assert back == index
+    legacy = write_checkpoint(tmp_path / "legacy", items, generation=GENERATION, legacy=True)
+    assert sorted(os.listdir(tmp_path / "legacy")) == [
+        "index.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert legacy.version == "2.1"
     assert [s.spec for s in back.tensors["a"].slices] == ["4 3 0,2:0,3", "4 3 2,2:0,3"]
     view = tensor_view(index_document(tmp_path))
     assert list(view) == ["a", "b"]
@@ -857,7 +923,7 @@ def test_worked_example_of_the_format_doc(tmp_path):
     items = [("bias", "", 0, np.array([1.0, -2.0], np.float32)),
              ("step", "", 0, np.array(7, np.int64)),
              ("emb", "2 2 0,1:0,2", 0, emb[0:1]), ("emb", "2 2 1,1:0,2", 1, emb[1:2])]
-    write_checkpoint(tmp_path, items, user_metadata={"epoch": 3})
+    write_checkpoint(tmp_path, items, user_metadata={"epoch": 3}, legacy=True)
     s0 = (tmp_path / "shard-00000-of-00002.safetensors").read_bytes()
     s1 = (tmp_path / "shard-00001-of-00002.safetensors").read_bytes()
     assert len(s0) == 250 and s0[:8] == bytes.fromhex("e000000000000000")
@@ -883,12 +949,13 @@ def test_worked_example_of_the_format_doc(tmp_path):
 
 
 def test_index_example_of_the_format_doc(tmp_path):
-    """The index.json example of docs/FORMAT.md section 2, byte for byte."""
+    """The manifest example of docs/FORMAT.md section 2, byte for byte."""
     items = whole({"a": np.arange(6, dtype=np.float32).reshape(2, 3),
                    "b/c": np.array(3, np.int8), "b/d": np.zeros(0)})
     write_checkpoint(tmp_path, items, generation=GENERATION)
-    (documented,) = re.findall(r"```json\n(.*?)```", _doc_section("2. index.json"), re.S)
-    assert (tmp_path / "index.json").read_bytes() == _compact(json.loads(documented))
+    section = _doc_section("2. The manifest: model.safetensors.index.json")
+    (documented,) = re.findall(r"```json\n(.*?)```", section, re.S)
+    assert (tmp_path / MANIFEST_FILE).read_bytes() == _compact(json.loads(documented))
 
 
 # --- hostile content: every failure a CorruptIndexError / CorruptHeaderError -------------------
@@ -990,3 +1057,61 @@ def test_shard_header_with_hostile_content_is_refused(text, match):
     with pytest.raises(CorruptHeaderError, match=r"^s\.safetensors: .*" + match) as e:
         fmt.decode_safetensors_header(data + b"\x01\x02\x03", len(data) + 2, "s.safetensors")
     assert len(str(e.value)) < 400
+
+
+# --- formats 2.0 / 2.1 on disk: index.json, shard-* names, {"format": "shardkit"} headers -------
+
+
+@pytest.mark.parametrize("generation", [None, GENERATION], ids=["2.0", "2.1"])
+def test_a_2_0_or_2_1_checkpoint_is_still_read_verified_and_replaceable(tmp_path, generation):
+    from shardkit import commit
+    from shardkit.cli import main
+    from shardkit.reader import CheckpointReader, load
+
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    items = row_slices("a", a, 2, [0, 1]) + whole({"b": np.ones(2, np.int8)})
+    index = write_checkpoint(tmp_path / "c", items, generation=generation, legacy=True)
+    ckpt = tmp_path / "c"
+    assert fmt.find_manifest(ckpt) == "index.json" and commit.is_checkpoint(ckpt)
+    with CheckpointReader(ckpt) as r:
+        assert r.index == index and r.index.version == ("2.0" if generation is None else "2.1")
+        assert r.verify() == 3
+        np.testing.assert_array_equal(r["a"], a)
+        # the old headers are recognised as the writer's own: taken without parsing
+        assert all(r._source(i).matches_index for i in range(2))
+    assert main(["verify", str(ckpt)]) == 0
+    doc = json.loads((ckpt / "index.json").read_bytes())
+    doc["shardkit"]["shards"][1]["bytes"] += 8
+    (ckpt / "index.json").write_text(json.dumps(doc))
+    with CheckpointReader(ckpt) as r:  # a problem of the manifest blames the file that is there
+        (problem,) = r.verify_report().problems
+        assert problem.file == str(ckpt / "index.json")
+    # saving over it (overwrite=True) replaces it by a 2.2 checkpoint: one manifest
+    import shardkit
+
+    shardkit.save(ckpt, {"a": a}, overwrite=True, durable=False)
+    assert sorted(os.listdir(ckpt)) == ["model-00001-of-00001.safetensors", MANIFEST_FILE]
+    np.testing.assert_array_equal(load(ckpt)["a"], a)
+
+
+def test_find_manifest_prefers_the_huggingface_name(tmp_path):
+    assert fmt.find_manifest(tmp_path) is None
+    (tmp_path / "index.json").write_text("{}")
+    assert fmt.find_manifest(tmp_path) == "index.json"
+    (tmp_path / MANIFEST_FILE).symlink_to("nowhere")  # present (opening it decides)
+    assert fmt.find_manifest(tmp_path) == MANIFEST_FILE
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert fmt.find_manifest(fd) == MANIFEST_FILE
+    finally:
+        os.close(fd)
+    assert fmt.find_manifest(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("name", fmt.MANIFEST_FILES)
+def test_a_shard_may_not_be_named_like_a_manifest(name):
+    def change(doc):
+        doc["shardkit"]["shards"][0]["file"] = name
+
+    with pytest.raises(ShardPathError, match=rf"{re.escape(name)}' is not a plain file name"):
+        fmt.decode_index(_mutated(change), "ckpt/m.json")

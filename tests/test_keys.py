@@ -22,6 +22,7 @@ from shardkit.errors import (
     ShardkitError,
     UnsupportedDTypeError,
 )
+from shardkit.format import MANIFEST_FILE
 from shardkit.tensors import flatten_columns, unflatten
 
 A = np.arange(3, dtype=np.float32)
@@ -156,7 +157,7 @@ def test_checkpoint_save_refuses_bad_keys_before_writing(tmp_path):
 
 def test_check_keys_is_shared_with_the_reader(tmp_path):
     shardkit.save(tmp_path / "c", {"w": A, "v": B})
-    index = tmp_path / "c" / "index.json"
+    index = tmp_path / "c" / MANIFEST_FILE
     doc = json.loads(index.read_bytes())
     for bad, match in (("__metadata__", "reserved"), ("a\ud800", "UTF-8"), ("", "empty"),
                        ("w", "twice")):

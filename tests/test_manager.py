@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from shardkit.checkpoint import Checkpoint, CheckpointManager
+from shardkit.format import MANIFEST_FILE
 from shardkit.options import CheckpointOptions
 from shardkit.reader import load
 
@@ -59,15 +60,15 @@ def test_only_owned_committed_directories_count_and_are_deleted(tmp_path):
     foreign = ["ckpt-1.bak", "other-1", "ckpt-01", "ckpt-x", ".ckpt-1"]
     for name in foreign:
         (tmp_path / name).mkdir()
-        (tmp_path / name / "index.json").write_text("{}")
-    (tmp_path / "ckpt-50").mkdir()  # half-written by someone: no index.json
+        (tmp_path / name / MANIFEST_FILE).write_text("{}")
+    (tmp_path / "ckpt-50").mkdir()  # half-written by someone: no manifest
     manager, _ = make(tmp_path, max_to_keep=1)
     assert manager.latest_checkpoint is None and manager.checkpoints == []
     for _ in range(3):
         manager.save(options=FAST)
     assert manager.latest_checkpoint == str(tmp_path / "ckpt-3")
     assert names(tmp_path) == sorted([*foreign, "ckpt-3", "ckpt-50"])
-    assert all((tmp_path / n / "index.json").read_text() == "{}" for n in foreign)
+    assert all((tmp_path / n / MANIFEST_FILE).read_text() == "{}" for n in foreign)
 
 
 def test_refuses_to_replace_a_foreign_file(tmp_path):
@@ -82,7 +83,7 @@ def test_half_written_checkpoint_never_latest(tmp_path):
     manager, _ = make(tmp_path, max_to_keep=2)
     manager.save(options=FAST)
     (tmp_path / "ckpt-9").mkdir()
-    (tmp_path / "ckpt-9" / "shard-00000-of-00001.safetensors").write_bytes(b"torn")
+    (tmp_path / "ckpt-9" / "model-00001-of-00001.safetensors").write_bytes(b"torn")
     assert manager.latest_checkpoint == str(tmp_path / "ckpt-1")
     for _ in range(3):
         manager.save(options=FAST)
@@ -141,7 +142,7 @@ def test_keep_checkpoint_every_n_hours(tmp_path):
     for i, hours in enumerate(offsets, start=1):
         manager.save(options=FAST)
         stamp = start + hours * 3600
-        os.utime(tmp_path / f"ckpt-{i}" / "index.json", (stamp, stamp))
+        os.utime(tmp_path / f"ckpt-{i}" / MANIFEST_FILE, (stamp, stamp))
     manager.save(options=FAST)
     # kept forever: ckpt-1 (oldest), ckpt-3 (>= 1 h after it), ckpt-5 (>= 1 h after ckpt-3)
     assert names(tmp_path) == ["ckpt-1", "ckpt-3", "ckpt-5", "ckpt-7", "ckpt-8"]
@@ -159,7 +160,7 @@ def test_stale_temp_directory_of_a_crashed_save_is_cleaned(tmp_path):
     manager, _ = make(tmp_path, max_to_keep=1)
     stale = tmp_path / ".ckpt-2.shardkit-tmp-abc123"
     stale.mkdir()
-    (stale / "shard-00000-of-00001.safetensors").write_bytes(b"torn")
+    (stale / "model-00001-of-00001.safetensors").write_bytes(b"torn")
     manager.save(options=FAST)
     assert names(tmp_path) == ["ckpt-1"]
 
@@ -199,4 +200,4 @@ def test_properties(tmp_path):
     assert manager.checkpoint_interval is None
     assert manager.checkpoints == [] and manager.latest_checkpoint is None  # dir not created yet
     manager.save(options=FAST)
-    assert (tmp_path / "sub" / "ckpt-1" / "index.json").is_file()
+    assert (tmp_path / "sub" / "ckpt-1" / MANIFEST_FILE).is_file()

@@ -20,6 +20,7 @@ import shardkit
 from shardkit import api, callback
 from shardkit import format as fmt
 from shardkit.errors import CorruptHeaderError, CorruptIndexError, ShardingValidationError
+from shardkit.format import MANIFEST_FILE
 from shardkit.policies import MaxShardSizePolicy
 from shardkit.tensors import _columns_constructor, _fast_constructor, shardable_tensors
 
@@ -62,8 +63,9 @@ def test_round_trip_with_split_tensors_among_many_small(tmp_path):
     state = _state(300)
     state["big"] = np.arange(4000, dtype=np.float32).reshape(100, 40)
     state["wide"] = np.arange(3000, dtype=np.int16).reshape(3, 1000)
-    shardkit.save(tmp_path / "c", state, durable=False,
-                  sharding_callback=MaxShardSizePolicy(2000))
+    with pytest.warns(shardkit.SplitTensorsWarning, match=r"stored \d+ tensors as slices"):
+        shardkit.save(tmp_path / "c", state, durable=False,
+                      sharding_callback=MaxShardSizePolicy(2000))
     view = tensor_view(index_document(tmp_path / "c"))
     assert len(view["big"]["slices"]) > 1  # really split
     loaded = shardkit.load(tmp_path / "c", verify=True)
@@ -81,7 +83,7 @@ def test_header_bytes_equal_json_dumps():
     entries = [(name, np.dtype("f4"), (2, i)) for i, name in enumerate(NASTY)]
     layouts = fmt.layout_entries(entries)
     header = fmt.encode_safetensors_header(layouts, {"note": 'x"y'})
-    doc: dict[str, Any] = {"__metadata__": {"format": "shardkit", "note": 'x"y'}}
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt", "shardkit": "2.2", "note": 'x"y'}}
     for e in layouts:
         doc[e.name] = {"dtype": e.dtype_name, "shape": list(e.shape),
                        "data_offsets": [e.begin, e.end]}
@@ -244,7 +246,7 @@ _DOC = _reference_index_bytes(True).decode()
 def test_index_duplicate_keys_anywhere(old, new, key):
     assert old in _DOC
     data = _DOC.replace(old, new, 1).encode()
-    with pytest.raises(CorruptIndexError, match=f"i.json: index.json has the key '{key}' twice"):
+    with pytest.raises(CorruptIndexError, match=f"i.json: manifest has the key '{key}' twice"):
         fmt.decode_index(data, "i.json")
 
 
@@ -454,14 +456,14 @@ def test_entries_not_aligned_to_their_item_size_load_correctly(tmp_path):
         fmt.SliceInfo("", 0, e.name, None)]) for e in layouts}
     shards = [fmt.ShardInfo(name, 0, "raw", len(data))]
     index = fmt.CheckpointIndex.from_tensors("x", shards, tensors)
-    (tmp_path / "c" / "index.json").write_bytes(fmt.encode_index(index))
+    (tmp_path / "c" / MANIFEST_FILE).write_bytes(fmt.encode_index(index))
     loaded = shardkit.load(tmp_path / "c")
     assert _same(loaded["u"], a) and _same(loaded["f"], b) and _same(loaded["s"], np.asarray(c))
 
 
 def _saved(tmp_path, state):
     shardkit.save(tmp_path / "c", state, durable=False)
-    return tmp_path / "c", json.loads((tmp_path / "c" / "index.json").read_text())
+    return tmp_path / "c", json.loads((tmp_path / "c" / MANIFEST_FILE).read_text())
 
 
 def test_header_the_writer_made_is_taken_without_parsing(tmp_path):
@@ -493,7 +495,7 @@ def test_header_in_another_order_is_parsed_and_checked(tmp_path):
             + state["a"].tobytes())
     (path / name).write_bytes(data)
     index["shardkit"]["shards"][0]["bytes"] = len(data)
-    (path / "index.json").write_text(json.dumps(index))
+    (path / MANIFEST_FILE).write_text(json.dumps(index))
     with CheckpointReader(path) as r:
         assert not r._source(0).matches_index
         assert _same(r["a"], state["a"]) and _same(r["b"], state["b"])
@@ -510,7 +512,7 @@ def test_index_listing_a_shard_in_another_order_is_parsed_and_checked(tmp_path):
     assert slices["tensor"] == [0, 1, 2]
     for column in slices.values():
         column[0], column[1] = column[1], column[0]
-    (path / "index.json").write_text(json.dumps(index))
+    (path / MANIFEST_FILE).write_text(json.dumps(index))
     with CheckpointReader(path) as r:
         assert not r._source(0).matches_index
         assert all(_same(r[k], a) for k, a in state.items())
@@ -523,7 +525,7 @@ def test_expected_header_with_uncovered_bytes_is_rejected(tmp_path):
     with open(path / name, "ab") as f:
         f.write(b"\0" * 8)
     index["shardkit"]["shards"][0]["bytes"] += 8
-    (path / "index.json").write_text(json.dumps(index))
+    (path / MANIFEST_FILE).write_text(json.dumps(index))
     with pytest.raises(CorruptHeaderError, match="8 bytes after the last entry are not covered"):
         shardkit.load(path)
 
@@ -531,7 +533,7 @@ def test_expected_header_with_uncovered_bytes_is_rejected(tmp_path):
 def test_header_disagreeing_with_the_index_is_rejected(tmp_path):
     path, index = _saved(tmp_path, {"a": np.arange(4, dtype=np.float32)})
     index["shardkit"]["tensors"]["shape"][0] = [2, 2]
-    (path / "index.json").write_text(json.dumps(index))
-    with pytest.raises(CorruptHeaderError, match=r"does not match index.json: expected dtype F32 "
+    (path / MANIFEST_FILE).write_text(json.dumps(index))
+    with pytest.raises(CorruptHeaderError, match=r"does not match the manifest: expected dtype F32 "
                        r"shape \[2, 2\], the shard has dtype F32 shape \[4\]"):
         shardkit.load(path)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -26,8 +27,10 @@ from shardkit.errors import (
     ReaderClosedError,
     RestoreMismatchError,
     SliceIndexError,
+    SplitTensorsWarning,
     TruncatedShardError,
 )
+from shardkit.format import MANIFEST_FILE
 from shardkit.restore import restore_into
 from shardkit.slices import format_slice_spec
 from shardkit.tensors import flatten, unflatten
@@ -132,8 +135,8 @@ def test_info_and_contains(tmp_path):
         assert info.shape == (4, 6) and info.nbytes == 96 and info.is_split
         assert info.device == "/job:localhost/replica:0/task:0/device:CPU:0"
         assert [(s.spec, s.file, s.entry) for s in info.slices] == [
-            ("4 6 0,2:0,6", "shard-00000-of-00002.safetensors", "w:4 6 0,2:0,6"),
-            ("4 6 2,2:0,6", "shard-00001-of-00002.safetensors", "w:4 6 2,2:0,6"),
+            ("4 6 0,2:0,6", "model-00001-of-00002.safetensors", "w:4 6 0,2:0,6"),
+            ("4 6 2,2:0,6", "model-00002-of-00002.safetensors", "w:4 6 2,2:0,6"),
         ]
         assert not r.info("b").is_split
         assert isinstance(r.index, fmt.CheckpointIndex)
@@ -621,7 +624,7 @@ def test_single_full_box_slice_is_read_as_a_view(tmp_path):
     # Some policies name an unsplit tensor by an explicit full-box spec instead of "".
     a = _sample(np.float32, (4, 3))
     write_checkpoint(tmp_path, [("a", "4 3 0,4:0,3", 0, a)])
-    doc = json.loads((tmp_path / "index.json").read_text())
+    doc = json.loads((tmp_path / MANIFEST_FILE).read_text())
     assert doc["weight_map"] == {}  # no entry is named "a", so HF-style tools must not look
     with rd.CheckpointReader(tmp_path) as r:
         got = r["a"]
@@ -654,7 +657,13 @@ def test_round_trip_through_save(tmp_path, policy, use_mmap):
     callback = {"default": None, "max-shard-size": MaxShardSizePolicy(8192),
                 "all-in-one": AllInOnePolicy()}[policy]
     state = _state()
-    save(tmp_path / "c", state, sharding_callback=callback, durable=False, metadata={"step": 5})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(tmp_path / "c", state, sharding_callback=callback, durable=False,
+             metadata={"step": 5})
+    # only the splitting policy warns that HuggingFace loaders cannot read what it split
+    assert [type(w.message) for w in caught] == (
+        [SplitTensorsWarning] if policy == "max-shard-size" else [])
     flat = dict(flatten(state))
     with rd.CheckpointReader(tmp_path / "c", mmap=use_mmap) as r:
         assert r.keys() == list(flat)
@@ -680,7 +689,8 @@ def test_save_then_restore_into_torch_and_numpy(tmp_path):
 
     src = {"w": torch.randn(64, 32), "bf": torch.randn(16, dtype=torch.bfloat16),
            "n": np.arange(10, dtype=np.int32)}
-    save(tmp_path / "c", src, sharding_callback=MaxShardSizePolicy(2048), durable=False)
+    with pytest.warns(SplitTensorsWarning, match=r"\(e\.g\. 'w'\)"):
+        save(tmp_path / "c", src, sharding_callback=MaxShardSizePolicy(2048), durable=False)
     dst = {"w": torch.zeros(64, 32), "bf": torch.zeros(16, dtype=torch.bfloat16),
            "n": np.zeros(10, np.int32)}
     assert restore_into(tmp_path / "c", dst, verify=True).restored_keys == ["w", "bf", "n"]
@@ -912,7 +922,7 @@ def test_reader_never_reads_a_shard_of_the_new_checkpoint(tmp_path, use_mmap, tw
         with pytest.raises(rd.CheckpointReplacedError) as e:
             r["d"]
         msg = str(e.value)
-        assert str(path) in msg and "shard-00003-of-00004.safetensors" in msg
+        assert str(path) in msg and "model-00004-of-00004.safetensors" in msg
         assert "replaced" in msg and "key 'd'" in msg
 
 
@@ -996,7 +1006,7 @@ MANY_SHARDS = """
     policy = api.DefaultShardingPolicy(threads=2, max_shard_size=64)
     api.save(path, flat, durable=True, sharding_callback=policy,
              compression=None if compression == "raw" else compression)
-    assert len([n for n in os.listdir(path) if n.startswith("shard-")]) == 1100
+    assert len([n for n in os.listdir(path) if n.startswith("model-")]) == 1100
     for use_mmap in (True, False):
         got = shardkit.load(path, mmap=use_mmap, verify=True)
         assert all((got[k] == v).all() for k, v in flat.items())

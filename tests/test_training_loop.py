@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from shardkit.format import MANIFEST_FILE
 from shardkit.reader import open_checkpoint
 
 pytest.importorskip("torch", reason="torch is an optional dependency")
@@ -172,7 +173,7 @@ def test_kill_and_resume(script, uninterrupted, tmp_path, mode, kill_at):
     # The latest committed checkpoint: the last save that finished before the kill. An async
     # save started right before the kill may or may not have committed; never half of one.
     committed = sorted(int(p.name.split("-")[1]) for p in run.iterdir()
-                       if p.name.startswith("ckpt-") and (p / "index.json").exists())
+                       if p.name.startswith("ckpt-") and (p / MANIFEST_FILE).exists())
     latest = committed[-1]
     expected_latest = {("sync", 11): {9}, ("async", 12): {9, 12}}[(mode, kill_at)]
     assert latest in expected_latest

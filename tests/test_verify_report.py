@@ -1,4 +1,4 @@
-"""verify lists every problem once, blames index.json when the index is what disagrees, and words
+"""verify lists every problem once, blames the manifest when it is what disagrees, and words
 every problem ``<file>: <key or ->: <what>, expected <x> vs found <y>``; `shardkit verify` prints
 one ``CORRUPT:`` line per problem and exits 1."""
 
@@ -18,8 +18,10 @@ from shardkit.errors import (
     ChecksumError,
     CorruptIndexError,
     MissingShardError,
+    SplitTensorsWarning,
     TruncatedShardError,
 )
+from shardkit.format import MANIFEST_FILE
 from shardkit.reader import CheckpointReader
 
 LINE = re.compile(r"^CORRUPT: (?P<file>[^:]+): (?P<key>'[^']*'|-): (?P<what>.+), "
@@ -40,7 +42,7 @@ def corrupt_lines(capsys) -> tuple[list[str], str]:
 
 
 def shard_files(path: Path, suffix: str) -> list[Path]:
-    return sorted(path.glob(f"shard-*{suffix}"))
+    return sorted(path.glob(f"model-*{suffix}"))
 
 
 def test_one_corrupted_entry_in_a_raw_shard(tmp_path, capsys):
@@ -55,7 +57,7 @@ def test_one_corrupted_entry_in_a_raw_shard(tmp_path, capsys):
         assert report.checked == 2
         assert [str(p) for p in report.problems] == [
             f"{shard}: 'b': checksum of entry 'b', expected xxh3 "
-            f"{r.info('b').slices[0].xxh3} (index.json) vs found "
+            f"{r.info('b').slices[0].xxh3} (the manifest) vs found "
             f"{report.problems[0].found}"]
         with pytest.raises(ChecksumError) as info:
             r.verify()
@@ -96,9 +98,9 @@ def test_a_corrupt_frame_holding_two_tensors_is_reported_once(tmp_path, capsys):
 
 
 def _edit_index(ckpt: Path, edit) -> None:
-    index = json.loads((ckpt / "index.json").read_bytes())
+    index = json.loads((ckpt / MANIFEST_FILE).read_bytes())
     edit(index["shardkit"])
-    (ckpt / "index.json").write_text(json.dumps(index))
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(index))
 
 
 def test_a_shard_size_the_index_gets_wrong_is_blamed_on_the_index(tmp_path, capsys):
@@ -113,7 +115,7 @@ def test_a_shard_size_the_index_gets_wrong_is_blamed_on_the_index(tmp_path, caps
         report = r.verify_report()
         # Before: "shard is truncated", blaming the shard file, which is whole.
         assert [str(p) for p in report.problems] == [
-            f"{ckpt / 'index.json'}: -: size of shard {shard.name}, expected {size} bytes "
+            f"{ckpt / MANIFEST_FILE}: -: size of shard {shard.name}, expected {size} bytes "
             f"(the file's) vs found {size + 8} bytes"]
         assert report.checked == 1  # the shard itself was still verified
         with pytest.raises(CorruptIndexError, match="size of shard"):
@@ -129,7 +131,7 @@ def test_a_truncated_shard_is_blamed_on_the_shard(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-4])
     with CheckpointReader(ckpt) as r:
         (p,) = r.verify_report().problems
-        assert str(p) == (f"{shard}: -: file size, expected {size} bytes (index.json) vs found "
+        assert str(p) == (f"{shard}: -: file size, expected {size} bytes (the manifest) vs found "
                           f"{size - 4} bytes")
         with pytest.raises(TruncatedShardError):
             r.verify()
@@ -145,7 +147,7 @@ def test_a_dtype_the_index_gets_wrong_is_blamed_on_the_index(tmp_path):
         report = r.verify_report()
         (shard,) = shard_files(ckpt, ".safetensors")
         assert [str(p) for p in report.problems] == [
-            f"{ckpt / 'index.json'}: 'w': dtype of entry 'w' in shard {shard.name}, expected "
+            f"{ckpt / MANIFEST_FILE}: 'w': dtype of entry 'w' in shard {shard.name}, expected "
             "I32 (the shard's) vs found F32"]
         assert report.checked == 1  # 'v' is intact and checked
 
@@ -154,7 +156,8 @@ def test_a_missing_shard_and_a_corrupt_one_are_both_listed(tmp_path, capsys):
     from shardkit.policies import MaxShardSizePolicy
 
     state = {"a": np.arange(100, dtype=np.float32), "b": np.arange(100, dtype=np.int64)}
-    ckpt = save(tmp_path / "c", state, sharding_callback=MaxShardSizePolicy(400))
+    with pytest.warns(SplitTensorsWarning, match="stored 2 tensors as slices"):
+        ckpt = save(tmp_path / "c", state, sharding_callback=MaxShardSizePolicy(400))
     shards = shard_files(ckpt, ".safetensors")
     assert len(shards) >= 3
     shards[0].unlink()
@@ -164,7 +167,7 @@ def test_a_missing_shard_and_a_corrupt_one_are_both_listed(tmp_path, capsys):
     with CheckpointReader(ckpt) as r:
         problems = r.verify_report().problems
         assert len(problems) == 2
-        assert str(problems[0]) == (f"{shards[0]}: -: shard file, expected a file (index.json "
+        assert str(problems[0]) == (f"{shards[0]}: -: shard file, expected a file (the manifest "
                                     "lists it) vs found no such file")
         assert problems[1].file == str(shards[-1]) and problems[1].error is ChecksumError
         with pytest.raises(MissingShardError) as info:  # the first problem's class
@@ -178,7 +181,7 @@ def test_a_missing_shard_and_a_corrupt_one_are_both_listed(tmp_path, capsys):
 
 def test_cli_reports_a_corrupt_index_as_one_line(tmp_path, capsys):
     ckpt = save(tmp_path / "c", {"w": np.arange(4)})
-    (ckpt / "index.json").write_text("{not json")
+    (ckpt / MANIFEST_FILE).write_text("{not json")
     assert main(["verify", str(ckpt)]) == 1
     lines, _ = corrupt_lines(capsys)
-    assert len(lines) == 1 and lines[0].startswith(f"CORRUPT: {ckpt / 'index.json'}: -: ")
+    assert len(lines) == 1 and lines[0].startswith(f"CORRUPT: {ckpt / MANIFEST_FILE}: -: ")

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -23,7 +24,8 @@ from shardkit import api, writer
 from shardkit import format as fmt
 from shardkit.callback import ShardingCallback
 from shardkit.dtypes import SAFETENSORS_NAMES, numpy_dtype
-from shardkit.errors import CheckpointExistsError, ShardingValidationError
+from shardkit.errors import CheckpointExistsError, ShardingValidationError, SplitTensorsWarning
+from shardkit.format import MANIFEST_FILE
 from shardkit.options import CheckpointOptions
 from shardkit.reader import load
 from shardkit.slices import format_slice_spec
@@ -83,8 +85,9 @@ def _check_checkpoint(path: Path, flat: dict[str, np.ndarray]) -> dict:
         in_index = [name for shard, name in _composed_entries(index) if shard == shard_no]
         assert in_index == _data_region_order(file)
         with safe_open(str(file), framework="np") as f:
-            # the checkpoint's generation, the index's, in every shard (format 2.1)
-            assert f.metadata() == {"format": "shardkit",
+            # HuggingFace's "pt", the format version and the checkpoint's generation (the
+            # manifest's) in every shard (format 2.2)
+            assert f.metadata() == {"format": "pt", "shardkit": "2.2",
                                     "generation": index["shardkit"]["generation"]}
             assert sorted(f.keys()) == sorted(raw)
             by_entry = {s["entry"]: (key, s) for key, t in tensors.items()
@@ -110,7 +113,7 @@ def _check_checkpoint(path: Path, flat: dict[str, np.ndarray]) -> dict:
 
 
 def _composed_entries(index: dict) -> list[tuple[int, str]]:
-    """(shard, entry name) of every slice, in the order index.json lists them."""
+    """(shard, entry name) of every slice, in the order the manifest lists them."""
     keys = index["shardkit"]["tensors"]["key"]
     s = index["shardkit"]["slices"]
     return [(shard, keys[row] if spec == "" else f"{keys[row]}:{spec}")
@@ -150,7 +153,7 @@ def test_every_dtype_and_odd_shape_round_trips(tmp_path, rng):
         group, leaf = key.split("/")
         state.setdefault(group, {})[leaf] = value
     info = api.save(tmp_path / "ckpt", state, durable=False)
-    assert info.files == ("shard-00000-of-00001.safetensors", "index.json")
+    assert info.files == ("model-00001-of-00001.safetensors", MANIFEST_FILE)
     assert info.bytes == sum((tmp_path / "ckpt" / f).stat().st_size for f in info.files)
     assert info.seconds > 0
     _check_checkpoint(tmp_path / "ckpt", flat)
@@ -161,11 +164,11 @@ def test_index_records_order_devices_metadata_and_callback(tmp_path, rng):
             "a": _random(rng, np.dtype(np.int8), (3,))}
     api.save(tmp_path / "ckpt", flat, metadata={"step": 7, "tags": ["x"]}, durable=False)
     index = index_document(tmp_path / "ckpt")
-    assert index["format"] == "shardkit" and index["format_version"] == "2.1"
+    assert index["format"] == "shardkit" and index["format_version"] == "2.2"
     assert re.fullmatch(r"[0-9a-f]{32}", index["shardkit"]["generation"])
     assert index["metadata"] == {"total_size": 19}
-    assert index["weight_map"] == {"z": "shard-00000-of-00001.safetensors",
-                                   "a": "shard-00000-of-00001.safetensors"}
+    assert index["weight_map"] == {"z": "model-00001-of-00001.safetensors",
+                                   "a": "model-00001-of-00001.safetensors"}
     assert list(index["weight_map"]) == ["z", "a"]
     sk = index["shardkit"]
     assert sk["tensors"]["key"] == ["z", "a"]
@@ -214,7 +217,9 @@ def test_split_tensors_round_trip(tmp_path, rng):
         "v": _random(rng, np.dtype(ml_dtypes.bfloat16), (5, 2)),
         "s": _random(rng, np.dtype(np.int64), ()),
     }
-    api.save(tmp_path / "ckpt", flat, sharding_callback=_SplitRows(4), durable=False)
+    with pytest.warns(SplitTensorsWarning, match=r"ckpt: the sharding callback stored 2 tensors "
+                      r"as slices \(e\.g\. 'w'\); HuggingFace loaders .* cannot read"):
+        api.save(tmp_path / "ckpt", flat, sharding_callback=_SplitRows(4), durable=False)
     index = _check_checkpoint(tmp_path / "ckpt", flat)
     w = tensor_view(index)["w"]
     assert [s["spec"] for s in w["slices"]] == ["10 3 0,4:0,3", "10 3 4,4:0,3", "10 3 8,2:0,3"]
@@ -246,14 +251,23 @@ def test_every_builtin_policy_round_trips(tmp_path, rng):
     flat["empty"] = _random(rng, np.dtype(np.int32), (0,))
     for i, policy in enumerate(_policies()):
         path = tmp_path / f"ckpt{i}"
-        api.save(path, flat, sharding_callback=policy, durable=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            api.save(path, flat, sharding_callback=policy, durable=False)
         index = _check_checkpoint(path, flat)
         assert index["shardkit"]["callback"] == policy.description
+        # the save warns, once, exactly when a tensor is missing from weight_map (split)
+        split = [k for k, t in tensor_view(index).items()
+                 if [s["spec"] for s in t["slices"]] != [""]]
+        assert [type(w.message) for w in caught] == [SplitTensorsWarning] * bool(split), policy
+        assert sorted(index["weight_map"]) == sorted(set(flat) - set(split))
+        if split:
+            assert f"stored {len(split)} tensor" in str(caught[0].message)
 
 
 def test_many_small_tensors_leave_in_one_kernel_call(tmp_path, rng, monkeypatch):
     """3000 small tensors: the header, then one call of the native kernel (which batches them
-    into vectored writes itself, see tests/test_write_kernel.py), then index.json."""
+    into vectored writes itself, see tests/test_write_kernel.py), then the manifest."""
     flat = {f"t{i:05d}": _random(rng, np.dtype(np.float32), (int(rng.integers(0, 40)),))
             for i in range(3000)}
     calls = []
@@ -262,7 +276,7 @@ def test_many_small_tensors_leave_in_one_kernel_call(tmp_path, rng, monkeypatch)
                         lambda fd, arrays, o, d=None: calls.append(len(arrays))
                         or real_write_arrays(fd, arrays, o, d))
     api.save(tmp_path / "ckpt", flat, durable=False, threads=1)
-    # the shard header (its pieces), the 3000 entries, then index.json (its pieces)
+    # the shard header (its pieces), the 3000 entries, then the manifest (its pieces)
     header = len(fmt.header_parts(["a"], ["F32"], [(1,)], [0], [4]))
     assert calls[:2] == [header, 3000] and len(calls) == 3
     _check_checkpoint(tmp_path / "ckpt", flat)
@@ -283,11 +297,11 @@ def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, mon
         path = tmp_path / f"t{threads}{checksum}"
         api.save(path, flat, durable=True, threads=threads, checksum=checksum,
                  sharding_callback=_OneShard())
-        name = "shard-00000-of-00001.safetensors"
+        name = "model-00001-of-00001.safetensors"
         assert (path / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
-        ref_index = (tmp_path / "ref" / "index.json").read_text()
+        ref_index = (tmp_path / "ref" / MANIFEST_FILE).read_text()
         if checksum:
-            assert (path / "index.json").read_text() == ref_index
+            assert (path / MANIFEST_FILE).read_text() == ref_index
     _check_checkpoint(tmp_path / f"t{threads}True", flat)
 
 
@@ -325,7 +339,7 @@ def test_few_large_tensors_several_shards(tmp_path, rng):
         monkey.undo()
     index = _check_checkpoint(tmp_path / "ckpt", flat)
     assert [s["file"] for s in index["shardkit"]["shards"]] == [
-        "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
 def test_default_policy_balances_and_caps(monkeypatch, rng):
@@ -410,7 +424,7 @@ def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch,
     with pytest.raises(OSError, match=r"writing shard file: No space left on device") as err:
         api.save(tmp_path / "ckpt", big, overwrite=True, threads=2)
     assert err.value.errno == errno.ENOSPC
-    assert re.search(r"shard-0000\d-of-0000\d\.safetensors$", err.value.filename)
+    assert re.search(r"model-0000\d-of-0000\d\.safetensors$", err.value.filename)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert _same(load(tmp_path / "ckpt", verify=True)["w"], earlier["w"])
@@ -432,7 +446,7 @@ def test_disk_too_small_fails_before_writing(tmp_path, rng, monkeypatch):
     with pytest.raises(OSError, match=r"reserving \d+ bytes for shard file: No space left") as err:
         api.save(tmp_path / "ckpt", big, overwrite=True)
     assert err.value.errno == errno.ENOSPC
-    assert re.search(r"shard-0000\d-of-0000\d\.safetensors$", err.value.filename)
+    assert re.search(r"model-0000\d-of-0000\d\.safetensors$", err.value.filename)
     assert written == []
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
@@ -478,7 +492,7 @@ def test_a_real_write_failure_keeps_earlier_checkpoint(tmp_path, fallocate):
     efbig, doing, filename = proc.stdout.strip().split("|")
     assert efbig == "True"
     assert re.fullmatch(r"reserving \d+ bytes for" if fallocate else "writing", doing), doing
-    assert re.search(r"shard-0000\d-of-0000\d\.safetensors$", filename)
+    assert re.search(r"model-0000\d-of-0000\d\.safetensors$", filename)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert _same(load(tmp_path / "ckpt", verify=True)["w"], np.arange(1000, dtype=np.float32))
 
@@ -497,9 +511,10 @@ def test_options_and_conflicts(tmp_path, rng):
         experimental_write_callbacks=[lambda path: seen.append(path), lambda: seen.append("x")],
         durable=False,
     )
-    info = api.save(tmp_path / "ckpt", {"m": np.zeros((3, 2))}, options=opts)
+    with pytest.warns(SplitTensorsWarning, match=r"stored 1 tensor as slices \(e\.g\. 'm'\)"):
+        info = api.save(tmp_path / "ckpt", {"m": np.zeros((3, 2))}, options=opts)
     assert seen == [info.path, "x"]
-    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    index = json.loads((tmp_path / "ckpt" / MANIFEST_FILE).read_text())
     assert index["shardkit"]["callback"] == "split rows by 2"
     # Keywords at their defaults defer to options; a differing keyword that disagrees is an error.
     api.save(tmp_path / "ok", {"m": np.zeros(2)}, durable=False, options=CheckpointOptions(
@@ -584,7 +599,7 @@ def test_torch_tensors_are_saved_without_conversion_by_the_caller(tmp_path):
 
 def test_empty_state_and_zero_size_only(tmp_path):
     info = api.save(tmp_path / "none", {}, durable=False)
-    assert info.files == ("index.json",)
+    assert info.files == (MANIFEST_FILE,)
     assert load(tmp_path / "none") == {}
     flat = {"a": np.zeros((0, 2)), "b": np.zeros((3, 0), dtype=np.int8)}
     api.save(tmp_path / "zero", flat, durable=False)
@@ -610,7 +625,7 @@ def test_tasks_get_their_own_shards_numbered_globally(tmp_path, rng):
         assert b"".join(index_chunks) == fmt.encode_index(index)
         staging.commit(index_chunks)
     assert [(s.file, s.task) for s in index.shards] == [
-        ("shard-00000-of-00002.safetensors", 0), ("shard-00001-of-00002.safetensors", 1)]
+        ("model-00001-of-00002.safetensors", 0), ("model-00002-of-00002.safetensors", 1)]
     assert index.tensors["t3"].device == "/job:worker/task:1/device:CPU:0"
     assert index.tensors["t3"].slices[0].shard == 1
     loaded = load(tmp_path / "ckpt", verify=True)
@@ -643,7 +658,8 @@ def test_zstd_shards_round_trip(tmp_path, rng):
     }
     opts = CheckpointOptions(compression="zstd", level=3, durable=False,
                              experimental_sharding_callback=_SplitRows(20))
-    info = api.save(tmp_path / "ckpt", flat, options=opts)
+    with pytest.warns(SplitTensorsWarning, match="stored 3 tensors as slices"):
+        info = api.save(tmp_path / "ckpt", flat, options=opts)
     assert all(f.endswith(".skz") for f in info.files[:-1])
     index = index_document(tmp_path / "ckpt")
     shards = index["shardkit"]["shards"]
@@ -738,7 +754,7 @@ def test_writer_keeps_only_a_few_shard_files_open(tmp_path, monkeypatch, compres
 
     def counting_open(path, flags, *args, **kwargs):
         fd = real_open(path, flags, *args, **kwargs)
-        if os.path.basename(os.fspath(path)).startswith("shard-") and flags & os.O_WRONLY:
+        if os.path.basename(os.fspath(path)).startswith("model-") and flags & os.O_WRONLY:
             shard_fds.add(fd)
             most[0] = max(most[0], len(shard_fds))
         return fd
@@ -767,12 +783,12 @@ def test_metadata_nested_deeper_than_the_format_allows_is_refused_at_save(tmp_pa
             value = [value]
         return value
 
-    # user_metadata is level 3 of index.json (the top object is 1): 62 levels fit in 64
+    # user_metadata is level 3 of the manifest (the top object is 1): 62 levels fit in 64
     api.save(tmp_path / "ok", {"a": np.zeros(2)}, metadata={"d": deep(61)}, durable=False)
     assert load(tmp_path / "ok") and json.loads(
-        (tmp_path / "ok" / "index.json").read_text())["shardkit"]["user_metadata"]["d"] == deep(61)
+        (tmp_path / "ok" / MANIFEST_FILE).read_text())["shardkit"]["user_metadata"]["d"] == deep(61)
     for levels in (62, 5000):
         with pytest.raises(InvalidMetadataError, match="metadata is nested more than 62 levels "
-                           r"deep; index\.json allows 64 levels \(user_metadata is level 3\)"):
+                           r"deep; the manifest allows 64 levels \(user_metadata is level 3\)"):
             api.save(tmp_path / f"bad{levels}", {"a": np.zeros(2)}, metadata={"d": deep(levels)})
         assert not (tmp_path / f"bad{levels}").exists()

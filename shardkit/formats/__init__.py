@@ -20,23 +20,31 @@ asked) and name every file they open with `format.check_shard_file_name` first.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Final
 
 import orjson
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, CheckpointReplacedError
 from ..files import CheckpointDirectory
-from ..format import INDEX_FILE, MAX_INDEX_BYTES, CheckpointIndex
+from ..format import (
+    LEGACY_MANIFEST_FILE,
+    MANIFEST_FILE,
+    MANIFEST_FILES,
+    MAX_INDEX_BYTES,
+    CheckpointIndex,
+)
 from .base import FormatAdapter, ParsedHeader
 from .huggingface import HUGGINGFACE, SAFETENSORS
 from .shardkit import SHARDKIT
 
-HF_INDEX_FILE: Final = "model.safetensors.index.json"
-"""HuggingFace's sharded-checkpoint manifest (transformers' SAFE_WEIGHTS_INDEX_NAME)."""
+HF_INDEX_FILE: Final = MANIFEST_FILE
+"""HuggingFace's sharded-checkpoint manifest (transformers' SAFE_WEIGHTS_INDEX_NAME), which is
+shardkit's own manifest name too (with shardkit's section inside)."""
 HF_SINGLE_FILE: Final = "model.safetensors"
 """The one file of an unsharded ``save_pretrained`` (transformers' SAFE_WEIGHTS_NAME)."""
-MANIFEST_NAMES: Final = (HF_INDEX_FILE, INDEX_FILE)
+MANIFEST_NAMES: Final = MANIFEST_FILES
 """Manifest names looked for in a checkpoint directory, in this order."""
 
 
@@ -58,15 +66,19 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
         data = directory.read_manifest(name, MAX_INDEX_BYTES)
         if data is None:
             continue
-        if name == INDEX_FILE or _is_shardkit(data):
+        if name == LEGACY_MANIFEST_FILE or _is_shardkit(data):
             return Detected(SHARDKIT, name, data)
         return Detected(HUGGINGFACE, name, data)
     if directory.has(HF_SINGLE_FILE):
         return Detected(SAFETENSORS, HF_SINGLE_FILE, None)
+    if os.fstat(directory.dir_fd).st_nlink == 0:  # replaced and deleted since it was opened
+        raise CheckpointReplacedError(
+            f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
+            "again to read the new one")
     raise CheckpointNotFoundError(
-        f"no checkpoint at {directory.path}: {INDEX_FILE} is missing (and so are "
-        f"{HF_INDEX_FILE} and {HF_SINGLE_FILE}; an unfinished save leaves no index; the "
-        "directory is not a complete shardkit checkpoint)"
+        f"no checkpoint at {directory.path}: {MANIFEST_FILE} is missing (and so are "
+        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1 and {HF_SINGLE_FILE}; an unfinished save "
+        "leaves no manifest; the directory is not a complete shardkit checkpoint)"
     )
 
 
