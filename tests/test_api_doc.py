@@ -75,4 +75,15 @@ def test_error_tree_is_the_class_hierarchy():
         assert list(cls.__bases__) == expected_bases, (name, cls.__bases__)
         parents.append(name)
         seen.add(name)
-    assert seen == set(ERRORS)
+    assert seen == {n for n in ERRORS if issubclass(getattr(shardkit, n), shardkit.ShardkitError)}
+
+
+def test_warnings_are_listed_with_their_base():
+    """Warnings are not errors: they stand in a block of their own, each with its base."""
+    warnings = [n for n in ERRORS if issubclass(getattr(shardkit, n), Warning)]
+    assert warnings == ["SplitTensorsWarning"]
+    block = re.search(r"### Warnings\n\n```\n(.*?)```", API.read_text(), flags=re.S)
+    assert block, "no Warnings block"
+    for name in warnings:
+        base = getattr(shardkit, name).__bases__[0].__name__
+        assert f"{name}  ({base})" in block[1]
