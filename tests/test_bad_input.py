@@ -202,7 +202,7 @@ def test_index_and_header_disagree(ckpt):
     _edit_index(ckpt, change)
     with rd.CheckpointReader(ckpt) as r:
         with pytest.raises(CorruptHeaderError, match=rf"{SHARD0}: entry 'w' \(key 'w', slice ''\) "
-                           r"does not match the manifest: expected dtype I32 shape \[2, 3\], the "
+                           rf"does not match {M}: expected dtype I32 shape \[2, 3\], the "
                            r"shard has dtype F32 shape \[6\]"):
             r["w"]
 
@@ -220,8 +220,8 @@ def _set_spec(key: str, spec: str):
     [
         # the entry name is composed from key and spec: a full-box spec names "w:6 0,6"
         (_set_spec("w", "6 0,6"), r"entry 'w:6 0,6' \(key 'w', slice '6 0,6'\) is listed in "
-                                  r"the manifest but not in the shard"),
-        (_set_row("key", "w", "w2"), r"entry 'w2' \(key 'w2', slice ''\) is listed in the manifest "
+                                  rf"{M} but not in the shard"),
+        (_set_row("key", "w", "w2"), rf"entry 'w2' \(key 'w2', slice ''\) is listed in {M} "
                                      r"but not in the shard"),
     ],
     ids=["full-box-spec", "renamed-key"],
@@ -335,7 +335,7 @@ def test_checksum_mismatch_verify_and_load(ckpt):
     with rd.CheckpointReader(ckpt) as r:
         r["w"]  # reading without verification does not look at checksums
         with pytest.raises(ChecksumError, match=rf"{SHARD0}: 'b': checksum of entry 'b', expected "
-                           r"xxh3 [0-9a-f]{16} \(the manifest\) vs found [0-9a-f]{16}$"):
+                           rf"xxh3 [0-9a-f]{{16}} \({M}\) vs found [0-9a-f]{{16}}$"):
             r.verify()
         assert r.verify(["w"]) == 1
     for use_mmap in (True, False):

@@ -534,6 +534,6 @@ def test_header_disagreeing_with_the_index_is_rejected(tmp_path):
     path, index = _saved(tmp_path, {"a": np.arange(4, dtype=np.float32)})
     index["shardkit"]["tensors"]["shape"][0] = [2, 2]
     (path / MANIFEST_FILE).write_text(json.dumps(index))
-    with pytest.raises(CorruptHeaderError, match=r"does not match the manifest: expected dtype F32 "
-                       r"shape \[2, 2\], the shard has dtype F32 shape \[4\]"):
+    with pytest.raises(CorruptHeaderError, match=r"does not match model\.safetensors\.index\.json: "
+                       r"expected dtype F32 shape \[2, 2\], the shard has dtype F32 shape \[4\]"):
         shardkit.load(path)

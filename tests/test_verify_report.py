@@ -57,7 +57,7 @@ def test_one_corrupted_entry_in_a_raw_shard(tmp_path, capsys):
         assert report.checked == 2
         assert [str(p) for p in report.problems] == [
             f"{shard}: 'b': checksum of entry 'b', expected xxh3 "
-            f"{r.info('b').slices[0].xxh3} (the manifest) vs found "
+            f"{r.info('b').slices[0].xxh3} (model.safetensors.index.json) vs found "
             f"{report.problems[0].found}"]
         with pytest.raises(ChecksumError) as info:
             r.verify()
@@ -131,8 +131,8 @@ def test_a_truncated_shard_is_blamed_on_the_shard(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-4])
     with CheckpointReader(ckpt) as r:
         (p,) = r.verify_report().problems
-        assert str(p) == (f"{shard}: -: file size, expected {size} bytes (the manifest) vs found "
-                          f"{size - 4} bytes")
+        assert str(p) == (f"{shard}: -: file size, expected {size} bytes "
+                          f"(model.safetensors.index.json) vs found {size - 4} bytes")
         with pytest.raises(TruncatedShardError):
             r.verify()
 
@@ -167,8 +167,8 @@ def test_a_missing_shard_and_a_corrupt_one_are_both_listed(tmp_path, capsys):
     with CheckpointReader(ckpt) as r:
         problems = r.verify_report().problems
         assert len(problems) == 2
-        assert str(problems[0]) == (f"{shards[0]}: -: shard file, expected a file (the manifest "
-                                    "lists it) vs found no such file")
+        assert str(problems[0]) == (f"{shards[0]}: -: shard file, expected a file "
+                                    "(model.safetensors.index.json lists it) vs found no such file")
         assert problems[1].file == str(shards[-1]) and problems[1].error is ChecksumError
         with pytest.raises(MissingShardError) as info:  # the first problem's class
             r.verify()

@@ -76,8 +76,8 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
             f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
             "again to read the new one")
     raise CheckpointNotFoundError(
-        f"no checkpoint at {directory.path}: {MANIFEST_FILE} is missing (and so are "
-        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1 and {HF_SINGLE_FILE}; an unfinished save "
+        f"no checkpoint at {directory.path}: {MANIFEST_FILE} is missing (nor is there an "
+        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, or a {HF_SINGLE_FILE}; an unfinished save "
         "leaves no manifest; the directory is not a complete shardkit checkpoint)"
     )
 
