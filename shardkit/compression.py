@@ -663,12 +663,10 @@ class SkzShard:
                 raise CorruptHeaderError(str(e)) from None
             self._names = [n for n in self.entries]
             if mmap:
-                self._map = self._file.map()
+                self._map = self._file.take_map()
         except BaseException:
             self._file.close()
             raise
-        if self._map is not None:
-            self._file.close()  # a map needs no descriptor
         self.read_granularity = self.header.chunk_size
         self._closed = False
         self._lock = threading.Lock()

@@ -203,6 +203,13 @@ class CheckpointFile:
                 raise ShardIOError(e.errno, f"{self.path}: cannot map the {self.size}-byte "
                                             f"{self.role}: {e.strerror}") from None
 
+    def take_map(self) -> Any:
+        """`map`, then close the file: a map needs no descriptor."""
+        try:
+            return self.map()
+        finally:
+            self.close()
+
     def release(self) -> None:
         """Close the descriptor now; a later read opens the file again."""
         if self._pool is not None:

@@ -100,12 +100,10 @@ class RawShard(ShardSource):
                 self._read_header(size, expected)
             check_generation(self.metadata, info.generation, path)
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
-                self._map = self._file.map()
+                self._map = self._file.take_map()
         except BaseException:
             self._file.close()
             raise
-        if self._map is not None:
-            self._file.close()  # a map needs no descriptor
         self._size = size
 
     def _read_header(self, size: int,
