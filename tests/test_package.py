@@ -164,7 +164,7 @@ def test_debug_build_keeps_checks_and_debug_info():
 
 
 @needs_checkout
-def test_sdist_ships_the_licenses_and_changelog(tmp_path):
+def test_sdist_ships_the_licenses_changelog_and_docs(tmp_path):
     import tarfile
 
     out = subprocess.run(
@@ -178,6 +178,8 @@ def test_sdist_ships_the_licenses_and_changelog(tmp_path):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         pkg_info = tar.extractfile(f"{sdist.name[: -len('.tar.gz')]}/PKG-INFO").read().decode()
     assert {"LICENSE", "CHANGELOG.md", "csrc/xxhash/LICENSE", "setup.py"} <= names
+    docs = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert docs and docs <= names, sorted(docs - names)  # the README links to every one
     assert "License-Expression: Apache-2.0" in pkg_info
     assert "License-File: LICENSE" in pkg_info
 
