@@ -51,7 +51,7 @@ from .format import MANIFEST_FILE, find_manifest
 from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
-from .restore import CheckpointLoadStatus, check_complete
+from .restore import CheckpointLoadStatus, is_dtensor, check_complete, copy_into_dtensor
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
@@ -333,6 +333,9 @@ class _Restorer:
                 f"{list(info.shape)} dtype {info.dtype}, the object has shape "
                 f"{list(found_shape)} dtype {found_dtype}"
             )
+        if is_dtensor(current):  # this rank's box of the stored tensor, into its local tensor
+            copy_into_dtensor(self.reader, src, current, self.dry)
+            return current
         kind = _tensor_kind(current)
         if kind in ("scalar", "jax"):  # immutable: replaced by a new value of the same kind
             self.changed = True

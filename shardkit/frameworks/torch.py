@@ -81,3 +81,36 @@ def _device(device: Any) -> torch.device | None:
     except (RuntimeError, AssertionError) as e:
         raise InvalidArgumentError(f"device={device!r} is not available to torch: {e}") from e
     return dev
+
+
+def dtensor_box(value: Any, key: str) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """The local tensor of DTensor `value` (its own memory: writing to it writes the DTensor),
+    and the global offset and shape of the box of the global tensor it holds on this rank.
+
+    Shard(d) (even or not) and Replicate placements, on meshes of any dimension; a rank outside
+    the mesh holds an empty box. Partial (pending reductions) and strided shards, whose local
+    tensor is not one box of the global tensor, are refused (RestoreMismatchError)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from ..errors import RestoreMismatchError
+
+    placements = tuple(value.placements)
+    for p in placements:
+        if type(p) is not Replicate and type(p) is not Shard:
+            raise RestoreMismatchError(
+                f"cannot restore key {key!r} into a DTensor with placement {p}: only Shard(d) "
+                "and Replicate placements hold a box of the global tensor; restore into a "
+                "Shard or Replicate DTensor and redistribute it"
+            )
+    with torch.no_grad():
+        local = value.to_local()
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                          placements)
+    if tuple(local.shape) != tuple(shape):
+        raise RestoreMismatchError(
+            f"cannot restore key {key!r}: the DTensor's local tensor has shape "
+            f"{list(local.shape)}, its placements {list(placements)} on mesh "
+            f"{value.device_mesh} give {list(shape)}"
+        )
+    return local, tuple(int(o) for o in offset), tuple(int(n) for n in shape)
