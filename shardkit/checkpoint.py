@@ -51,7 +51,7 @@ from .format import MANIFEST_FILE, find_manifest
 from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
-from .restore import CheckpointLoadStatus, is_dtensor, check_complete, copy_into_dtensor
+from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"

@@ -306,3 +306,205 @@ def test_placements_and_bytes_read_world4(tmp_path: Path) -> None:
     replicated = state["scalar"].nbytes  # every rank reads the replicated scalar
     for name in ("full", "rows4", "rows2"):
         assert sum(c[name] for c in counted) == total + 3 * replicated
+
+
+# --- resharding 4 -> 2, files and bytes of other ranks, errors, FSDP2 (world 2) -----------------
+
+
+def rank_rows(key: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, int] | None:
+    """Rows (offset, length) of `key` a Shard(0) over `world` gives `rank` (None: none; a
+    scalar: the whole)."""
+    if not shape:
+        return (0, 1)
+    parts = chunks(shape[0], world)
+    return parts[rank] if rank < len(parts) else None
+
+
+def spec_rows(spec: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    if not spec:
+        return (0, shape[0] if shape else 1)
+    off, n = spec.split(" ")[-1].split(":")[0].split(",")
+    return int(off), int(n)
+
+
+def rank_copy(src: str, dst: str, rank: int, world: int) -> tuple[int, int]:
+    """A copy of checkpoint `src` in which every stored slice that rank `rank`'s Shard(0) box
+    does not intersect is overwritten with 0xFF (its checksum left as it was) and every shard
+    file holding only such slices is deleted. Returns (slices corrupted, files deleted)."""
+    shutil.copytree(src, dst)
+    shapes = {k: tuple(a.shape) for k, a in global_state().items()}
+
+    def needed(key: str, spec: str) -> bool:
+        mine = rank_rows(key, shapes[key], rank, world)
+        if mine is None:
+            return False
+        lo, n = spec_rows(spec, shapes[key])
+        return lo < mine[0] + mine[1] and mine[0] < lo + n
+
+    with shardkit.open(dst) as reader:
+        placements = [(k, p) for k in reader.keys() for p in reader.info(k).slices]
+    files = {p.file for _, p in placements}
+    used = {p.file for k, p in placements if needed(k, p.spec)}
+    corrupted = corrupt_slices(dst, needed)
+    for name in files - used:
+        os.remove(os.path.join(dst, name))
+    return corrupted, len(files - used)
+
+
+def reshard_world2(rank: int, world: int, paths: dict[str, str], tmp: str) -> None:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+
+    state = global_state()
+    mesh = init_device_mesh("cpu", (world,))
+    # 4 -> 2 (rows saved, columns restored), 1 -> 2, and rows restored as rows
+    for name, pl in (("rows4", [Shard(1)]), ("rows4", [Shard(0)]), ("full", [Shard(1)]),
+                     ("rows2", [Shard(1)])):
+        targets, expected = _targets(state, mesh, pl)
+        shardkit.restore_into(paths[name], targets)
+        _check_equal(targets, expected, state, f"{name} {pl}")
+
+    # other ranks' slices corrupted and their files deleted: this rank's restore never notices,
+    # with verify=True too (it checks the slices it reads)
+    mine = os.path.join(tmp, f"rank{rank}")
+    targets, expected = _targets(state, mesh, [Shard(0)])
+    status = shardkit.restore_into(mine, targets, verify=True)
+    _check_equal(targets, expected, state, "others corrupted")
+    assert sorted(status.restored_keys) == sorted(state)
+
+    # a slice this rank needs is corrupted: verify=True names it, nothing is changed
+    bad = os.path.join(tmp, f"bad{rank}")
+    targets, _ = _targets(state, mesh, [Shard(0)])
+    before = _bytes(targets["w"].to_local())
+    with pytest.raises(shardkit.ChecksumError, match="'w'"):
+        shardkit.restore_into(bad, targets, verify=True)
+    assert _bytes(targets["w"].to_local()) == before
+
+    # errors, raised before anything is changed, naming the key
+    def fresh() -> dict[str, Any]:
+        return _targets(state, mesh, [Shard(0)])[0]
+
+    t = fresh()
+    t["uneven"] = DTensor.from_local(torch.zeros(4 if rank == 0 else 3, 5, dtype=torch.float32),
+                                     mesh, [Shard(0)], shape=(7, 5), stride=(5, 1))
+    with pytest.raises(shardkit.RestoreMismatchError,
+                       match=r"'uneven'.*float64.*DTensor's global shape \[7, 5\] dtype F32"):
+        shardkit.restore_into(paths["rows4"], t)
+    assert _bytes(t["w"].to_local()) == _bytes(fresh()["w"].to_local())  # unchanged
+    t = fresh()
+    t["w"] = DTensor.from_local(torch.zeros(4, 7), mesh, [Shard(0)], shape=(8, 7),
+                                stride=(7, 1))
+    with pytest.raises(shardkit.RestoreMismatchError, match=r"'w'.*\[8, 6\].*\[8, 7\]"):
+        shardkit.restore_into(paths["full"], t)
+    t = fresh()
+    t["w"] = DTensor.from_local(torch.zeros(8, 6), mesh, [Partial()], shape=(8, 6),
+                                stride=(6, 1))
+    with pytest.raises(shardkit.RestoreMismatchError, match=r"'w'.*Partial"):
+        shardkit.restore_into(paths["full"], t)
+    t = fresh()
+    t["extra"] = t.pop("w")
+    with pytest.raises(shardkit.IncompleteRestoreError, match=r"'extra'.*'w'"):
+        shardkit.restore_into(paths["full"], t)
+    status = shardkit.restore_into(paths["full"], t, partial=True)
+    assert status.missing_keys == ["extra"] and status.unexpected_keys == ["w"]
+    del Replicate
+
+
+def test_reshard_corrupt_others_and_errors_world2(tmp_path: Path) -> None:
+    paths = write_checkpoints(tmp_path)
+    deleted = []
+    for rank in range(2):
+        corrupted, removed = rank_copy(paths["rows4"], str(tmp_path / f"rank{rank}"), rank, 2)
+        assert corrupted > 0
+        deleted.append(removed)
+        bad = str(tmp_path / f"bad{rank}")
+        shutil.copytree(paths["rows4"], bad)
+        first = rank_rows("w", (8, 6), rank, 2)[0]  # type: ignore[index]
+        # only this rank's first row slice of "w"
+        assert corrupt_slices(
+            bad, lambda k, s, first=first: k != "w" or spec_rows(s, (8, 6))[0] != first) == 1
+    assert deleted[0] == 2  # rank 0 needs two of the four row files
+    run_ranks(2, reshard_world2, paths, str(tmp_path))
+
+
+def test_full_tensors_from_sliced_checkpoints_single_process(tmp_path: Path) -> None:
+    """2 -> 1 and 4 -> 1: plain tensors and arrays restored from row slices, byte for byte;
+    load and get_slice agree."""
+    paths = write_checkpoints(tmp_path)
+    state = global_state()
+    for name in ("rows2", "rows4"):
+        tensors = {k: _torch_of(np.zeros_like(a)) for k, a in state.items()}
+        shardkit.restore_into(paths[name], tensors)
+        for k, a in state.items():
+            assert _bytes(tensors[k]) == _bytes(_torch_of(a)), (name, k)
+        arrays = {k: np.zeros_like(a) for k, a in state.items()}
+        shardkit.restore_into(paths[name], arrays)
+        loaded = shardkit.load(paths[name], framework="torch")
+        for k, a in state.items():
+            assert arrays[k].tobytes() == a.tobytes()
+            assert _bytes(loaded[k]) == _bytes(_torch_of(a))
+
+
+# --- Checkpoint.read into an FSDP2 model and its Adam optimizer (world 2) ------------------------
+
+
+def _mlp() -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def _adam_step(model: Any, opt: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def fsdp2_read(rank: int, world: int, path: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from shardkit.checkpoint import Checkpoint
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _adam_step(model, opt, seed=99)  # other data: every value differs from the saved ones
+    params = [p.to_local().data_ptr() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg"].to_local().data_ptr() for p in model.parameters()]
+    status = Checkpoint(model=model, optimizer=opt).read(path)
+    status.assert_consumed()
+    saved = shardkit.load(path, framework="torch")
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor)
+        assert _bytes(p.full_tensor()) == _bytes(saved[f"model/{name}"]), name
+    for i, p in enumerate(model.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert _bytes(opt.state[p][k].full_tensor()) == _bytes(
+                saved[f"optimizer/state/{i}/{k}"]), (i, k)
+    # restored in place: the same local memory as before
+    assert [p.to_local().data_ptr() for p in model.parameters()] == params
+    assert [opt.state[p]["exp_avg"].to_local().data_ptr() for p in model.parameters()] == moments
+    # and training goes on exactly as in one process from the same checkpoint
+    _adam_step(model, opt, seed=5)
+    ref = _mlp()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    _adam_step(ref, ref_opt, seed=1)
+    Checkpoint(model=ref, optimizer=ref_opt).read(path)
+    _adam_step(ref, ref_opt, seed=5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.full_tensor(), q, rtol=1e-6, atol=1e-7), name
+
+
+def test_fsdp2_checkpoint_read_world2(tmp_path: Path) -> None:
+    from shardkit.checkpoint import Checkpoint
+
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _adam_step(model, opt, seed=1)
+    path = str(tmp_path / "ckpt")
+    Checkpoint(model=model, optimizer=opt).write(path)
+    run_ranks(2, fsdp2_read, path)

@@ -99,7 +99,8 @@ def dtensor_box(value: Any, key: str) -> tuple[torch.Tensor, tuple[int, ...], tu
     for p in placements:
         if type(p) is not Replicate and type(p) is not Shard:
             raise RestoreMismatchError(
-                f"cannot restore key {key!r} into a DTensor with placement {p}: only Shard(d) "
+                f"cannot restore key {key!r} into a DTensor with placement {type(p).__name__} "
+                f"({p}): only Shard(d) "
                 "and Replicate placements hold a box of the global tensor; restore into a "
                 "Shard or Replicate DTensor and redistribute it"
             )
