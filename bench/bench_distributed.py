@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ class Rank:
         rng = np.random.default_rng(1000 + rank)
 
         def dtensor(shape: tuple[int, ...], fill: bool) -> Any:
-            lo, n = rows_of(shape[0], rank, world)
+            _, n = rows_of(shape[0], rank, world)
             local = np.empty((n, *shape[1:]), np.float32)
             if fill and local.size:
                 rng.random(out=local.reshape(-1), dtype=np.float32)
@@ -199,6 +200,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # DCP's no_dist load says it assumes one process: that is the point of the reshard row
+    warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=600))

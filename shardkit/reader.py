@@ -86,6 +86,7 @@ from .sources import (
 from .tensors import _gc_paused
 
 MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
+_SMALL_PIECE = 1 << 20  # box pieces below this are copied on the calling thread
 LOAD_ATTEMPTS = 3  # how often `load` starts again when the checkpoint is replaced under it
 
 
@@ -582,7 +583,14 @@ class CheckpointReader:
             rest: list[tuple[np.ndarray, str, SliceSpec]] = []
             for key, offsets, out in boxes:
                 self._plan_box(key, tuple(int(o) for o in offsets), out, jobs, copies, rest)
-            self._read_jobs(jobs)
+            # small pieces right here: a pool task each would cost more than the copy
+            large = []
+            for job in jobs:
+                if job[3] - job[2] < _SMALL_PIECE and not hasattr(job[0], "read_tasks"):
+                    job[0].read_into(*job[1:])
+                else:
+                    large.append(job)
+            self._read_jobs(large)
             self._copy_pieces(copies)
             for dst, key, common in rest:  # compressed, or not mapped: get_slice's reads
                 dst[...] = self._get_slice(key, common.to_index())
@@ -597,6 +605,20 @@ class CheckpointReader:
         dtype = numpy_dtype(t.dtype)
         if out.dtype != dtype:
             raise ValueError(f"{key!r}: a box read needs a {dtype} array, got {out.dtype}")
+        if len(t.slices) == 1 and out.shape == t.shape and not any(start):
+            # the usual whole tensor in one entry: no box arithmetic
+            src, entry = self._entry(key, t.slices[0])
+            if not entry.nbytes:
+                return
+            if out.flags.c_contiguous:
+                jobs.append((src, entry, 0, entry.nbytes, _bytes_of(out)))
+                return
+            view = src.view(entry, 0, entry.nbytes)
+            if view is not None:
+                copies.append((out, np.frombuffer(view, dtype).reshape(t.shape)))
+            else:
+                rest.append((out, key, SliceSpec.whole(t.shape)))
+            return
         item = dtype.itemsize
         for _, s, spec, common in self._boxes_slices(key, start, out.shape):
             dst = out[_as_view(tuple(slice(o - b, o - b + n)

@@ -21,6 +21,8 @@ from .errors import (
 from .reader import CheckpointReader
 from .tensors import flatten, to_host
 
+_LARGE = 1 << 20  # whole tensors from this size on are copied in parallel pieces
+
 
 def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                  verify: bool = False, partial: bool = False,
@@ -75,18 +77,26 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                 raise RestoreMismatchError(
                     f"cannot restore key {key!r}: the target array is read-only"
                 )
+            if box is None and target.dtype.byteorder != ">" and (
+                    target.nbytes >= _LARGE or len(t.slices) > 1):
+                box = (0,) * target.ndim  # read as the box of the whole tensor
             plans.append((key, target, writeback, box))
         if verify:
-            whole = [key for key, _, _, box in plans if box is None]
+            sliced = {key for key, _, _ in boxes}
+            whole = [key for key, *_ in plans if key not in sliced]
             if whole:
                 reader.verify(whole)
             reader._verify_boxes(boxes)
+        # DTensors, and whole targets of a split or a large stored tensor, are read as boxes:
+        # one copy from the map (or one read) per stored slice, in parallel, straight into the
+        # target, never through a new array (small whole ones: the map view, copied)
         direct = reader._read_direct(
             [(key, target) for key, target, _, box in plans if box is None])
         reader._read_boxes_into(
             [(key, box, target) for key, target, _, box in plans if box is not None])
-        for key, target, writeback, box in plans:
-            if box is None and key not in direct:
+        done = {key for key, _, _, box in plans if box is not None} | direct
+        for key, target, writeback, _ in plans:
+            if key not in done:
                 stored = reader.get(key)
                 if target.dtype.byteorder == ">":
                     np.copyto(target, stored, casting="equiv")
