@@ -508,3 +508,52 @@ def test_fsdp2_checkpoint_read_world2(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     Checkpoint(model=model, optimizer=opt).write(path)
     run_ranks(2, fsdp2_read, path)
+
+
+# --- truly distributed saves, restored with resharding (world 4) ---------------------------------
+
+
+def saved_and_resharded(rank: int, world: int, tmp: str) -> None:
+    """Saved collectively by 4 ranks as Shard(0) (and as 2x2 [Shard(0), Shard(1)]), restored on
+    4 ranks as Shard(1) and Replicate, on 2 of them as Shard(1), on rank 0 alone as full
+    tensors; a rank-0-only save of whole tensors restored on all 4 as Shard(0) (1 -> 4)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, init_device_mesh
+
+    state = global_state()
+    mesh = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    pair = DeviceMesh("cpu", [0, 1])  # every rank takes part in making it; 2 and 3 hold nothing
+    for name, m, pl in (("rows", mesh, [Shard(0)]), ("grid", mesh2, [Shard(0), Shard(1)])):
+        source = _targets(state, m, pl)[1]  # the originals, distributed
+        path = os.path.join(tmp, name)
+        shardkit.save(path, source)
+        for m2, pl2 in ((mesh, [Shard(1)]), (mesh, [Replicate()]), (mesh2, [Shard(1), Shard(0)])):
+            targets, expected = _targets(state, m2, pl2)
+            shardkit.restore_into(path, targets)
+            _check_equal(targets, expected, state, f"{name} -> {pl2}")
+        targets, expected = _targets(state, pair, [Shard(1)])
+        if rank < 2:  # 4 -> 2
+            shardkit.restore_into(path, targets)
+            for key, t in targets.items():
+                assert _bytes(t.to_local()) == _bytes(expected[key].to_local()), (name, key)
+        if rank == 0:  # 4 -> 1: plain tensors, a single-process load, verify
+            full = {k: _torch_of(np.zeros_like(a)) for k, a in state.items()}
+            shardkit.restore_into(path, full, verify=True)
+            loaded = shardkit.load(path, verify=True)
+            for k, a in state.items():
+                assert _bytes(full[k]) == _bytes(_torch_of(a)), (name, k)
+                assert loaded[k].tobytes() == a.tobytes(), (name, k)
+        dist.barrier()
+    # 1 -> 4: one process saves whole tensors, every rank restores its shard
+    single = os.path.join(tmp, "single")
+    if rank == 0:
+        shardkit.save(single, state)
+    dist.barrier()
+    targets, expected = _targets(state, mesh, [Shard(0)])
+    shardkit.restore_into(single, targets)
+    _check_equal(targets, expected, state, "1 -> 4")
+
+
+def test_distributed_save_restored_resharded_world4(tmp_path: Path) -> None:
+    run_ranks(4, saved_and_resharded, str(tmp_path))
