@@ -298,9 +298,17 @@ def placements_world4(rank: int, world: int, paths: dict[str, str]) -> dict[str,
     return counted
 
 
-def test_placements_and_bytes_read_world4(tmp_path: Path) -> None:
+def world4(rank: int, world: int, paths: dict[str, str], tmp: str) -> dict[str, int]:
+    counted = placements_world4(rank, world, paths)
+    saved_and_resharded(rank, world, tmp)
+    return counted
+
+
+def test_world4_placements_bytes_read_and_distributed_saves(tmp_path: Path) -> None:
+    """One spawn of 4 ranks: `placements_world4`, then `saved_and_resharded`."""
     paths = write_checkpoints(tmp_path)
-    counted = run_ranks(4, placements_world4, paths)
+    (tmp_path / "saves").mkdir()
+    counted = run_ranks(4, world4, paths, str(tmp_path / "saves"))
     state = global_state()
     total = sum(a.nbytes for a in state.values())
     replicated = state["scalar"].nbytes  # every rank reads the replicated scalar
@@ -409,7 +417,8 @@ def reshard_world2(rank: int, world: int, paths: dict[str, str], tmp: str) -> No
     del Replicate
 
 
-def test_reshard_corrupt_others_and_errors_world2(tmp_path: Path) -> None:
+def test_world2_reshard_corrupt_others_errors_fsdp2(tmp_path: Path) -> None:
+    """One spawn of 2 ranks: `reshard_world2`, then `fsdp2_read` of a trained MLP."""
     paths = write_checkpoints(tmp_path)
     deleted = []
     for rank in range(2):
@@ -423,7 +432,18 @@ def test_reshard_corrupt_others_and_errors_world2(tmp_path: Path) -> None:
         assert corrupt_slices(
             bad, lambda k, s, first=first: k != "w" or spec_rows(s, (8, 6))[0] != first) == 1
     assert deleted[0] == 2  # rank 0 needs two of the four row files
-    run_ranks(2, reshard_world2, paths, str(tmp_path))
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _adam_step(model, opt, seed=1)
+    from shardkit.checkpoint import Checkpoint
+
+    Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "trained"))
+    run_ranks(2, world2, paths, str(tmp_path))
+
+
+def world2(rank: int, world: int, paths: dict[str, str], tmp: str) -> None:
+    reshard_world2(rank, world, paths, tmp)
+    fsdp2_read(rank, world, os.path.join(tmp, "trained"))
 
 
 def test_full_tensors_from_sliced_checkpoints_single_process(tmp_path: Path) -> None:
@@ -499,15 +519,6 @@ def fsdp2_read(rank: int, world: int, path: str) -> None:
         assert torch.allclose(p.full_tensor(), q, rtol=1e-6, atol=1e-7), name
 
 
-def test_fsdp2_checkpoint_read_world2(tmp_path: Path) -> None:
-    from shardkit.checkpoint import Checkpoint
-
-    model = _mlp()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _adam_step(model, opt, seed=1)
-    path = str(tmp_path / "ckpt")
-    Checkpoint(model=model, optimizer=opt).write(path)
-    run_ranks(2, fsdp2_read, path)
 
 
 # --- truly distributed saves, restored with resharding (world 4) ---------------------------------
@@ -554,9 +565,6 @@ def saved_and_resharded(rank: int, world: int, tmp: str) -> None:
     shardkit.restore_into(single, targets)
     _check_equal(targets, expected, state, "1 -> 4")
 
-
-def test_distributed_save_restored_resharded_world4(tmp_path: Path) -> None:
-    run_ranks(4, saved_and_resharded, str(tmp_path))
 
 
 # --- kill-and-resume of a 2-rank FSDP2 training loop with Adam ----------------------------------
