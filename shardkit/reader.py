@@ -41,6 +41,7 @@ from .errors import (
     ChecksumError,
     CorruptHeaderError,
     CorruptIndexError,
+    InvalidArgumentError,
     KeyNotFoundError,
     MissingShardError,
     ReaderClosedError,
@@ -604,7 +605,8 @@ class CheckpointReader:
         t = self._tensor(key)
         dtype = numpy_dtype(t.dtype)
         if out.dtype != dtype:
-            raise ValueError(f"{key!r}: a box read needs a {dtype} array, got {out.dtype}")
+            raise InvalidArgumentError(
+                f"{key!r}: a box read needs a {dtype} array, got {out.dtype}")
         if len(t.slices) == 1 and out.shape == t.shape and not any(start):
             # the usual whole tensor in one entry: no box arithmetic
             src, entry = self._entry(key, t.slices[0])
@@ -642,12 +644,11 @@ class CheckpointReader:
         """``dst[...] = src`` for each pair; large ones cut along their first axis of more than
         one element into parts of about READ_CHUNK bytes, run on the pool."""
         total = sum(dst.nbytes for dst, _ in copies)
-        if total < _PARALLEL_MIN:
-            for dst, src in copies:
-                np.copyto(dst, src, casting="no")
-            return
         parts = []
         for dst, src in copies:
+            if total < _PARALLEL_MIN or dst.nbytes < _SMALL_PIECE:
+                np.copyto(dst, src, casting="no")  # a pool task would cost more
+                continue
             axis = next((k for k, n in enumerate(dst.shape) if n > 1), None)
             if axis is None or dst.nbytes <= READ_CHUNK:
                 parts.append((dst, src))
