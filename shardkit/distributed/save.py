@@ -40,7 +40,7 @@ from .. import format as fmt
 from ..callback import ShardingCallback, shard_tensors
 from ..devices import DeviceSpec
 from ..dtypes import itemsize, safetensors_name
-from ..errors import DistributedSaveError, DistributedStateError
+from ..errors import DistributedError, DistributedSaveError, DistributedStateError
 from ..options import CheckpointOptions
 from ..slices import WHOLE, format_slice_spec
 from ..tensors import ShardableTensor, flatten_columns, to_host
@@ -223,12 +223,21 @@ def collective_save(
                 setup = (str(staging.path), fmt.new_generation())
         except Exception as e:
             local, failure = e, Failure.of(rank, e)
+        target = os.path.abspath(shown)
         plan = coord.all_gather(
-            (None if mine is None else mine.columns(), failure, setup), "plan")
-        _raise_first(shown, [p[1] for p in plan], rank, local)
-        assert mine is not None
-        directory, generation = plan[0][2]
-        written = assign([p[0] for p in plan])[rank]
+            (None if mine is None else mine.columns(), failure, setup, target), "plan")
+        try:
+            if len({p[3] for p in plan}) > 1:
+                raise DistributedStateError(
+                    "the ranks of a collective save must name the same path; got "
+                    + ", ".join(f"rank {r}: {p[3]}" for r, p in enumerate(plan)))
+            _raise_first(shown, [p[1] for p in plan], rank, local)
+            assert mine is not None
+            directory, generation = plan[0][2]
+            written = assign([p[0] for p in plan])[rank]
+        except Exception:
+            _abort_together(coord, staging)
+            raise
 
         # 2. the callback on this rank's tensors only, validated here
         shards: list[Any] = []
@@ -244,7 +253,11 @@ def collective_save(
         except Exception as e:
             local, failure = e, Failure.of(rank, e)
         counts = coord.all_gather((len(shards), failure), "shards")
-        _raise_first(shown, [c[1] for c in counts], rank, local)
+        try:
+            _raise_first(shown, [c[1] for c in counts], rank, local)
+        except Exception:
+            _abort_together(coord, staging)
+            raise
         assert saved is not None
         first = sum(c[0] for c in counts[:rank])
         total = sum(c[0] for c in counts)
@@ -295,6 +308,18 @@ def collective_save(
     finally:
         if staging is not None and not staging.committed:
             staging.abort()
+
+
+def _abort_together(coord: Coordinator, staging: commit.Staging | None) -> None:
+    """Rank 0 removes the temp directory, then every rank waits for that (one barrier, on
+    failure only), so that no rank returns from a failed save while the temp directory
+    still exists. A rank that is gone cannot be waited for: then the error stands alone."""
+    if staging is not None:
+        staging.abort()
+    try:
+        coord.barrier("abort")
+    except DistributedError:
+        pass
 
 
 def _index_of(part: tuple[Any, ...], generation: str) -> fmt.CheckpointIndex:
