@@ -64,7 +64,7 @@ class TorchCoordinator(Coordinator):
     def _global(self, group_rank: int) -> int:
         if self.group is self._dist.group.WORLD:
             return group_rank
-        return int(self._dist.get_global_rank(self.group, group_rank))
+        return int(self._dist.get_global_rank(self.group, group_rank))  # type: ignore[arg-type]
 
     # -- the collectives
 
