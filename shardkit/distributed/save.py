@@ -439,10 +439,12 @@ def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
         shards += [fmt.ShardInfo(f, t, c, b, generation) for f, t, c, b in infos]
     first = pieces.tensor_first.tolist()
     get = operator.itemgetter
-    columns = [list(get(*first)(c)) if len(first) > 1 else [c[i] for i in first]
-               for c in (pieces.keys, pieces.dtypes, pieces.shapes, pieces.devices)]
+    def rows_of(column: list[Any]) -> list[Any]:
+        return list(get(*first)(column)) if len(first) > 1 else [column[i] for i in first]
+
     return fmt.CheckpointIndex(
-        description, shards, *columns,
+        description, shards, rows_of(pieces.keys), rows_of(pieces.dtypes),
+        rows_of(pieces.shapes), rows_of(pieces.devices),
         np.concatenate(rows).tolist() if rows else [], specs,
         np.concatenate(shard_of).tolist() if shard_of else [], xxh3,
         dict(user_metadata), fmt.FORMAT_VERSION, generation)
