@@ -13,8 +13,8 @@ For each it times (median of `--rounds`, in this one process): ``merge``, rank 0
 the ``index`` gather: unpickling the ranks' index columns and `distributed.save.merge`
 (the merged `format.CheckpointIndex`); and ``assign``, every rank's de-duplication after
 the ``plan`` all-gather (unpickling the columns and `distributed.save.plan`). The target:
-the merge of 100,000 tensors from 4 ranks adds under 100 ms. The manifest's encoding is not counted: a
-single-process save of the same tensors encodes the same manifest.
+the merge of 100,000 tensors from 4 ranks adds under 100 ms. The manifest's encoding is not
+counted: a single-process save of the same tensors encodes the same manifest.
 """
 
 from __future__ import annotations
