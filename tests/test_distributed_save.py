@@ -451,3 +451,51 @@ def test_assign_balances_and_checks_pieces():
     loads = [sum(shared[4][i] for i in m) for m in mine]
     assert max(loads) - min(loads) <= 2 * 28, loads
     assert assign([_cols([], [], [], [], [])] * 2) == [[], []]
+
+
+def _manager(rank: int, world: int, directory: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    weights = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+    state = {"w": weights, "bias": torch.zeros(3)}
+    ckpt = shardkit.Checkpoint(state=state)
+    if rank == 1:
+        ckpt._save_counter = 7  # rank 0 numbers the checkpoints, whatever the others count
+    manager = shardkit.CheckpointManager(ckpt, directory, max_to_keep=2,
+                                         process_group=torch.distributed.group.WORLD)
+    out: dict = {"saved": [], "listed": []}
+    for step in range(1, 4):
+        weights.to_local().fill_(step)
+        state["bias"].fill_(step)
+        out["saved"].append(os.path.basename(str(manager.save())))
+        out["listed"].append([os.path.basename(p) for p in manager.checkpoints])
+    # async: each rank snapshots its local shard; the commit runs in the background over a
+    # group of its own while this thread keeps using the default group
+    weights.to_local().fill_(10)
+    handle = manager.save(options=shardkit.CheckpointOptions(enable_async=True))
+    weights.to_local().fill_(-1)  # after the snapshot: not saved
+    torch.distributed.all_reduce(torch.ones(1))  # the training loop's own collective
+    manager.sync()
+    out["async"] = os.path.basename(str(handle))
+    out["latest"] = os.path.basename(manager.latest_checkpoint or "")
+    out["listed_end"] = [os.path.basename(p) for p in manager.checkpoints]
+    out["counter"] = ckpt.save_counter
+    return out
+
+
+def test_manager_numbering_retention_and_async_save_agree_on_every_rank(tmp_path):
+    directory = str(tmp_path / "run")
+    r0, r1 = harness.raise_any(harness.run_ranks(_manager, 2, directory))
+    assert r0 == r1
+    assert r0["saved"] == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert r0["listed"] == [["ckpt-1"], ["ckpt-1", "ckpt-2"], ["ckpt-2", "ckpt-3"]]
+    assert r0["async"] == r0["latest"] == "ckpt-4" and r0["counter"] == 4
+    assert r0["listed_end"] == ["ckpt-3", "ckpt-4"]
+    assert sorted(os.listdir(directory)) == ["ckpt-3", "ckpt-4"]  # retention by rank 0
+    loaded = shardkit.load(os.path.join(directory, "ckpt-4"))
+    weights = next(v for k, v in loaded.items() if k.endswith("w"))
+    assert weights.shape == (6, 4) and (weights == 10).all()  # the snapshot, both halves
+    loaded3 = shardkit.load(os.path.join(directory, "ckpt-3"))
+    assert all((v == 3).all() for k, v in loaded3.items() if "save_counter" not in k)

@@ -66,6 +66,19 @@ class TorchCoordinator(Coordinator):
             return group_rank
         return int(self._dist.get_global_rank(self.group, group_rank))  # type: ignore[arg-type]
 
+    def background(self) -> TorchCoordinator:
+        """A coordinator over a process group of its own with the same ranks (created on
+        first use, with ``use_local_synchronization``: only these ranks take part)."""
+        got = getattr(self, "_background", None)
+        if got is None:
+            dist = self._dist
+            ranks = [self._global(r) for r in range(self._world)]
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout),
+                                   backend=dist.get_backend(self.group),
+                                   use_local_synchronization=True)
+            got = self._background = TorchCoordinator(group, self.timeout)
+        return got
+
     # -- the collectives
 
     def all_gather(self, payload: Any, op: str) -> list[Any]:
