@@ -24,8 +24,10 @@ import pickle
 import statistics
 import time
 
+import numpy as np
+
 from shardkit import format as fmt
-from shardkit.distributed.save import _part, merge, plan
+from shardkit.distributed.save import _part, columns, merge, plan
 from shardkit.slices import format_slice_spec
 
 
@@ -50,20 +52,24 @@ def _parts(kind: str, n: int, ranks: int) -> tuple[list[bytes], list[bytes]]:
         m = len(keys)
         dtypes = ["F32"] * m
         devices = [f"/job:worker/replica:0/task:{r}/device:CPU:0"] * m
-        plans.append(pickle.dumps((keys, specs, dtypes, shapes, nbytes, devices), protocol=5))
+        plans.append(pickle.dumps(columns(keys, specs, dtypes, shapes, nbytes, devices),
+                                  protocol=5))
     pieces = plan([pickle.loads(p) for p in plans])
     for r in range(ranks):
         cols = pickle.loads(plans[r])
+        specs_r = [cols[1].values[c] for c in np.frombuffer(cols[1].codes, np.int32)]
+        shapes_r = [cols[3].values[c] for c in np.frombuffer(cols[3].codes, np.int32)]
+        device = cols[5].values[0]
         written = pieces.mine[r]
         m = len(written)
         half = m // 2
         files = [fmt.shard_file_name(2 * r + s, 2 * ranks) for s in range(2)]
         local = fmt.CheckpointIndex(
             "bench", [fmt.ShardInfo(f, r, "raw", 1 << 20, gen) for f in files],
-            [cols[0][i] for i in written], ["F32"] * m, [cols[3][i] for i in written],
-            [cols[5][i] for i in written], list(range(m)), [cols[1][i] for i in written],
+            [cols[0][i] for i in written], ["F32"] * m, [shapes_r[i] for i in written],
+            [device] * m, list(range(m)), [specs_r[i] for i in written],
             [0] * half + [1] * (m - half), ["0123456789abcdef"] * m)
-        indexes.append(pickle.dumps(_part(local, written, cols[1]), protocol=5))
+        indexes.append(pickle.dumps(_part(local, written, specs_r), protocol=5))
     return plans, indexes
 
 

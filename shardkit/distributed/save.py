@@ -70,7 +70,7 @@ class Held:
         names: dict[int, str] = {}
         devices = [names.get(id(d)) or names.setdefault(id(d), d.to_string())
                    for d in self.devices]
-        return self.keys, self.specs, self.dtypes, self.shapes, self.nbytes, devices
+        return columns(self.keys, self.specs, self.dtypes, self.shapes, self.nbytes, devices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +118,56 @@ def held(state: Any, rank: int) -> Held:
     return out
 
 
-# key, slice spec, dtype name, global shape, bytes, device string: what the plan sends
-Columns = tuple[list[str], list[str], list[str], list[tuple[int, ...]], list[int], list[str]]
+# What the plan sends of a rank's pieces: keys, then slice specs, dtype names, global shapes
+# as Coded (the distinct values and an int32 code per piece, as bytes), the bytes of each
+# piece (int64 bytes), and the device strings, Coded.
+Columns = tuple[list[str], "Coded", "Coded", "Coded", bytes, "Coded"]
+
+
+@dataclass(frozen=True, slots=True)
+class Coded:
+    """A column as its distinct `values` and, per row, the int32 code of its value."""
+
+    values: list[Any]
+    codes: bytes
+
+    @classmethod
+    def of(cls, column: list[Any]) -> Coded:
+        first = _firsts(column)
+        distinct = np.flatnonzero(first == np.arange(len(column)))
+        compact = np.zeros(len(column), np.int32)
+        compact[distinct] = np.arange(len(distinct), dtype=np.int32)
+        return cls([column[i] for i in distinct.tolist()], compact[first].tobytes())
+
+
+def columns(keys: list[str], specs: list[str], dtypes: list[str],
+            shapes: list[tuple[int, ...]], nbytes: list[int], devices: list[str]) -> Columns:
+    """A rank's pieces as the ``plan`` collective sends them (`Columns`)."""
+    return (keys, Coded.of(specs), Coded.of(dtypes), Coded.of(shapes),
+            np.asarray(nbytes, np.int64).tobytes(), Coded.of(devices))
+
+
+class _Column:
+    """The ranks' Coded parts of one column, concatenated: `ids` (equal ids, equal values)
+    and `values` (the distinct values, by id)."""
+
+    def __init__(self, parts: Sequence[Coded]) -> None:
+        number: dict[Any, int] = {}
+        ids = []
+        for part in parts:
+            remap = np.fromiter((number.setdefault(v, len(number)) for v in part.values),
+                                np.int64, len(part.values))
+            ids.append(remap[np.frombuffer(part.codes, np.int32)] if len(remap) else
+                       np.zeros(0, np.int64))
+        self.ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        self.values = list(number)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.values[self.ids[i]]
+
+    def take(self, rows: np.ndarray) -> list[Any]:
+        """The values of `rows`."""
+        return list(map(self.values.__getitem__, self.ids[rows].tolist()))
 
 
 EXACT = 4096  # replicated pieces placed one by one (largest first); the rest round-robin
@@ -133,10 +181,10 @@ class Plan:
     of first appearance, `tensor_first` the first piece of each."""
 
     keys: list[str]
-    specs: list[str]
-    dtypes: list[str]
-    shapes: list[tuple[int, ...]]
-    devices: list[str]
+    specs: _Column
+    dtypes: _Column
+    shapes: _Column
+    devices: _Column
     start: np.ndarray
     tensor_row: np.ndarray
     tensor_first: np.ndarray
@@ -164,10 +212,8 @@ def plan(columns: Sequence[Columns]) -> Plan:
     start = np.zeros(world + 1, np.int64)
     np.cumsum(counts, out=start[1:])
     keys = list(chain.from_iterable(c[0] for c in columns))
-    specs = list(chain.from_iterable(c[1] for c in columns))
-    dtypes = list(chain.from_iterable(c[2] for c in columns))
-    shapes = list(chain.from_iterable(c[3] for c in columns))
-    devices = list(chain.from_iterable(c[5] for c in columns))
+    specs, dtypes, shapes, devices = (_Column([c[k] for c in columns])  # type: ignore[misc]
+                                      for k in (1, 2, 3, 5))
     empty = np.zeros(0, np.int64)
     if total == 0:
         return Plan(keys, specs, dtypes, shapes, devices, start, empty, empty,
@@ -175,8 +221,7 @@ def plan(columns: Sequence[Columns]) -> Plan:
     rank_of = np.repeat(np.arange(world, dtype=np.int64), counts)
     pos = np.arange(total, dtype=np.int64) - start[rank_of]
     of_key = _firsts(keys)  # the first piece of the same key
-    did = _firsts(dtypes)
-    shid = _firsts(shapes)
+    did, shid = dtypes.ids, shapes.ids
     bad = np.flatnonzero((did != did[of_key]) | (shid != shid[of_key]))
     if bad.size:
         i = int(bad[0])
@@ -190,18 +235,18 @@ def plan(columns: Sequence[Columns]) -> Plan:
     row = np.empty(total, np.int64)
     row[tensor_first] = np.arange(len(tensor_first), dtype=np.int64)
     tensor_row = row[of_key]
-    pair = of_key * total + _firsts(specs)
+    pair = of_key * total + specs.ids
     order = np.argsort(pair, kind="stable")  # within a piece: its holders in rank order
     ordered = pair[order]
     starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
     holders = np.diff(np.append(starts, total))
     firsts = order[starts]  # the first holder's element of each piece
-    nbytes = np.fromiter(chain.from_iterable(c[4] for c in columns), np.int64, total)
+    nbytes = np.concatenate([np.frombuffer(c[4], np.int64) for c in columns])
     covered = np.zeros(len(tensor_first), np.int64)
     np.add.at(covered, tensor_row[firsts], nbytes[firsts])
-    sizes = {s: math.prod(s) for s in map(shapes.__getitem__, tensor_first.tolist())}
-    expected = np.fromiter((sizes[shapes[j]] * itemsize(dtypes[j]) for j in tensor_first.tolist()),
-                           np.int64, len(tensor_first))
+    sizes = np.fromiter(map(math.prod, shapes.values), np.int64, len(shapes.values))
+    items = np.fromiter(map(itemsize, dtypes.values), np.int64, len(dtypes.values))
+    expected = sizes[shid[tensor_first]] * items[did[tensor_first]]
     wrong = np.flatnonzero(covered != expected)
     if wrong.size:
         k = int(wrong[0])
@@ -434,17 +479,15 @@ def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
         element = np.frombuffer(local, np.int32).astype(np.int64) + pieces.start[r]
         rows.append(pieces.tensor_row[element])
         shard_of.append(np.frombuffer(shard, np.int32).astype(np.int64) + len(shards))
-        specs += split if split is not None else map(pieces.specs.__getitem__, element.tolist())
+        specs += split if split is not None else pieces.specs.take(element)
         xxh3 += digests
         shards += [fmt.ShardInfo(f, t, c, b, generation) for f, t, c, b in infos]
-    first = pieces.tensor_first.tolist()
-    get = operator.itemgetter
-    def rows_of(column: list[Any]) -> list[Any]:
-        return list(get(*first)(column)) if len(first) > 1 else [column[i] for i in first]
-
+    first = pieces.tensor_first
+    keys = (list(operator.itemgetter(*first.tolist())(pieces.keys)) if len(first) > 1
+            else [pieces.keys[i] for i in first.tolist()])
     return fmt.CheckpointIndex(
-        description, shards, rows_of(pieces.keys), rows_of(pieces.dtypes),
-        rows_of(pieces.shapes), rows_of(pieces.devices),
+        description, shards, keys, pieces.dtypes.take(first), pieces.shapes.take(first),
+        pieces.devices.take(first),
         np.concatenate(rows).tolist() if rows else [], specs,
         np.concatenate(shard_of).tolist() if shard_of else [], xxh3,
         dict(user_metadata), fmt.FORMAT_VERSION, generation)
