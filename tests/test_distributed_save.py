@@ -189,7 +189,9 @@ def _failures(rank: int, world: int, root: str) -> dict:
             out[name] = "saved"
         except Exception as e:
             out[name] = (type(e).__name__, getattr(e, "rank", None), str(e))
+        torch.distributed.barrier()  # every rank has returned: no temp directory is left
         out[name + "/tmp"] = sorted(e for e in os.listdir(root) if commit.TMP_MARK in e)
+        torch.distributed.barrier()  # before the next save makes one
 
     # shape and dtype must agree across ranks
     attempt("shape", {"x": torch.zeros(3 + rank)})
@@ -263,6 +265,17 @@ def _failures(rank: int, world: int, root: str) -> dict:
         counts.append(list(coord.calls))
     out["counts"] = counts
     out["final"] = shardkit.open(path).index.generation
+    # last (the group is unusable afterwards): a rank that is late fails the others within
+    # the timeout, naming it, and never hangs them
+    if rank == 1:
+        time.sleep(3)
+    started = time.monotonic()
+    try:
+        shardkit.save(os.path.join(root, "late"), base,
+                      process_group=torch.distributed.group.WORLD, timeout=1)
+        out["late"] = "saved"
+    except DistributedTimeoutError as e:
+        out["late"] = (type(e).__name__, str(e), time.monotonic() - started)
     return out
 
 
@@ -294,6 +307,11 @@ def test_failures_on_one_rank_fail_every_rank_and_keep_the_earlier_checkpoint(tm
         assert r["counts"][0] == r["counts"][1] == r["counts"][2]
         assert r["counts"][0] == ["all_gather", "all_gather", "gather", "broadcast"]
     assert not os.path.exists(tmp_path / "p0") and not os.path.exists(tmp_path / "p1")
+    kind, message, elapsed = r0["late"]
+    assert kind == "DistributedTimeoutError" and "rank 1 did not answer" in message, message
+    assert "'plan'" in message and elapsed < 2.5, r0["late"]
+    assert r1["late"][0] == "DistributedTimeoutError"
+    assert not os.path.exists(tmp_path / "late")
     with shardkit.open(str(tmp_path / "count3000")) as reader:
         assert len(reader.keys()) == 3000 + 2 * 3000
 
