@@ -265,6 +265,14 @@ def _failures(rank: int, world: int, root: str) -> dict:
         counts.append(list(coord.calls))
     out["counts"] = counts
     out["final"] = shardkit.open(path).index.generation
+    # compressed shards, written by each rank the same way
+    shardkit.save(os.path.join(root, "zstd"), {"rep": torch.arange(64.0), f"own{rank}":
+                  torch.full((100,), float(rank))}, compression="zstd",
+                  process_group=torch.distributed.group.WORLD)
+    # without DTensors or a group, a save is this process's alone: rank 0 saves, rank 1 not
+    if rank == 0:
+        shardkit.save(os.path.join(root, "alone"), {"a": torch.ones(2)})
+    torch.distributed.barrier()
     # last (the group is unusable afterwards): a rank that is late fails the others within
     # the timeout, naming it, and never hangs them
     if rank == 1:
@@ -307,6 +315,14 @@ def test_failures_on_one_rank_fail_every_rank_and_keep_the_earlier_checkpoint(tm
         assert r["counts"][0] == r["counts"][1] == r["counts"][2]
         assert r["counts"][0] == ["all_gather", "all_gather", "gather", "broadcast"]
     assert not os.path.exists(tmp_path / "p0") and not os.path.exists(tmp_path / "p1")
+    zstd = shardkit.load(str(tmp_path / "zstd"))
+    assert (zstd["rep"] == np.arange(64.0, dtype=np.float32)).all()
+    assert (zstd["own0"] == 0).all() and (zstd["own1"] == 1).all()
+    with shardkit.open(str(tmp_path / "zstd")) as reader:
+        assert {s.codec for s in reader.index.shards} == {"zstd"}
+        assert {s.task for s in reader.index.shards} == {0, 1}
+    with shardkit.open(str(tmp_path / "alone")) as reader:
+        assert list(reader.keys()) == ["a"] and reader.index.shards[0].task == 0
     kind, message, elapsed = r0["late"]
     assert kind == "DistributedTimeoutError" and "rank 1 did not answer" in message, message
     assert "'plan'" in message and elapsed < 2.5, r0["late"]
