@@ -43,16 +43,17 @@ def init_group(rank: int, world: int, store_file: str, timeout: float = GROUP_TI
                             world_size=world, timeout=datetime.timedelta(seconds=timeout))
 
 
-def _worker(rank: int, world: int, store_file: str, results: Any, fn: Callable[..., Any],
-            args: tuple[Any, ...]) -> None:
+def _worker(rank: int, world: int, store_file: str | None, results: Any,
+            fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        init_group(rank, world, store_file)
+        if store_file is not None:
+            init_group(rank, world, store_file)
         value: Any = fn(rank, world, *args)
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+    except BaseException as e:
         value = e
     try:
         payload = pickle.dumps(value)
@@ -68,15 +69,16 @@ def _worker(rank: int, world: int, store_file: str, results: Any, fn: Callable[.
         pass
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0
-              ) -> list[Any]:
-    """``fn(rank, world, *args)`` on `world` spawned ranks; results (or exceptions) by rank."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0,
+              init: bool = True) -> list[Any]:
+    """``fn(rank, world, *args)`` on `world` spawned ranks; results (or exceptions) by rank.
+    With ``init=False`` no process group is created (for `forked_rounds`)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardkit-ranks-") as tmp:
-        store = os.path.join(tmp, "store")
+        store = os.path.join(tmp, "store") if init else None
         procs = [ctx.Process(target=_worker, args=(r, world, store, results, fn, args),
                              daemon=True) for r in range(world)]
         for p in procs:
@@ -140,7 +142,7 @@ def forked_rounds(rank: int, world: int, rounds: int, workdir: str,
                 init_group(rank, world, os.path.join(workdir, f"store-{i}"), timeout)
                 try:
                     value: Any = body(rank, world, i)
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     value = e
                 try:
                     data = pickle.dumps(value)
