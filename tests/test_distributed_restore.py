@@ -575,7 +575,7 @@ def saved_and_resharded(rank: int, world: int, tmp: str) -> None:
 
 TOTAL_STEPS = 8
 SAVE_EVERY = 2
-KILL_AT = 5  # rank 1 dies in the middle of this step; the latest checkpoint is of step 4
+KILL_AT = 5  # rank 1 dies in the middle of this step (index), before saving step 6
 
 
 def _fsdp2_mlp(mesh: Any) -> tuple[Any, Any]:
@@ -632,63 +632,69 @@ def _manager(directory: str, model: Any, opt: Any, progress: Any, collective: bo
     from shardkit.checkpoint import Checkpoint, CheckpointManager
 
     return CheckpointManager(Checkpoint(model=model, optimizer=opt, progress=progress),
-                             directory, max_to_keep=2)
+                             directory, max_to_keep=2,
+                             process_group=dist.group.WORLD if collective else None)
 
 
-def _save(directory: str, model: Any, opt: Any, progress: Any, collective: bool) -> None:
-    """A collective save of the DTensors (every rank writes its shards), or, without one, the
-    gathered full state saved by rank 0 alone (``if rank == 0``)."""
-    if collective:
-        _manager(directory, model, opt, progress, True).save(
-            checkpoint_number=int(progress["step"]))
-        return
-    full_model, full_opt = _gathered(model.state_dict()), _gathered(opt.state_dict())
-    if dist.get_rank() == 0:
-        _manager(directory, full_model, full_opt, progress, False).save(
-            checkpoint_number=int(progress["step"]))
-    dist.barrier()
+MODES = ("collective", "rank0")
 
 
-def killed_run(rank: int, world: int, directory: str, log: str, collective: bool) -> None:
+def killed_run(rank: int, world: int, root: str, log: str) -> None:
+    """Two identical FSDP2 models trained side by side on the same batches, each saved every
+    SAVE_EVERY steps into a directory of its own: "collective" through a manager with a
+    process group (every rank writes its shards), "rank0" as the gathered full state saved by
+    rank 0 alone (``if rank == 0``, a barrier after it). Rank 1 SIGKILLs itself at KILL_AT."""
     from torch.distributed.tensor import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    model, opt = _fsdp2_mlp(mesh)
-    progress = {"step": np.zeros((), np.int64)}
+    runs = {mode: (*_fsdp2_mlp(mesh), {"step": np.zeros((), np.int64)}) for mode in MODES}
+    model, opt, progress = runs["collective"]
+    manager = _manager(os.path.join(root, "collective"), model, opt, progress, True)
     with open(f"{log}{rank}", "a") as out:
         for step in range(TOTAL_STEPS):
-            loss = _train_step(model, opt, step, rank, die=rank == 1 and step == KILL_AT)
-            out.write(json.dumps({"step": step, "loss": loss}) + "\n")
-            progress["step"][...] = step + 1
-            if (step + 1) % SAVE_EVERY == 0:
-                _save(directory, model, opt, progress, collective)
-                out.write(json.dumps({"saved": step + 1,
+            for mode, (model, opt, progress) in runs.items():
+                die = rank == 1 and step == KILL_AT and mode == MODES[0]
+                loss = _train_step(model, opt, step, rank, die=die)
+                out.write(json.dumps({"mode": mode, "step": step, "loss": loss}) + "\n")
+                progress["step"][...] = step + 1
+                if (step + 1) % SAVE_EVERY:
+                    continue
+                if mode == "collective":
+                    manager.save(checkpoint_number=step + 1)
+                else:
+                    full_model = _gathered(model.state_dict())
+                    full_opt = _gathered(opt.state_dict())
+                    if rank == 0:
+                        _manager(os.path.join(root, mode), full_model, full_opt, progress,
+                                 False).save(checkpoint_number=step + 1)
+                    dist.barrier()
+                out.write(json.dumps({"mode": mode, "saved": step + 1,
                                       "digest": _local_digest(model, opt)}) + "\n")
             out.flush()
 
 
-def resumed_run(rank: int, world: int, directory: str, collective: bool
-                ) -> dict[str, Any]:
-    """The uninterrupted run, then the resumed one, in fresh models; returns both."""
+def resumed_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The uninterrupted run, then each mode's resumed one, all in fresh models."""
     from torch.distributed.tensor import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     model, opt = _fsdp2_mlp(mesh)
-    straight = [_train_step(model, opt, step, rank) for step in range(TOTAL_STEPS)]
-    straight_digest = _local_digest(model, opt)
-
-    model, opt = _fsdp2_mlp(mesh)
-    _train_step(model, opt, 0, rank + 7)  # Adam state exists, and every value differs
-    progress = {"step": np.zeros((), np.int64)}
-    manager = _manager(directory, model, opt, progress, collective)
-    latest = manager.restore_or_initialize()
-    manager.restore_status.assert_consumed()
-    start = int(progress["step"])
-    restored_digest = _local_digest(model, opt)
-    resumed = [_train_step(model, opt, step, rank) for step in range(start, TOTAL_STEPS)]
-    return {"latest": latest, "start": start, "restored": restored_digest,
-            "straight": straight, "straight_digest": straight_digest, "resumed": resumed,
-            "resumed_digest": _local_digest(model, opt)}
+    out: dict[str, Any] = {"straight": [_train_step(model, opt, step, rank)
+                                        for step in range(TOTAL_STEPS)]}
+    out["straight_digest"] = _local_digest(model, opt)
+    for mode in MODES:
+        model, opt = _fsdp2_mlp(mesh)
+        _train_step(model, opt, 0, rank + 7)  # Adam state exists, and every value differs
+        progress = {"step": np.zeros((), np.int64)}
+        manager = _manager(os.path.join(root, mode), model, opt, progress, mode == "collective")
+        latest = manager.restore_or_initialize()
+        manager.restore_status.assert_consumed()
+        start = int(progress["step"])
+        restored = _local_digest(model, opt)
+        resumed = [_train_step(model, opt, step, rank) for step in range(start, TOTAL_STEPS)]
+        out[mode] = {"latest": latest, "start": start, "restored": restored,
+                     "resumed": resumed, "resumed_digest": _local_digest(model, opt)}
+    return out
 
 
 def run_job_until_killed(world: int, fn: Callable[..., Any], *args: Any,
@@ -722,29 +728,34 @@ def run_job_until_killed(world: int, fn: Callable[..., Any], *args: Any,
     return [p.exitcode for p in procs]
 
 
-def kill_and_resume(tmp_path: Path, collective: bool) -> None:
-    directory, log = str(tmp_path / "ckpts"), str(tmp_path / "log")
-    codes = run_job_until_killed(2, killed_run, directory, log, collective)
+def test_kill_and_resume_2_ranks(tmp_path: Path) -> None:
+    """A 2-rank FSDP2 loop with Adam killed mid-step (rank 1 SIGKILLed, the job torn down),
+    restarted: each mode restores its latest checkpoint into fresh models and continues."""
+    root, log = str(tmp_path / "ckpts"), str(tmp_path / "log")
+    codes = run_job_until_killed(2, killed_run, root, log)
     assert codes[1] == -9, codes  # rank 1 SIGKILLed itself, rank 0 was torn down
     records = [[json.loads(line) for line in Path(f"{log}{r}").read_text().splitlines()]
                for r in range(2)]
-    saved = [{x["saved"]: x["digest"] for x in rec if "saved" in x} for rec in records]
-    assert sorted(saved[0]) == sorted(saved[1]) == [2, 4]  # died before saving step 6
-    results = run_ranks(2, resumed_run, directory, collective)
-    for rank, res in enumerate(results):
-        assert res["latest"].endswith("ckpt-4") and res["start"] == 4
-        # the restored weights and Adam state are the saved ones, byte for byte
-        assert res["restored"] == saved[rank][4]
-        # the losses after resuming are those of the uninterrupted run, bit for bit, and so
-        # are the final weights and optimizer state
-        assert res["resumed"] == res["straight"][4:]
-        assert res["resumed_digest"] == res["straight_digest"]
-        # the killed run, up to its death, was the uninterrupted run
-        losses = [x["loss"] for x in records[rank] if "loss" in x]
-        assert losses == res["straight"][: len(losses)]
-
-
-def test_kill_and_resume_rank0_save_2_ranks(tmp_path: Path) -> None:
-    """Saved by rank 0 from gathered full tensors (``if rank == 0``), restored into the FSDP2
-    model and its Adam state on both ranks."""
-    kill_and_resume(tmp_path, collective=False)
+    results = run_ranks(2, resumed_run, root)
+    with shardkit.open(os.path.join(root, "collective", "ckpt-4")) as reader:
+        # every rank wrote its own rows: the weights are stored as 2 slices
+        assert len(reader.info("model/0.weight").slices) == 2
+        assert reader.info("optimizer/state/0/exp_avg").is_split
+    with shardkit.open(os.path.join(root, "rank0", "ckpt-4")) as reader:
+        assert not reader.info("model/0.weight").is_split
+    for mode in MODES:
+        for rank, res in enumerate(results):
+            mine = [x for x in records[rank] if x["mode"] == mode]
+            saved = {x["saved"]: x["digest"] for x in mine if "saved" in x}
+            assert sorted(saved) == [2, 4], (mode, rank)  # died before saving step 6
+            got = res[mode]
+            assert got["latest"].endswith("ckpt-4") and got["start"] == 4, (mode, got)
+            # the restored weights and Adam state are the saved ones, byte for byte
+            assert got["restored"] == saved[4], (mode, rank)
+            # the losses after resuming are those of the uninterrupted run, bit for bit, and
+            # so are the final weights and optimizer state
+            assert got["resumed"] == res["straight"][4:], (mode, rank)
+            assert got["resumed_digest"] == res["straight_digest"], (mode, rank)
+            # the killed run, up to its death, was the uninterrupted run
+            losses = [x["loss"] for x in mine if "loss" in x]
+            assert losses == res["straight"][: len(losses)], (mode, rank)
