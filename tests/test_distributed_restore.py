@@ -521,6 +521,19 @@ def fsdp2_read(rank: int, world: int, path: str) -> None:
     _adam_step(ref, ref_opt, seed=5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.full_tensor(), q, rtol=1e-6, atol=1e-7), name
+    # an optimizer that has not stepped yet (a fresh resume): its state is created as DTensors
+    # placed like the parameters, holding this rank's box
+    fresh, fresh_opt = _fsdp2_mlp(mesh)
+    assert not fresh_opt.state
+    Checkpoint(model=fresh, optimizer=fresh_opt).read(path).assert_consumed()
+    for i, p in enumerate(fresh.parameters()):
+        state = fresh_opt.state[p]
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[k], DTensor) and state[k].placements == p.placements
+            assert _bytes(state[k].full_tensor()) == _bytes(saved[f"optimizer/state/{i}/{k}"])
+    _adam_step(fresh, fresh_opt, seed=5)  # steps, and as the in-place restored model did
+    for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+        assert _bytes(p.to_local()) == _bytes(q.to_local()), name
 
 
 
