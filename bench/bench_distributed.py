@@ -200,6 +200,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank on this machine
     # DCP's no_dist load says it assumes one process: that is the point of the reshard row
     warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
     try:
