@@ -142,6 +142,7 @@ def _free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
                results: Any) -> None:
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank on this machine
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
