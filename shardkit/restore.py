@@ -50,11 +50,12 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             leaves = [(key, leaf) for key, leaf in leaves if key not in absent]
         plans = []
         boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        boxes_seen: dict[Any, Any] = {}  # the box per global shape, mesh and placements
         for key, leaf in leaves:
             t = reader._tensor(key)
             box = None
             if is_dtensor(leaf):  # restored: the box of the global tensor this rank holds
-                local, offset, local_shape = _dtensor_box(leaf, key)
+                local, offset, local_shape = _dtensor_box(leaf, key, boxes_seen)
                 target, writeback = _restore_target(local, key)
                 box = offset
                 boxes.append((key, offset, local_shape))
@@ -113,10 +114,11 @@ def is_dtensor(value: Any) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
-def _dtensor_box(value: Any, key: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+def _dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
+                 ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
     from .frameworks.torch import dtensor_box
 
-    return dtensor_box(value, key)
+    return dtensor_box(value, key, cache)
 
 
 def copy_into_dtensor(reader: CheckpointReader, key: str, value: Any, dry: bool = False
