@@ -365,7 +365,7 @@ def rank_copy(src: str, dst: str, rank: int, world: int) -> tuple[int, int]:
 
 
 def reshard_world2(rank: int, world: int, paths: dict[str, str], tmp: str) -> None:
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, init_device_mesh
 
     state = global_state()
     mesh = init_device_mesh("cpu", (world,))
@@ -419,7 +419,6 @@ def reshard_world2(rank: int, world: int, paths: dict[str, str], tmp: str) -> No
         shardkit.restore_into(paths["full"], t)
     status = shardkit.restore_into(paths["full"], t, partial=True)
     assert status.missing_keys == ["extra"] and status.unexpected_keys == ["w"]
-    del Replicate
 
 
 def test_world2_reshard_corrupt_others_errors_fsdp2(tmp_path: Path) -> None:
