@@ -6,7 +6,9 @@ test process: whole tensors (a single-process save), and tensors stored as the s
 over N ranks holds, one shard file per rank (the layout of a distributed save), by a sharding
 callback. Every restored local tensor is compared byte for byte with the same shard of a
 DTensor distributed from the original array (``distribute_tensor``), and its full tensor with
-the original.
+the original. Then checkpoints written by the collective save itself are restored with
+resharding, an FSDP2 model and its Adam state are restored with ``Checkpoint.read``, and a
+2-rank FSDP2 training loop is SIGKILLed and resumed (collective manager and rank-0 save).
 """
 
 from __future__ import annotations
