@@ -16,6 +16,7 @@ import json
 import math
 import operator
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -180,6 +181,8 @@ def save(
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
     options: CheckpointOptions | None = None,
+    process_group: Any = None,
+    timeout: float | None = None,
 ) -> SaveInfo:
     """Save `state` (nested dicts / lists of arrays) as a sharded checkpoint directory at `path`.
 
@@ -200,6 +203,13 @@ def save(
     - `options`: a `CheckpointOptions`, TensorFlow's spelling of the same settings. A keyword
       left at its default takes the value from `options`; a keyword set to another value that
       disagrees with `options` is an error.
+    - `process_group`: save collectively with the other ranks of this torch.distributed process
+      group (or `shardkit.distributed.Coordinator`). A state holding DTensors is saved
+      collectively over their mesh's group without it. Every rank calls `save` with the same
+      path; each writes its own shards (see docs/TRAINING.md). Otherwise the save is this
+      process's alone, as ``if rank == 0: save(...)`` wants.
+    - `timeout`: seconds a collective save waits for the other ranks at each step before
+      raising DistributedTimeoutError (default 300).
 
     Keys (shardkit.keys): nested keys are joined with ``/``; a flattened key must be non-empty,
     not ``__metadata__``, valid UTF-8 and unique, and dict keys must be str or int. A state
@@ -242,12 +252,43 @@ def save(
         raise InvalidArgumentTypeError(
             f"state must be a mapping (e.g. a dict of arrays), got {type(state).__name__}"
         )
+    coord = _coordinator(state, process_group, timeout)
+    if coord is not None:
+        return _collective_save(coord, path, state, opts, user_metadata, overwrite, progress,
+                                started)
     commit.check_target(path, overwrite)  # fail fast, before the callback runs
     with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
         info, split = _save(path, state, opts, user_metadata, overwrite, progress, started)
     if split and _WARN_SPLIT.get():
         warnings.warn(SplitTensorsWarning(_split_message(split, info.path)), stacklevel=2)
     return info
+
+
+def _coordinator(state: Mapping[str, Any], process_group: Any, timeout: float | None) -> Any:
+    """The coordinator of a collective save, or None: shardkit.distributed is not even
+    imported unless torch.distributed.tensor is loaded or a group is given."""
+    if process_group is None and timeout is None and (
+            "torch.distributed.tensor" not in sys.modules):
+        return None
+    from .distributed import coordinator_for
+
+    return coordinator_for(state, process_group, timeout)
+
+
+def _collective_save(coord: Any, path: str | os.PathLike[str], state: Mapping[str, Any],
+                     opts: CheckpointOptions, user_metadata: dict[str, Any], overwrite: bool,
+                     progress: bool, started: float) -> SaveInfo:
+    from .distributed.save import collective_save
+
+    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
+    with _gc_paused():
+        out = collective_save(coord, path, state, callback=callback,
+                              description=callback_description(callback), opts=opts,
+                              user_metadata=user_metadata, overwrite=overwrite,
+                              progress=progress)
+    opts.run_write_callbacks(out.path)
+    return SaveInfo(out.path, out.files, out.bytes, time.perf_counter() - started,
+                    out.generation)
 
 
 _WARN_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_warn_split",

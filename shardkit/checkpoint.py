@@ -51,7 +51,7 @@ from .format import MANIFEST_FILE, find_manifest
 from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
-from .restore import CheckpointLoadStatus, check_complete
+from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
@@ -120,6 +120,8 @@ def _identity(x: Any) -> tuple[Any, ...] | None:
     if torch is not None and isinstance(x, torch.Tensor):
         if x.numel() == 0:
             return None
+        if type(x).__name__ == "DTensor":  # a wrapper without storage: its local shard's
+            x = x.to_local()
         return (
             "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
             tuple(x.shape), x.stride(), x.dtype,
@@ -218,6 +220,16 @@ def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:
     return np.array(array)
 
 
+def _empty_like_dtensor(like: Any, dtype: np.dtype) -> Any:
+    """An uninitialised DTensor of `like`'s global shape, mesh and placements, in `dtype`."""
+    import torch
+
+    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
+        if dtype == np_dtype:
+            return torch.empty_like(like, dtype=torch_dtype)
+    return torch.empty_like(like, dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
+
+
 def _copy_into(target: Any, stored: np.ndarray) -> None:
     if isinstance(target, np.ndarray):
         np.copyto(target, stored, casting="equiv")
@@ -234,9 +246,11 @@ def _copy_into(target: Any, stored: np.ndarray) -> None:
 class _Restorer:
     """One pass over the skeletons: a dry pass validates everything, the real one copies."""
 
-    def __init__(self, reader: CheckpointReader, dry: bool) -> None:
+    def __init__(self, reader: CheckpointReader, dry: bool,
+                 templates: Mapping[str, Any] | None = None) -> None:
         self.reader = reader
         self.dry = dry
+        self.templates = templates or {}  # key prefix -> DTensor new values are made like
         self.restored: list[str] = []
         self.missing: list[str] = []
         self.used: set[str] = set()
@@ -323,6 +337,15 @@ class _Restorer:
         where = f"{key!r}" if src == key else f"{key!r} (tied to {src!r})"
         if current is _MISSING or not _is_tensor(current):
             self.changed = True
+            like = self.templates.get(key.rpartition(SEPARATOR)[0] + SEPARATOR)
+            if like is not None and tuple(like.shape) == tuple(info.shape):
+                # new optimizer state of a DTensor parameter: a DTensor like it
+                copy_into_dtensor(self.reader, src, like, dry=True)
+                if self.dry:
+                    return current
+                new = _empty_like_dtensor(like, info.dtype)
+                copy_into_dtensor(self.reader, src, new)
+                return new
             if self.dry:
                 return current
             return _new_value(self.reader.get(src), enc.get("k", "numpy"), None)
@@ -333,6 +356,9 @@ class _Restorer:
                 f"{list(info.shape)} dtype {info.dtype}, the object has shape "
                 f"{list(found_shape)} dtype {found_dtype}"
             )
+        if is_dtensor(current):  # this rank's box of the stored tensor, into its local tensor
+            copy_into_dtensor(self.reader, src, current, self.dry)
+            return current
         kind = _tensor_kind(current)
         if kind in ("scalar", "jax"):  # immutable: replaced by a new value of the same kind
             self.changed = True
@@ -415,16 +441,27 @@ class Checkpoint:
     # -- writing
 
     def save(self, file_prefix: str | os.PathLike[str],
-             options: CheckpointOptions | None = None) -> SaveHandle:
-        """Increment `save_counter` and write ``<file_prefix>-<save_counter>``."""
+             options: CheckpointOptions | None = None, *, process_group: Any = None,
+             timeout: float | None = None) -> SaveHandle:
+        """Increment `save_counter` and write ``<file_prefix>-<save_counter>``.
+        `process_group` / `timeout`: as for `write`."""
         self._writer.wait()
         self._save_counter += 1
-        return self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", options)
+        return self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", options,
+                           process_group=process_group, timeout=timeout)
 
     def write(self, file_prefix: str | os.PathLike[str],
-              options: CheckpointOptions | None = None) -> SaveHandle:
-        """Write the checkpoint at exactly `file_prefix` (replacing one already there)."""
-        return self._write(os.fspath(file_prefix), options)
+              options: CheckpointOptions | None = None, *, process_group: Any = None,
+              timeout: float | None = None) -> SaveHandle:
+        """Write the checkpoint at exactly `file_prefix` (replacing one already there).
+
+        Collective, as `shardkit.save`, when the objects hold DTensors or `process_group` is
+        given: every rank calls it, each writes its own shards. An async collective save
+        snapshots each rank's local shards and commits from the background over a process
+        group of its own (created at the first such save), never interleaving with the
+        training loop's collectives."""
+        return self._write(os.fspath(file_prefix), options, process_group=process_group,
+                           timeout=timeout)
 
     def sync(self) -> None:
         """Wait for a pending async save; raise its error if it failed."""
@@ -433,26 +470,37 @@ class Checkpoint:
     wait_until_finished = sync
 
     def _write(self, path: str, options: CheckpointOptions | None,
-               after_commit: Callable[[str], None] | None = None) -> SaveHandle:
+               after_commit: Callable[[str], None] | None = None, *,
+               process_group: Any = None, timeout: float | None = None) -> SaveHandle:
         opts = _check_options(options)
         self._writer.wait()
         tensors, metadata = self._collect()
+        coord = api._coordinator(tensors, process_group, timeout)  # None: this process alone
         if not opts.enable_async:
             with api._no_split_warning():
-                info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True)
+                info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True,
+                                process_group=coord)
             if after_commit is not None:
                 after_commit(info.path)
             return SaveHandle(info.path)
         check_keys(list(tensors))  # here, not in the background write
+        where: dict[str, Any] = {}
+        if coord is not None:
+            from .distributed import as_local_shards, local_parts
+
+            tensors, where = local_parts(tensors)  # a rank snapshots its local shards only
+            coord = coord.background()
         snapshot = self._pool.snapshot(tensors.items())
         del tensors  # the write must not see later changes
+        if where:
+            snapshot = as_local_shards(snapshot, where)
         write_opts = dataclasses.replace(opts, enable_async=False)
         target = os.path.abspath(path)
 
         def job() -> None:
             with api._no_split_warning():
                 info = api.save(target, snapshot, options=write_opts, metadata=metadata,
-                                overwrite=True)
+                                overwrite=True, process_group=coord)
             if after_commit is not None:
                 after_commit(info.path)
 
@@ -500,13 +548,14 @@ class Checkpoint:
                 if enc is None:  # not saved by a Checkpoint: match tensors by key
                     enc = _encode(current, name, _Collector())
                 plans.append((name, kind, current, enc, kind in ("optimizer", "stateful")))
-            dry = _Restorer(reader, dry=True)
+            templates = self._state_templates()
+            dry = _Restorer(reader, dry=True, templates=templates)
             for name, _, current, enc, create in plans:
                 dry.value(enc, current, name, create)
             if not partial:
                 dry.used.add(SAVE_COUNTER)
                 check_complete(path, dry.missing, [k for k in reader.keys() if k not in dry.used])
-            restorer = _Restorer(reader, dry=False)
+            restorer = _Restorer(reader, dry=False, templates=templates)
             for name, kind, current, enc, create in plans:
                 restorer.changed = False
                 new = restorer.value(enc, current, name, create)
@@ -516,6 +565,21 @@ class Checkpoint:
                 self._save_counter = int(reader.get(SAVE_COUNTER))
             unexpected = [k for k in reader.keys() if k not in restorer.used]
         return CheckpointLoadStatus(path, restorer.restored, restorer.missing, unexpected)
+
+    def _state_templates(self) -> dict[str, Any]:
+        """``"<optimizer>/state/<i>/"`` -> parameter i, for every tracked torch optimizer's
+        DTensor parameters: state such an optimizer has not created yet is created like its
+        parameter (a DTensor of the same placements, this rank's box restored), not as a full
+        tensor the optimizer could not step with."""
+        out: dict[str, Any] = {}
+        for name, kind in self._kinds.items():
+            if kind != "optimizer":
+                continue
+            params = [p for g in self._objects[name].param_groups for p in g["params"]]
+            for i, p in enumerate(params):  # state_dict numbers them in this order
+                if is_dtensor(p):
+                    out[f"{name}{SEPARATOR}state{SEPARATOR}{i}{SEPARATOR}"] = p
+        return out
 
     def restore(self, save_path: str | os.PathLike[str] | None,
                 options: CheckpointOptions | None = None, *,
@@ -581,6 +645,12 @@ class CheckpointManager:
     ``keep_checkpoint_every_n_hours``: of the checkpoints older than the newest `max_to_keep`,
     the oldest is kept, and every one saved at least that many hours after the previous kept
     one (by the modification time of its manifest). Those are not in `checkpoints`.
+
+    In a distributed job pass ``process_group=`` (a torch.distributed process group, or a
+    `shardkit.distributed.Coordinator`) on every rank: saves are collective, rank 0 decides
+    the number and deletes old checkpoints, and `checkpoints`, `latest_checkpoint` and
+    `restore_or_initialize` see rank 0's listing (a broadcast: every rank must read them at
+    the same point). `timeout`: seconds each collective waits for the other ranks.
     """
 
     def __init__(
@@ -593,6 +663,9 @@ class CheckpointManager:
         step_counter: Any = None,
         checkpoint_interval: int | None = None,
         init_fn: Callable[[], Any] | None = None,
+        *,
+        process_group: Any = None,
+        timeout: float | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise InvalidArgumentTypeError(
@@ -640,6 +713,11 @@ class CheckpointManager:
         self._init_fn = init_fn
         self._last_step: int | None = None
         self._restore_status: CheckpointLoadStatus | None = None
+        self._coord: Any = None
+        if process_group is not None or timeout is not None:
+            from .distributed import coordinator_for
+
+            self._coord = coordinator_for({}, process_group, timeout)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -672,6 +750,14 @@ class CheckpointManager:
         return committed[-1][1] if committed else None
 
     def _committed(self) -> list[tuple[int, str]]:
+        """The committed checkpoints; in a distributed manager rank 0's listing, broadcast
+        (a collective: every rank asks at the same point)."""
+        if self._coord is None:
+            return self._listing()
+        found = self._listing() if self._coord.rank == 0 else None
+        return list(self._coord.broadcast(found, "checkpoint listing"))
+
+    def _listing(self) -> list[tuple[int, str]]:
         try:
             names = os.listdir(self._directory)
         except FileNotFoundError:
@@ -716,8 +802,15 @@ class CheckpointManager:
         self._checkpoint._save_counter += 1
         if checkpoint_number is None:
             number = self._checkpoint.save_counter
+        sweep: Callable[[str], None] | None = self._sweep
+        if self._coord is not None:  # rank 0 numbers the checkpoint and deletes old ones
+            number, counter = self._coord.broadcast(
+                (number, self._checkpoint._save_counter), "checkpoint number")
+            self._checkpoint._save_counter = counter
+            sweep = self._sweep if self._coord.rank == 0 else None
         path = os.path.join(self._directory, f"{self._name}-{number}")
-        handle = self._checkpoint._write(path, options, after_commit=self._sweep)
+        handle = self._checkpoint._write(path, options, after_commit=sweep,
+                                         process_group=self._coord)
         if self._interval is not None:
             self._last_step = step
         return handle
@@ -750,7 +843,7 @@ class CheckpointManager:
         """Delete committed checkpoints older than the newest `max_to_keep` (not `new_path`)."""
         if self._max_to_keep is None:
             return
-        committed = self._committed()
+        committed = self._listing()
         newest = {p for _, p in committed[-self._max_to_keep :]}
         newest.add(os.path.abspath(new_path))
         last_kept: float | None = None

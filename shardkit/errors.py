@@ -156,3 +156,34 @@ class SplitTensorsWarning(UserWarning):
     HuggingFace loaders (``from_pretrained``, ``safetensors``) cannot read those, as they are
     absent from the manifest's ``weight_map``; shardkit reads them as usual. Policies that keep
     tensors whole: DefaultShardingPolicy, ShardByTaskPolicy, AllInOnePolicy."""
+
+
+# Many processes (shardkit.distributed): every rank of a collective save raises the same error.
+
+
+class DistributedError(ShardkitError):
+    """A collective operation of several processes (ranks) failed."""
+
+
+class DistributedTimeoutError(DistributedError, TimeoutError):
+    """A collective did not complete within its timeout, or a rank left it (died): names the
+    operation and, where known, the ranks that did not answer."""
+
+
+class DistributedStateError(DistributedError, ValueError):
+    """The ranks of a collective save disagree about a tensor they all hold (shape or dtype),
+    or a distributed tensor cannot be saved as slices (a Partial placement); names the key and
+    the ranks."""
+
+
+class DistributedSaveError(DistributedError, RuntimeError):
+    """A rank of a collective save failed (its callback, validation, writing, the commit): every
+    rank raises this, naming the failing `rank` and its cause (`cause_type`, `cause_message`).
+    Nothing became visible and an earlier checkpoint at the path is intact."""
+
+    def __init__(self, message: str, rank: int | None = None, cause_type: str = "",
+                 cause_message: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.cause_type = cause_type
+        self.cause_message = cause_message

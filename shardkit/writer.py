@@ -157,6 +157,8 @@ def write_shards(
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
     generation: str | None = None,
+    first_shard: int = 0,
+    shard_count: int | None = None,
 ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
     """Write `shards` (validated callback output) into `directory` as shard files.
 
@@ -166,14 +168,17 @@ def write_shards(
     caller's job (shardkit.commit). `saved` gives the order, dtypes, full shapes and devices of
     the saved tensors. With `durable`, each shard file is fsynced once complete.
     `generation`: the checkpoint's unique id, recorded in the index and in every shard header
-    (default: a fresh `format.new_generation`).
+    (default: a fresh `format.new_generation`). `first_shard` / `shard_count`: the number of
+    the first of these shards among `shard_count` in the whole checkpoint, for file names (a
+    rank of a collective save writes some of them; default: these are all).
     """
     if compression not in (None, "zstd"):
         raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
     codec = "raw" if compression is None else "zstd"
     threads = threads or default_threads()
     generation = generation if generation is not None else fmt.new_generation()
-    plans = _plan(Path(directory), shards, codec, generation)
+    plans = _plan(Path(directory), shards, codec, generation, first_shard,
+                  len(shards) if shard_count is None else shard_count)
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
     bar = _progress_bar(total, progress)
 
@@ -196,9 +201,8 @@ def write_shards(
     return index, fmt.index_chunks(index, parts)
 
 
-def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str, generation: str
-          ) -> list[_ShardPlan]:
-    count = len(shards)
+def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str, generation: str,
+          first: int, count: int) -> list[_ShardPlan]:
     meta = fmt.shard_metadata(generation)
     plans = []
     for i, shard in enumerate(shards):
@@ -219,7 +223,7 @@ def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str, generatio
             layouts = fmt.entry_layouts(names, dtype_names, shapes, begins.tolist(),
                                         ends.tolist())
         start = sum(map(len, header))
-        name = fmt.shard_file_name(i, count, codec)
+        name = fmt.shard_file_name(first + i, count, codec)
         plans.append(_ShardPlan(
             directory / name, name, shard.task, header, keys, specs, arrays,
             begins + start, ends + start, layouts, start + (int(ends[-1]) if len(ends) else 0),

@@ -1,0 +1,493 @@
+"""The collective save: every rank writes its own shards, rank 0 merges and commits once.
+
+Each rank is the device task ``/job:worker/replica:0/task:<rank>``. Four collectives per save,
+whatever the number of tensors (docs/ARCHITECTURE.md):
+
+1. ``plan``: an all-gather of what each rank holds, as columns (key, slice spec, dtype, global
+   shape, bytes), with rank 0's temp directory and the generation id. From it every rank
+   computes the same de-duplication: a (key, slice) held by several ranks (Replicate, a plain
+   tensor on every rank, the replicas of a shard on a 2-D mesh) is written once, by the holder
+   with the fewest bytes so far, largest first, so that ranks write about the same bytes.
+2. ``shards``: an all-gather of each rank's shard count after its callback ran on its own
+   tensors and its shards were validated, for the global file numbering.
+3. ``index``: a gather on rank 0 of each rank's index columns after its files are fsynced.
+   Rank 0 merges them (`format.merge_indexes`) and publishes with the single-process commit.
+4. ``commit``: a broadcast of the outcome.
+
+A failure on any rank (flatten, callback, validation, write, commit) travels in the next
+collective, so every rank raises the same DistributedSaveError naming the failing rank and its
+cause; rank 0 removes the temp directory, and nothing becomes visible. A rank that dies makes
+the others' next collective fail (DistributedTimeoutError) within the timeout. Tensor bytes
+never leave their process.
+
+This module sits with the front door (api.py calls it; it uses the writer and the commit);
+the seam it talks through, `base.Coordinator`, sits low in the layers.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain, count
+from typing import Any
+
+import numpy as np
+
+from .. import commit
+from .. import format as fmt
+from ..callback import ShardingCallback, shard_tensors
+from ..devices import DeviceSpec
+from ..dtypes import itemsize, safetensors_name
+from ..errors import DistributedError, DistributedSaveError, DistributedStateError
+from ..options import CheckpointOptions
+from ..slices import WHOLE, format_slice_spec
+from ..tensors import ShardableTensor, flatten_columns, to_host
+from ..writer import SavedTensors, shard_columns, write_shards
+from .base import Coordinator
+
+OPS = ("plan", "shards", "index", "commit")  # the collectives of one save, in order
+
+
+@dataclass(slots=True)
+class Held:
+    """What one rank holds, column-wise: per piece its key, slice spec of the global tensor
+    (``""``: the whole tensor), safetensors dtype name, global shape and bytes. `arrays` (the
+    host views) stay in the process; the rest is what the ``plan`` collective sends."""
+
+    keys: list[str]
+    specs: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    nbytes: list[int]
+    arrays: list[np.ndarray]
+    devices: list[DeviceSpec]
+
+    def columns(self) -> Columns:
+        names: dict[int, str] = {}
+        devices = [names.get(id(d)) or names.setdefault(id(d), d.to_string())
+                   for d in self.devices]
+        return columns(self.keys, self.specs, self.dtypes, self.shapes, self.nbytes, devices)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """A rank's part of a distributed tensor, taken apart already: `local` (an array or
+    tensor) is the slice at `offset` of a tensor of global `shape`. An async save snapshots
+    `local` and saves this in the background."""
+
+    local: Any
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+def held(state: Any, rank: int) -> Held:
+    """Flatten `state` into this rank's pieces: a DTensor as its local slice of the global
+    tensor (none when the local shard is empty), anything else whole."""
+    from .dtensor import dtensor_type, local_slice
+
+    keys, leaves = flatten_columns(state)
+    dtensor = dtensor_type()
+    device = DeviceSpec("worker", 0, rank, "CPU", 0)
+    out = Held([], [], [], [], [], [], [])
+    for key, value in zip(keys, leaves):
+        if (dtensor is not None and isinstance(value, dtensor)) or isinstance(value, LocalShard):
+            local, shape, offset = (local_slice(value, key) if not isinstance(value, LocalShard)
+                                    else (value.local, value.shape, value.offset))
+            array, dev = to_host(local, key)
+            if array.size == 0 and math.prod(shape) != 0:
+                continue  # an empty shard of an uneven split: nothing to store
+            spec = WHOLE if array.shape == shape else format_slice_spec(shape, offset,
+                                                                        array.shape)
+        else:
+            array, dev = to_host(value, key)
+            shape = tuple(array.shape)
+            spec = WHOLE
+        out.keys.append(key)
+        out.specs.append(spec)
+        out.dtypes.append(safetensors_name(array.dtype))
+        out.shapes.append(shape)
+        out.nbytes.append(int(array.nbytes))
+        out.arrays.append(array)
+        out.devices.append(device if dev is None or (dev.device_type == "CPU" and not
+                           dev.device_index) else
+                           DeviceSpec("worker", 0, rank, dev.device_type, dev.device_index))
+    return out
+
+
+# What the plan sends of a rank's pieces: keys, then slice specs, dtype names, global shapes
+# as Coded (the distinct values and an int32 code per piece, as bytes), the bytes of each
+# piece (int64 bytes), and the device strings, Coded.
+Columns = tuple[list[str], "Coded", "Coded", "Coded", bytes, "Coded"]
+
+
+@dataclass(frozen=True, slots=True)
+class Coded:
+    """A column as its distinct `values` and, per row, the int32 code of its value."""
+
+    values: list[Any]
+    codes: bytes
+
+    @classmethod
+    def of(cls, column: list[Any]) -> Coded:
+        first = _firsts(column)
+        distinct = np.flatnonzero(first == np.arange(len(column)))
+        compact = np.zeros(len(column), np.int32)
+        compact[distinct] = np.arange(len(distinct), dtype=np.int32)
+        return cls([column[i] for i in distinct.tolist()], compact[first].tobytes())
+
+
+def columns(keys: list[str], specs: list[str], dtypes: list[str],
+            shapes: list[tuple[int, ...]], nbytes: list[int], devices: list[str]) -> Columns:
+    """A rank's pieces as the ``plan`` collective sends them (`Columns`)."""
+    return (keys, Coded.of(specs), Coded.of(dtypes), Coded.of(shapes),
+            np.asarray(nbytes, np.int64).tobytes(), Coded.of(devices))
+
+
+class _Column:
+    """The ranks' Coded parts of one column, concatenated: `ids` (equal ids, equal values)
+    and `values` (the distinct values, by id)."""
+
+    def __init__(self, parts: Sequence[Coded]) -> None:
+        number: dict[Any, int] = {}
+        ids = []
+        for part in parts:
+            remap = np.fromiter((number.setdefault(v, len(number)) for v in part.values),
+                                np.int64, len(part.values))
+            ids.append(remap[np.frombuffer(part.codes, np.int32)] if len(remap) else
+                       np.zeros(0, np.int64))
+        self.ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        self.values = list(number)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.values[self.ids[i]]
+
+    def take(self, rows: np.ndarray) -> list[Any]:
+        """The values of `rows`."""
+        return list(map(self.values.__getitem__, self.ids[rows].tolist()))
+
+
+EXACT = 4096  # replicated pieces placed one by one (largest first); the rest round-robin
+
+
+@dataclass(slots=True)
+class Plan:
+    """The ranks' pieces, concatenated in rank order (rank r's at ``start[r]`` on), and who
+    writes what: `mine[r]`, the positions in rank r's `Held` of the pieces it writes;
+    `tensor_row`, each piece's tensor in the merged index, whose rows are the keys in order
+    of first appearance, `tensor_first` the first piece of each."""
+
+    keys: list[str]
+    specs: _Column
+    dtypes: _Column
+    shapes: _Column
+    devices: _Column
+    start: np.ndarray
+    tensor_row: np.ndarray
+    tensor_first: np.ndarray
+    mine: list[list[int]]
+
+
+def assign(columns: Sequence[Columns]) -> list[list[int]]:
+    """For each rank, the positions (in its `Held`) of the pieces it writes (`plan`)."""
+    return plan(columns).mine
+
+
+def plan(columns: Sequence[Columns]) -> Plan:
+    """Who writes which piece, the same on every rank, from the same gathered columns.
+
+    A (key, slice spec) held by one rank is written by it; one held by several is written
+    once: the largest `EXACT` such pieces each by the holder with the fewest bytes so far
+    (largest first, ties to the lowest rank), any further (smaller) ones round-robin over
+    their holders. Raises DistributedStateError when ranks disagree on a key's dtype or
+    global shape, or when the pieces of a key do not add up to its size (a missing or
+    overlapping slice). Column-wise: one dict pass per column, the rest numpy.
+    """
+    world = len(columns)
+    counts = [len(c[0]) for c in columns]
+    total = sum(counts)
+    start = np.zeros(world + 1, np.int64)
+    np.cumsum(counts, out=start[1:])
+    keys = list(chain.from_iterable(c[0] for c in columns))
+    specs, dtypes, shapes, devices = (_Column([c[k] for c in columns])  # type: ignore[misc]
+                                      for k in (1, 2, 3, 5))
+    empty = np.zeros(0, np.int64)
+    if total == 0:
+        return Plan(keys, specs, dtypes, shapes, devices, start, empty, empty,
+                    [[] for _ in columns])
+    rank_of = np.repeat(np.arange(world, dtype=np.int64), counts)
+    pos = np.arange(total, dtype=np.int64) - start[rank_of]
+    of_key = _firsts(keys)  # the first piece of the same key
+    did, shid = dtypes.ids, shapes.ids
+    bad = np.flatnonzero((did != did[of_key]) | (shid != shid[of_key]))
+    if bad.size:
+        i = int(bad[0])
+        j = int(of_key[i])
+        raise DistributedStateError(
+            f"tensor {keys[i]!r} differs across ranks: rank {rank_of[j]} holds {dtypes[j]} "
+            f"{list(shapes[j])}, rank {rank_of[i]} holds {dtypes[i]} {list(shapes[i])} (global "
+            "dtype and shape); every rank must hold the same tensor under one key")
+    every = np.arange(total, dtype=np.int64)
+    tensor_first = np.flatnonzero(of_key == every)
+    row = np.empty(total, np.int64)
+    row[tensor_first] = np.arange(len(tensor_first), dtype=np.int64)
+    tensor_row = row[of_key]
+    pair = of_key * total + specs.ids
+    order = np.argsort(pair, kind="stable")  # within a piece: its holders in rank order
+    ordered = pair[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    holders = np.diff(np.append(starts, total))
+    firsts = order[starts]  # the first holder's element of each piece
+    nbytes = np.concatenate([np.frombuffer(c[4], np.int64) for c in columns])
+    covered = np.zeros(len(tensor_first), np.int64)
+    np.add.at(covered, tensor_row[firsts], nbytes[firsts])
+    sizes = np.fromiter(map(math.prod, shapes.values), np.int64, len(shapes.values))
+    items = np.fromiter(map(itemsize, dtypes.values), np.int64, len(dtypes.values))
+    expected = sizes[shid[tensor_first]] * items[did[tensor_first]]
+    wrong = np.flatnonzero(covered != expected)
+    if wrong.size:
+        k = int(wrong[0])
+        j = int(tensor_first[k])
+        raise DistributedStateError(
+            f"the ranks' slices of tensor {keys[j]!r} (global shape {list(shapes[j])}, "
+            f"{dtypes[j]}) hold {covered[k]} bytes, the tensor has {expected[k]}: a slice is "
+            "missing or two overlap")
+    chosen = firsts.copy()  # the element that writes each piece
+    single = holders == 1
+    load = np.bincount(rank_of[firsts[single]], weights=nbytes[firsts[single]],
+                       minlength=world).astype(np.int64)
+    shared = np.flatnonzero(~single)
+    if shared.size:
+        shared = shared[np.argsort(firsts[shared], kind="stable")]  # first appearance
+        shared = shared[np.argsort(-nbytes[firsts[shared]], kind="stable")]  # largest first
+        for g in shared[:EXACT].tolist():
+            members = order[starts[g] : starts[g] + holders[g]]
+            best = int(members[np.argmin(load[rank_of[members]])])
+            chosen[g] = best
+            load[rank_of[best]] += nbytes[best]
+        rest = shared[EXACT:]
+        if rest.size:
+            turn = np.arange(rest.size, dtype=np.int64) % holders[rest]
+            chosen[rest] = order[starts[rest] + turn]
+    by_rank = rank_of[chosen]
+    at = pos[chosen]
+    mine = [np.sort(at[by_rank == r]).tolist() for r in range(world)]
+    return Plan(keys, specs, dtypes, shapes, devices, start, tensor_row, tensor_first, mine)
+
+
+def _firsts(values: list[Any]) -> np.ndarray:
+    """For each value, the index of its first occurrence (one dict pass)."""
+    first: dict[Any, int] = {}
+    return np.fromiter(map(first.setdefault, values, count()), np.int64, len(values))
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A rank's error, as it travels to the others."""
+
+    rank: int
+    type: str
+    message: str
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException) -> Failure:
+        return cls(rank, type(e).__name__, str(e) or "".join(
+            traceback.format_exception_only(type(e), e)).strip())
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a collective save returns on every rank."""
+
+    path: str
+    files: tuple[str, ...]
+    bytes: int
+    generation: str
+
+
+def _raise_first(path: str, failures: Sequence[Failure | None], rank: int,
+                 local: BaseException | None) -> None:
+    failed = [f for f in failures if f is not None]
+    if not failed:
+        return
+    f = failed[0]
+    others = f" (and rank{'s' if len(failed) > 2 else ''} "
+    others = (others + ", ".join(str(x.rank) for x in failed[1:]) + ")") if failed[1:] else ""
+    error = DistributedSaveError(
+        f"collective save of {path} failed on rank {f.rank}{others}: {f.type}: {f.message}; "
+        "nothing was published and any earlier checkpoint there is intact",
+        f.rank, f.type, f.message)
+    raise error from (local if f.rank == rank else None)
+
+
+def collective_save(
+    coord: Coordinator,
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    callback: ShardingCallback,
+    description: str,
+    opts: CheckpointOptions,
+    user_metadata: dict[str, Any],
+    overwrite: bool,
+    progress: bool,
+) -> Outcome:
+    """Save `state` at `path` together with the other ranks of `coord` (module docstring)."""
+    rank = coord.rank
+    shown = os.fspath(path)
+    staging: commit.Staging | None = None
+    local: BaseException | None = None
+    failure: Failure | None = None
+    try:
+        # 1. what this rank holds; rank 0 opens the one temp directory
+        mine: Held | None = None
+        setup: tuple[str, str] | None = None
+        try:
+            mine = held(state, rank)
+            if rank == 0:
+                staging = commit.stage(path, overwrite=overwrite, durable=opts.durable)
+                setup = (str(staging.path), fmt.new_generation())
+        except Exception as e:
+            local, failure = e, Failure.of(rank, e)
+        target = os.path.abspath(shown)
+        gathered = coord.all_gather(
+            (None if mine is None else mine.columns(), failure, setup, target), "plan")
+        try:
+            if len({p[3] for p in gathered}) > 1:
+                raise DistributedStateError(
+                    "the ranks of a collective save must name the same path; got "
+                    + ", ".join(f"rank {r}: {p[3]}" for r, p in enumerate(gathered)))
+            _raise_first(shown, [p[1] for p in gathered], rank, local)
+            assert mine is not None
+            directory, generation = gathered[0][2]
+            pieces = plan([p[0] for p in gathered])
+            written = pieces.mine[rank]
+            del gathered
+        except Exception:
+            _abort_together(coord, staging)
+            raise
+
+        # 2. the callback on this rank's tensors only, validated here
+        shards: list[Any] = []
+        saved: SavedTensors | None = None
+        try:
+            tensors = [ShardableTensor(mine.arrays[i], mine.arrays[i].dtype, mine.devices[i],
+                                       mine.keys[i], tuple(mine.arrays[i].shape), mine.specs[i],
+                                       mine.keys[i]) for i in written]
+            if tensors:
+                shards = shard_columns(shard_tensors(callback, tensors))
+            saved = SavedTensors.of(tensors)
+            saved.shapes = [mine.shapes[i] for i in written]  # global shapes, slices or not
+        except Exception as e:
+            local, failure = e, Failure.of(rank, e)
+        counts = coord.all_gather((len(shards), failure), "shards")
+        try:
+            _raise_first(shown, [c[1] for c in counts], rank, local)
+        except Exception:
+            _abort_together(coord, staging)
+            raise
+        assert saved is not None
+        first = sum(c[0] for c in counts[:rank])
+        total = sum(c[0] for c in counts)
+
+        # 3. this rank's shard files, fsynced, into the shared temp directory
+        part: tuple[Any, ...] | None = None
+        try:
+            index, _ = write_shards(
+                directory, shards, saved, description=description, threads=opts.threads,
+                durable=opts.durable, checksum=opts.checksum, progress=progress,
+                compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
+                chunk_size=opts.chunk_size, generation=generation, first_shard=first,
+                shard_count=max(total, 1))
+            part = _part(index, written, mine.specs)
+        except Exception as e:
+            local, failure = e, Failure.of(rank, e)
+        parts = coord.gather((part, failure), "index")
+
+        # 4. rank 0 merges the index columns and publishes; everyone learns the outcome
+        result: Outcome | Failure | list[Failure | None] | None = None
+        if rank == 0:
+            assert parts is not None and staging is not None
+            failures = [p[1] for p in parts]
+            if any(failures):
+                result = failures
+            else:
+                try:
+                    merged = merge(pieces, [p[0] for p in parts], description=description,
+                                   user_metadata=user_metadata, generation=generation)
+                    chunks = fmt.index_chunks(merged)
+                    staging.commit(chunks)
+                    files = (*(s.file for s in merged.shards), fmt.MANIFEST_FILE)
+                    nbytes = sum(s.bytes for s in merged.shards) + sum(map(len, chunks))
+                    result = Outcome(str(staging.target), files, nbytes, generation)
+                except Exception as e:
+                    local = e
+                    result = [Failure.of(rank, e)]
+            if not staging.committed:
+                staging.abort()  # before the others hear of the failure: no temp dir left
+        result = coord.broadcast(result, "commit")
+        if isinstance(result, list):
+            _raise_first(shown, result, rank, local)
+        assert isinstance(result, Outcome)
+        return result
+    finally:
+        if staging is not None and not staging.committed:
+            staging.abort()
+
+
+def _abort_together(coord: Coordinator, staging: commit.Staging | None) -> None:
+    """Rank 0 removes the temp directory, then every rank waits for that (one barrier, on
+    failure only), so that no rank returns from a failed save while the temp directory
+    still exists. A rank that is gone cannot be waited for: then the error stands alone."""
+    if staging is not None:
+        staging.abort()
+    try:
+        coord.barrier("abort")
+    except DistributedError:
+        pass
+
+
+def _part(index: fmt.CheckpointIndex, written: list[int], specs: list[str]
+          ) -> tuple[Any, ...]:
+    """What the ``index`` collective sends of a rank's index: per stored slice (shard by
+    shard, in data-region order) the position of its piece in the rank's `Held` and its
+    shard, as int32 bytes; the slice specs only if the callback split a piece; the checksums;
+    the shards. Keys, dtypes and shapes rank 0 knows from the plan already."""
+    local = np.asarray(written, np.int64)[np.asarray(index.slice_tensor, np.int64)]
+    own = list(map(specs.__getitem__, local.tolist()))
+    split = None if own == index.slice_spec else index.slice_spec
+    return (local.astype(np.int32).tobytes(),
+            np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
+            [(s.file, s.task, s.codec, s.bytes) for s in index.shards])
+
+
+def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
+          user_metadata: dict[str, Any], generation: str) -> fmt.CheckpointIndex:
+    """The checkpoint's index from the ranks' `_part` columns (in rank order) and the plan:
+    tensors in order of first appearance over the ranks (rank 0's state order first), each
+    with the dtype, global shape and device of its first holder; slices and shards rank by
+    rank, each rank's shards numbered after the lower ranks'. Column-wise."""
+    rows: list[np.ndarray] = []
+    shard_of: list[np.ndarray] = []
+    specs: list[str] = []
+    xxh3: list[str | None] = []
+    shards: list[fmt.ShardInfo] = []
+    for r, (local, shard, split, digests, infos) in enumerate(parts):
+        element = np.frombuffer(local, np.int32).astype(np.int64) + pieces.start[r]
+        rows.append(pieces.tensor_row[element])
+        shard_of.append(np.frombuffer(shard, np.int32).astype(np.int64) + len(shards))
+        specs += split if split is not None else pieces.specs.take(element)
+        xxh3 += digests
+        shards += [fmt.ShardInfo(f, t, c, b, generation) for f, t, c, b in infos]
+    first = pieces.tensor_first
+    keys = (list(operator.itemgetter(*first.tolist())(pieces.keys)) if len(first) > 1
+            else [pieces.keys[i] for i in first.tolist()])
+    return fmt.CheckpointIndex(
+        description, shards, keys, pieces.dtypes.take(first), pieces.shapes.take(first),
+        pieces.devices.take(first),
+        np.concatenate(rows).tolist() if rows else [], specs,
+        np.concatenate(shard_of).tolist() if shard_of else [], xxh3,
+        dict(user_metadata), fmt.FORMAT_VERSION, generation)
