@@ -329,7 +329,7 @@ def _rewrite_entries(prefix, edit) -> None:
 
 
 def test_data_corruption_is_caught_by_verify(bundle):
-    prefix, state = bundle
+    prefix, _ = bundle
     data = prefix.parent / "ck.data-00000-of-00001"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0x10
@@ -426,7 +426,7 @@ def test_bad_entry_proto_and_header(bundle):
 def test_missing_data_file(bundle):
     prefix, _ = bundle
     (prefix.parent / "ck.data-00000-of-00001").unlink()
-    with pytest.raises(MissingShardError, match="ck.data-00000-of-00001"):
+    with pytest.raises(MissingShardError, match=r"ck\.data-00000-of-00001"):
         shardkit.open(prefix)
 
 

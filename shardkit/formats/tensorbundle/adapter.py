@@ -13,12 +13,11 @@ data files have no header, the index says where every entry is. Checksums are Te
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from google.protobuf import text_format
-from google.protobuf.message import DecodeError
-
+from ...dtypes import itemsize
 from ...errors import CheckpointNotFoundError, CorruptIndexError, UnsupportedVersionError
 from ...files import CheckpointDirectory
 from ...format import (
@@ -30,13 +29,12 @@ from ...format import (
     _shown,
     check_shard_file_name,
 )
-from ...dtypes import itemsize
 from ...keys import check_keys
 from ...slices import WHOLE, format_slice_spec
 from ...tensors import DEFAULT_DEVICE
 from ..base import FormatAdapter, ParsedHeader
+from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
 from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
-from .protos import DATA_TYPE_NAMES, DATA_TYPES, BundleEntryProto, BundleHeaderProto, CheckpointState
 from .table import read_table
 
 BUNDLE_VERSION: Final = 1  # kTensorBundleVersion: the producer version written, the consumer read
@@ -80,6 +78,10 @@ def state_target(directory: CheckpointDirectory) -> str | None:
     data = directory.read_manifest(STATE_FILE, 1 << 20)
     if data is None:
         return None
+    from google.protobuf import text_format  # type: ignore[import-untyped]
+
+    from .protos import CheckpointState
+
     path = directory.join(STATE_FILE)
     state = CheckpointState()
     try:
@@ -91,8 +93,6 @@ def state_target(directory: CheckpointDirectory) -> str | None:
     target = state.model_checkpoint_path
     if not target:
         raise CorruptIndexError(f"{path}: model_checkpoint_path is empty (no latest checkpoint)")
-    import os
-
     if os.path.isabs(target):
         parent, name = os.path.split(target)
         try:
@@ -112,6 +112,10 @@ def state_target(directory: CheckpointDirectory) -> str | None:
 
 
 def _entry(key: bytes, value: bytes, path: str) -> Any:
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import BundleEntryProto
+
     entry = BundleEntryProto()
     try:
         entry.ParseFromString(value)
@@ -202,6 +206,10 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     if not items or items[0][0] != b"":
         raise CorruptIndexError(f"{path}: the table has no header entry (key \"\"); not a "
                                 "TensorBundle index")
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import BundleHeaderProto
+
     header = BundleHeaderProto()
     try:
         header.ParseFromString(items[0][1])
@@ -216,8 +224,7 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     keys: list[str] = []
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
-    rows: list[tuple[int, int, int, str, str, int, int, int]] = []
-    # (shard, offset, row, spec, entry name, size, crc, order)
+    rows: list[_Row] = []
     for raw_key, value in items[1:]:
         if raw_key.startswith(b"\x00"):
             continue  # a slice, read through its tensor's entry
@@ -308,8 +315,12 @@ def _slice_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
     return tuple(int(r.split(",")[1]) for r in ranges)
 
 
+_Row = tuple[int, int, int, str, str, int, int, int]
+"""A stored entry: shard, offset, tensor row, slice spec, entry name, size, crc, order."""
+
+
 def _stored(entry: Any, key: str, dtype: str, shape: tuple[int, ...], spec: str, name: str,
-            row: int, n: int, path: str, order: int) -> tuple[int, int, int, str, str, int, int, int]:
+            row: int, n: int, path: str, order: int) -> _Row:
     where = f"tensor {_shown(key)}" + (f" slice {spec!r}" if spec else "")
     if not 0 <= entry.shard_id < max(n, 0) and not (entry.size == 0 and n == 0):
         raise CorruptIndexError(f"{path}: {where}: shard_id {entry.shard_id} is out of range "

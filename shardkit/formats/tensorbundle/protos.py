@@ -11,30 +11,24 @@ pool, so they never clash with TensorFlow's own classes when both are imported.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import (  # type: ignore[import-untyped]
+    descriptor_pb2,
+    descriptor_pool,
+    message_factory,
+)
 
-_F = descriptor_pb2.FieldDescriptorProto
+from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
+
+_F: Any = descriptor_pb2.FieldDescriptorProto
 _OPT, _REP = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
 
-# DataType (tensorflow/core/framework/types.proto) values shardkit maps to its dtypes, plus
-# DT_STRING; other values are refused by name (`DATA_TYPE_NAMES`).
-DATA_TYPES: Final[dict[str, int]] = {
-    "DT_INVALID": 0, "DT_FLOAT": 1, "DT_DOUBLE": 2, "DT_INT32": 3, "DT_UINT8": 4,
-    "DT_INT16": 5, "DT_INT8": 6, "DT_STRING": 7, "DT_COMPLEX64": 8, "DT_INT64": 9,
-    "DT_BOOL": 10, "DT_QINT8": 11, "DT_QUINT8": 12, "DT_QINT32": 13, "DT_BFLOAT16": 14,
-    "DT_QINT16": 15, "DT_QUINT16": 16, "DT_UINT16": 17, "DT_COMPLEX128": 18, "DT_HALF": 19,
-    "DT_RESOURCE": 20, "DT_VARIANT": 21, "DT_UINT32": 22, "DT_UINT64": 23,
-    "DT_FLOAT8_E5M2": 24, "DT_FLOAT8_E4M3FN": 25, "DT_FLOAT8_E4M3FNUZ": 26,
-    "DT_FLOAT8_E4M3B11FNUZ": 27, "DT_FLOAT8_E5M2FNUZ": 28, "DT_INT4": 29, "DT_UINT4": 30,
-    "DT_INT2": 31, "DT_UINT2": 32, "DT_FLOAT4_E2M1FN": 33,
-}
-DATA_TYPE_NAMES: Final[dict[int, str]] = {v: k for k, v in DATA_TYPES.items()}
 
 
 def _field(name: str, number: int, kind: int, label: int = _OPT, type_name: str = "",
-           oneof: int | None = None) -> _F:
+           oneof: int | None = None) -> Any:
     f = _F(name=name, number=number, label=label, type=kind)
     if type_name:
         f.type_name = type_name
@@ -43,21 +37,19 @@ def _field(name: str, number: int, kind: int, label: int = _OPT, type_name: str 
     return f
 
 
-def _file(name: str, deps: list[str], messages: list[descriptor_pb2.DescriptorProto],
-          enums: list[descriptor_pb2.EnumDescriptorProto] = ()) -> descriptor_pb2.FileDescriptorProto:  # type: ignore[assignment]
+def _file(name: str, deps: list[str], messages: list[Any], enums: Sequence[Any] = ()) -> Any:
     return descriptor_pb2.FileDescriptorProto(
         name=name, package="tensorflow", syntax="proto3", dependency=deps,
         message_type=messages, enum_type=list(enums))
 
 
-def _enum(name: str, values: dict[str, int]) -> descriptor_pb2.EnumDescriptorProto:
+def _enum(name: str, values: dict[str, int]) -> Any:
     return descriptor_pb2.EnumDescriptorProto(name=name, value=[
         descriptor_pb2.EnumValueDescriptorProto(name=k, number=v) for k, v in values.items()])
 
 
-def _msg(name: str, fields: list[_F], nested: list[descriptor_pb2.DescriptorProto] = (),  # type: ignore[assignment]
-         enums: list[descriptor_pb2.EnumDescriptorProto] = (),  # type: ignore[assignment]
-         oneofs: list[str] = ()) -> descriptor_pb2.DescriptorProto:  # type: ignore[assignment]
+def _msg(name: str, fields: list[Any], nested: Sequence[Any] = (), enums: Sequence[Any] = (),
+         oneofs: Sequence[str] = ()) -> Any:
     return descriptor_pb2.DescriptorProto(
         name=name, field=fields, nested_type=list(nested), enum_type=list(enums),
         oneof_decl=[descriptor_pb2.OneofDescriptorProto(name=o) for o in oneofs])
@@ -89,7 +81,8 @@ def _build() -> dict[str, Any]:
             "tensorflow/core/framework/versions.proto"], [
             _msg("BundleHeaderProto",
                  [_field("num_shards", 1, I32),
-                  _field("endianness", 2, ENUM, type_name=".tensorflow.BundleHeaderProto.Endianness"),
+                  _field("endianness", 2, ENUM,
+                         type_name=".tensorflow.BundleHeaderProto.Endianness"),
                   _field("version", 3, MSG, type_name=".tensorflow.VersionDef")],
                  enums=[_enum("Endianness", {"LITTLE": 0, "BIG": 1})]),
             _msg("BundleEntryProto",

@@ -21,8 +21,9 @@ are compared bytewise. Every structural error raises CorruptIndexError naming th
 
 from __future__ import annotations
 
+import itertools
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Final
 
 from ...errors import CorruptIndexError
@@ -280,11 +281,7 @@ def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
             if key > sep:
                 raise CorruptIndexError(f"{path}: {what}: key {key!r} is past its index key")
         items.extend(block)
-    for (a, _), (b, _) in zip(items, items[1:]):
+    for (a, _), (b, _) in itertools.pairwise(items):
         if b <= a:
             raise CorruptIndexError(f"{path}: keys out of order or repeated: {b!r} after {a!r}")
     return items
-
-
-def keys_sorted(keys: Sequence[bytes]) -> list[bytes]:
-    return sorted(keys)

@@ -117,9 +117,9 @@ def _write_file(f: _DataFile, durable: bool) -> None:
                 raise AssertionError("write_arrays wrote nothing")
             at += sum(a.nbytes for a in arrays[done : done + n])
             done += n
-        for e in f.entries:
-            if e.dtype != DATATYPE_OF[STRING]:
-                e.crc = mask(crc32c_extend(0, e.data.reshape(-1).view(np.uint8)))
+        for entry in f.entries:
+            if entry.dtype != DATATYPE_OF[STRING]:
+                entry.crc = mask(crc32c_extend(0, entry.data.reshape(-1).view(np.uint8)))
         if durable:
             os.fsync(fd)
     except OSError as e:
