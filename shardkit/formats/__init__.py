@@ -88,9 +88,9 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
             "again to read the new one")
     raise CheckpointNotFoundError(
         f"no checkpoint at {directory.path}: {MANIFEST_FILE} is missing (nor is there an "
-        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, a {HF_SINGLE_FILE}, or TensorFlow's "
-        f"{TF_STATE_FILE} file; an unfinished save "
-        "leaves no manifest; the directory is not a complete shardkit checkpoint)"
+        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, or a {HF_SINGLE_FILE}, or TensorFlow's "
+        f"{TF_STATE_FILE} state file; an unfinished save leaves no manifest; the directory is "
+        "not a complete shardkit checkpoint)"
     )
 
 
