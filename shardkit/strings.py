@@ -21,6 +21,7 @@ layout (e.g. TensorFlow's TensorBundle) implements it over its own bytes and put
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import struct
@@ -134,15 +135,40 @@ def kind_dtype(kind: str) -> np.dtype:
     return np.dtype(f"S{kind[1:]}" if kind[0] == "S" else f"<U{kind[1:]}")
 
 
-def encode_block(items: Sequence[bytes]) -> bytes:
-    """One tensor's block: the u64 length of every element, then the elements back to back."""
+def _descriptor(key: str, kind: str, shape: Sequence[int]) -> bytes:
+    """What a block says about itself: compact JSON, padded with spaces to a multiple of 8."""
+    text = json.dumps({"key": key, "kind": kind, "shape": list(shape)}, separators=(",", ":"),
+                      ensure_ascii=False).encode("utf-8")
+    return text + b" " * ((-len(text)) % 8)
+
+
+def encode_block(key: str, kind: str, shape: Sequence[int], items: Sequence[bytes]) -> bytes:
+    """One tensor's block: the u64 size D of its descriptor, the descriptor (key, kind and
+    shape as JSON, space-padded to a multiple of 8), the u64 length of every element, then the
+    elements back to back."""
+    desc = _descriptor(key, kind, shape)
     lengths = np.fromiter(map(len, items), np.uint64, len(items))
-    return lengths.astype("<u8").tobytes() + b"".join(items)
+    return _U64.pack(len(desc)) + desc + lengths.astype("<u8").tobytes() + b"".join(items)
 
 
-def decode_block(data: bytes | memoryview, count: int, where: str) -> list[bytes]:
-    """The `count` elements of a block; CorruptHeaderError when its lengths do not add up."""
+def decode_block(data: bytes | memoryview, key: str, kind: str, shape: tuple[int, ...],
+                 where: str) -> list[bytes]:
+    """The elements of a block whose descriptor must say `key`, `kind` and `shape` (else the
+    manifest and the file disagree: CorruptIndexError); CorruptHeaderError when the block's
+    sizes do not add up."""
     view = memoryview(data)
+    count = math.prod(shape)
+    if len(view) < 8:
+        raise CorruptHeaderError(f"{where}: block of {len(view)} bytes has no descriptor")
+    (d,) = _U64.unpack_from(view, 0)
+    if d % 8 or 8 + d > len(view):
+        raise CorruptHeaderError(f"{where}: descriptor size {d} is out of range")
+    want = _descriptor(key, kind, shape)
+    if bytes(view[8 : 8 + d]) != want:
+        raise CorruptIndexError(
+            f"{where}: the string file's block describes another tensor than the manifest "
+            f"(key {key!r}, kind {kind}, shape {list(shape)})")
+    view = view[8 + d :]
     if 8 * count > len(view):
         raise CorruptHeaderError(f"{where}: block of {len(view)} bytes cannot hold {count} "
                                  "element lengths")
@@ -286,7 +312,7 @@ class StringFile(StringTensors):
         data = self._load(directory)
         block = self._block(data, row, path)
         where = f"{path}: string tensor {self.keys[row]!r}"
-        items = decode_block(block, math.prod(self.shapes[row]), where)
+        items = decode_block(block, self.keys[row], self.kinds[row], self.shapes[row], where)
         return decode_elements(self.kinds[row], self.shapes[row], items, where)
 
     def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[StringProblem]]:
@@ -315,7 +341,8 @@ class StringFile(StringTensors):
                         continue
                 where = f"{path}: string tensor {key!r}"
                 decode_elements(self.kinds[row], self.shapes[row],
-                                decode_block(block, math.prod(self.shapes[row]), where), where)
+                                decode_block(block, key, self.kinds[row], self.shapes[row],
+                                             where), where)
             except CheckpointFormatError as e:
                 problems.append(StringProblem(path, key, "string tensor", "valid elements",
                                               str(e).replace(f"{path}: ", ""), type(e)))
@@ -372,7 +399,7 @@ def write_string_file(fd: int, columns: StringColumns, generation: str | None,
     offsets, lengths, hashes = [], [], []
     for key, array, kind in zip(columns.keys, columns.arrays, columns.kinds):
         try:
-            block = encode_block(encode_elements(array, kind))
+            block = encode_block(key, kind, array.shape, encode_elements(array, kind))
         except UnsupportedDTypeError as e:
             raise UnsupportedDTypeError(f"{key!r}: {e}") from None
         offsets.append(at)
@@ -436,7 +463,7 @@ def decode_section(sec: Any, path: str, generation: str | None) -> StringFile:
                 and off + length <= size and off % 8 == 0):
             raise CorruptIndexError(f"{path}: string tensor {key!r}: offset / length out of "
                                     f"range for a {size}-byte string file")
-        if 8 * math.prod(shape) > length:
+        if 16 + 8 * math.prod(shape) > length:
             raise CorruptIndexError(f"{path}: string tensor {key!r}: {length} bytes cannot hold "
                                     f"{math.prod(shape)} elements")
         if digest is not None and not (type(digest) is str and re.fullmatch(r"[0-9a-f]{16}",
