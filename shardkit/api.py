@@ -39,7 +39,14 @@ from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
 from .slices import WHOLE
-from .tensors import ShardableTensor, _gc_paused, host_columns, shardable_tensors
+from .strings import StringColumns
+from .tensors import (
+    ShardableTensor,
+    _gc_paused,
+    expand_objects,
+    host_columns,
+    shardable_tensors,
+)
 from .writer import (
     SavedTensors,
     ShardColumns,
@@ -246,6 +253,7 @@ def save(
         if not isinstance(value, bool):
             raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
     user_metadata = _check_metadata(metadata)
+    state = expand_objects(state)  # TensorFlow objects: TensorFlow's keys
     if not isinstance(state, Mapping):
         raise InvalidArgumentTypeError(
             f"state must be a mapping (e.g. a dict of arrays), got {type(state).__name__}"
@@ -307,7 +315,8 @@ def _save(
     """The save, and the keys of the tensors the callback split (none for the default)."""
     callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
     description = callback_description(callback)
-    shards, saved, split = _plan(callback, state)
+    strings = StringColumns()  # string tensors: their own file, not the callback's
+    shards, saved, split = _plan(callback, state, strings)
 
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
         index, index_chunks = write_shards(
@@ -324,22 +333,27 @@ def _save(
             level=opts.level,
             shuffle=opts.shuffle,
             chunk_size=opts.chunk_size,
+            strings=strings,
         )
         staging.commit(index_chunks)
     target = str(staging.target)
     opts.run_write_callbacks(target)
-    files = (*(s.file for s in index.shards), fmt.MANIFEST_FILE)
-    total = sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
+    extra = () if index.strings is None else (index.strings.file,)
+    files = (*(s.file for s in index.shards), *extra, fmt.MANIFEST_FILE)
+    total = (sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
+             + (0 if index.strings is None else index.strings.size))
     info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
     return info, split
 
 
-def _plan(callback: ShardingCallback, state: Mapping[str, Any]
+def _plan(callback: ShardingCallback, state: Mapping[str, Any], strings: StringColumns
           ) -> tuple[list[ShardColumns], SavedTensors, list[str]]:
-    """The validated shards of `state`, the saved tensors, and the keys the callback split."""
-    planned = _default_shards(callback, state) if type(callback) is DefaultShardingPolicy else None
+    """The validated shards of `state`, the saved tensors, and the keys the callback split;
+    string tensors go to `strings` instead."""
+    planned = (_default_shards(callback, state, strings)
+               if type(callback) is DefaultShardingPolicy else None)
     if planned is None:
-        tensors = shardable_tensors(state)
+        tensors = shardable_tensors(state, strings=strings)
         shards = shard_columns(shard_tensors(callback, tensors))
         return shards, SavedTensors.of(tensors), _split_keys(shards)
     return *planned, []
@@ -360,22 +374,24 @@ def _save_tensorbundle(path: str | os.PathLike[str], state: Mapping[str, Any],
     callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
     prefix = os.fspath(path)
     check_prefix(prefix, overwrite)  # fail fast, before the callback runs
+    strings = StringColumns()
     with _gc_paused():
-        shards, _saved, _split = _plan(callback, state)
-        files, total = write_bundle(prefix, shards, threads=opts.threads or default_threads(),
-                                    durable=opts.durable, overwrite=overwrite)
+        shards, _saved, _split = _plan(callback, state, strings)
+        files, total = write_bundle(prefix, shards, strings, threads=opts.threads
+                                    or default_threads(), durable=opts.durable,
+                                    overwrite=overwrite)
     opts.run_write_callbacks(prefix)
     return SaveInfo(prefix, tuple(files), total, time.perf_counter() - started, None)
 
 
 def _default_shards(
-    policy: DefaultShardingPolicy, state: Mapping[str, Any]
+    policy: DefaultShardingPolicy, state: Mapping[str, Any], strings: StringColumns | None = None
 ) -> tuple[list[ShardColumns], SavedTensors]:
     """The default policy's shards, planned on columns without building a ShardableTensor per
     tensor. Its output is valid by construction (every input once, as given, on its own
     task), which is what `shard_tensors` would check; `host_columns` has checked the keys
     (unique, among other rules: shardkit.keys)."""
-    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state)
+    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state, None, strings)
     tasks = {d.task or 0 for d in distinct}
     groups: dict[int, range | list[int]]
     if len(tasks) <= 1:  # one task (always, for numpy arrays)

@@ -83,6 +83,7 @@ from .sources import (
     _opener,
     _run_each,
 )
+from .strings import STRING_DTYPE, StringTensors, check_string_framework, kind_dtype
 from .tensors import _gc_paused
 
 MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
@@ -201,15 +202,17 @@ class CheckpointReader:
         # shard headers a foreign layout's adapter parsed already: used on first read when the
         # file is still the one parsed (same stamp), not parsed twice
         self._headers: dict[int, ParsedHeader] = {}
+        self._directory = CheckpointDirectory(self._dir_path, self._dir_fd, self._follow,
+                                              self._files)
         try:
-            self.layout, self._manifest, self.index = _read_index(
-                CheckpointDirectory(self._dir_path, self._dir_fd, self._follow, self._files),
-                single, self._headers)
+            self.layout, self._manifest, self.index = _read_index(self._directory, single,
+                                                                  self._headers)
         except BaseException:
             self._dir_closer()
             raise
         self._manifest_path = os.path.join(self._dir_path, self._manifest)
         self._shard_paths = [os.path.join(self._dir_path, s.file) for s in self.index.shards]
+        self._strings: StringTensors | None = self.index.strings  # string tensors, or None
         self._sources: dict[int, ShardSource] = {}
         self._specs: dict[str, list[SliceSpec]] = {}
         self._lock = threading.Lock()
@@ -243,21 +246,27 @@ class CheckpointReader:
         return self.index.user_metadata
 
     def keys(self) -> list[str]:
-        """Checkpoint keys in the order they were saved."""
+        """Checkpoint keys in the order they were saved (string tensors last)."""
+        if self._strings is not None:
+            return [*self.index.keys, *self._strings.keys]
         return list(self.index.keys)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.index.keys)
+        return iter(self.keys()) if self._strings is not None else iter(self.index.keys)
 
     def __len__(self) -> int:
-        return len(self.index.keys)
+        return len(self.index.keys) + (0 if self._strings is None else len(self._strings.keys))
 
     def __contains__(self, key: object) -> bool:
         try:
             self.index.row(key)  # type: ignore[arg-type]
         except (KeyError, TypeError):
-            return False
+            return self._is_string(key)
         return True
+
+    def _is_string(self, key: object) -> bool:
+        """Whether `key` is a string tensor (`shardkit.strings`)."""
+        return self._strings is not None and key in self._strings
 
     def __getitem__(self, key: str) -> np.ndarray:
         return self.get(key)
@@ -273,7 +282,12 @@ class CheckpointReader:
         return f"CheckpointReader({self.path!r}, {state})"
 
     def info(self, key: str) -> KeyInfo:
-        """dtype, full shape, device and stored slices (with shard file names) of `key`."""
+        """dtype, full shape, device and stored slices (with shard file names) of `key`.
+
+        A string tensor reports dtype name ``"STRING"``, the numpy dtype of its kind (object for
+        bytes / str), the bytes of its block and one placement, in the string file."""
+        if self._is_string(key):
+            return self._string_info(key)
         t = self._tensor(key)
         shards = self.index.shards
         return KeyInfo(
@@ -300,7 +314,11 @@ class CheckpointReader:
         conv = converter(framework, device)  # checked before anything is read
         self._begin_read()
         try:
-            array = self._get(key)
+            if self._is_string(key):
+                check_string_framework(framework, key)
+                array = self._get_string(key)
+            else:
+                array = self._get(key)
         finally:
             self._end_read()
         return array if conv is None else conv(array, key)
@@ -317,6 +335,17 @@ class CheckpointReader:
             self._end_read()
 
     def _get_many_unlocked(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+        strings = self._strings
+        if strings is not None:  # the string tensors apart, then in the order asked
+            wanted = list(dict.fromkeys(self.keys() if keys is None else keys))
+            texts = {k: self._get_string(k) for k in wanted if k in strings}
+            if texts:
+                rest = self._get_tensors(None if keys is None else
+                                         [k for k in wanted if k not in texts])
+                return {k: texts[k] if k in texts else rest[k] for k in wanted}
+        return self._get_tensors(keys)
+
+    def _get_tensors(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
         index = self.index
         if keys is None:
             everything = self._get_everything()
@@ -487,7 +516,13 @@ class CheckpointReader:
         conv = converter(framework, device)  # checked before anything is read
         self._begin_read()
         try:
-            array = self._get_slice(key, index)
+            if self._is_string(key):
+                check_string_framework(framework, key)
+                whole = self._get_string(key)
+                normalize_index(index, whole.shape, key)  # the same checks and errors
+                array = np.array(whole[index], dtype=whole.dtype)
+            else:
+                array = self._get_slice(key, index)
         finally:
             self._end_read()
         return array if conv is None else conv(array, key)
@@ -560,19 +595,33 @@ class CheckpointReader:
 
     def _verify(self, keys: Sequence[str] | None) -> VerifyReport:
         index = self.index
+        strings = self._strings
+        string_rows: list[int] = []
         if keys is None:
             slices: Sequence[int] = range(len(index.slice_tensor))
+            string_rows = [] if strings is None else list(range(len(strings.keys)))
         else:
+            if strings is not None:
+                string_rows = [strings.row(k) for k in keys if k in strings]
+                keys = [k for k in keys if k not in strings]
             for k in keys:
                 self._tensor(k)  # KeyNotFoundError, with a hint
             wanted = {index.row(k) for k in keys}
             slices = [j for j, t in enumerate(index.slice_tensor) if t in wanted]
         opened: list[ShardSource] = []
         try:
-            return self._verify_slices(keys is None, slices, opened)
+            report = self._verify_slices(keys is None, slices, opened)
         finally:
             for src in opened:
                 src.close()
+        if not string_rows:
+            return report
+        assert strings is not None
+        checked, found = strings.verify(self._directory, string_rows)
+        problems = [*report.problems, *(Problem(p.file, p.key, p.what, p.expected, p.found,
+                                                p.error) for p in found)]
+        return VerifyReport(report.checked + checked, problems,
+                            report.checksums_stored or checked > 0)
 
     def _verify_slices(self, everything: bool, slices: Sequence[int],
                        opened: list[ShardSource]) -> VerifyReport:
@@ -727,6 +776,27 @@ class CheckpointReader:
         if self._closed:
             raise ReaderClosedError(f"checkpoint reader for {self.path} is closed")
 
+    def _get_string(self, key: str) -> np.ndarray:
+        """String tensor `key`, a new array of its kind (`shardkit.strings`)."""
+        self._check_open()
+        strings = self._strings
+        assert strings is not None
+        return strings.read(self._directory, strings.row(key))
+
+    def _string_info(self, key: str) -> KeyInfo:
+        self._check_open()
+        strings = self._strings
+        assert strings is not None
+        row = strings.row(key)
+        return KeyInfo(key, kind_dtype(strings.kinds[row]), STRING_DTYPE, strings.shapes[row],
+                       strings.devices[row], strings.nbytes(row),
+                       (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
+
+    def _check_key(self, key: str) -> None:
+        """KeyNotFoundError (with a hint) unless `key` is a tensor or a string tensor."""
+        if not self._is_string(key):
+            self._tensor(key)
+
     def _tensor(self, key: str) -> TensorInfo:
         self._check_open()
         try:
@@ -808,6 +878,8 @@ class CheckpointReader:
         if keys is None:
             shards: Iterable[int] = range(len(index.shards))
         else:
+            if self._strings is not None:
+                keys = [k for k in keys if k not in self._strings]
             rows = index.rows()
             slices = index.slices_of()
             shards = sorted({index.slice_shard[j] for k in keys for j in slices[rows[k]]})
@@ -1051,7 +1123,11 @@ def load(
             with CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks) as reader:
                 if keys is not None:
                     for key in keys:
-                        reader._tensor(key)  # fail on a missing key before reading anything
+                        reader._check_key(key)  # fail on a missing key before reading anything
+                if reader._strings is not None:
+                    for key in reader._strings.keys if keys is None else keys:
+                        if reader._is_string(key):
+                            check_string_framework(framework, key)
                 reader._open_shards(keys)  # right after the index: the window for a replace
                 if verify:
                     reader.verify(keys)

@@ -57,7 +57,19 @@ def seed_state() -> dict[str, np.ndarray]:
         "step": np.array(1234, np.int64),
         "lr": np.array(0.125, np.float64),
         "empty": np.zeros((0, 3), np.uint16),
+        **seed_strings(),
     }
+
+
+def seed_strings() -> dict[str, np.ndarray]:
+    """String tensors of every kind (docs/FORMAT.md section 2.2), in the seeds' string file."""
+    vocab = np.empty(4, object)
+    vocab[:] = [b"alpha", b"", b"\x00\xff\x00", b"z" * 40]
+    word = np.empty((), object)
+    word[()] = "h\u00e9llo"
+    return {"text/vocab": vocab, "text/word": word,
+            "text/names": np.array([["ab", "c"], ["", "d\u00e9f"]]),
+            "text/tags": np.array([b"x", b"yz", b""], "S3")}
 
 
 def make_seeds(root: Path) -> dict[str, Path]:
@@ -69,7 +81,7 @@ def make_seeds(root: Path) -> dict[str, Path]:
     state = seed_state()
     root.mkdir(parents=True, exist_ok=True)
     np.savez(root / "original.npz", **{k.replace("/", "|"): _storable(v) for k, v in
-                                        state.items()})
+                                        state.items() if v.dtype.kind not in "OSU"})
     seeds = {"raw": root / "raw", "zstd": root / "zstd"}
     policy = shardkit.MaxShardSizePolicy(max_shard_size=1024)
     # the seeds hold tensors stored as slices on purpose: each save warns that HuggingFace
@@ -93,6 +105,7 @@ def load_original(root: Path) -> dict[str, np.ndarray]:
     with np.load(root / "original.npz") as z:
         out = {k.replace("|", "/"): z[k] for k in z.files}
     out["model/embed"] = out["model/embed"].view(ml_dtypes.bfloat16)
+    out.update(seed_strings())  # not in the npz (object arrays need pickle): rebuilt
     return out
 
 
@@ -274,6 +287,13 @@ def set_recorded_size(index: bytes, name: str, size: int) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def set_string_file_size(index: bytes, size: int) -> bytes:
+    """The manifest `index` with the string file's recorded byte count set to `size`."""
+    doc = json.loads(index)
+    doc["shardkit"]["strings"]["bytes"] = size
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def copy_checkpoint(seed: Path, dest: Path) -> None:
     shutil.copytree(seed, dest)
 
@@ -290,12 +310,17 @@ def _index_forms(shape: tuple[int, ...]) -> list[Any]:
     return forms
 
 
+def _content(a: np.ndarray) -> Any:
+    """What makes two arrays equal: their bytes, or their elements for object arrays."""
+    return a.tolist() if a.dtype.kind == "O" else a.tobytes()
+
+
 def _same(got: dict[str, np.ndarray], original: dict[str, np.ndarray]) -> bool:
     if list(got) != list(original) and set(got) != set(original):
         return False
     for k, a in original.items():
         b = np.asarray(got[k])
-        if b.dtype != a.dtype or b.shape != a.shape or b.tobytes() != a.tobytes():
+        if b.dtype != a.dtype or b.shape != a.shape or _content(b) != _content(a):
             return False
     return True
 
@@ -343,8 +368,8 @@ def run_entry_points(path: str, original: dict[str, np.ndarray]) -> dict[str, st
                 for form in _index_forms(info.shape):
                     part = np.array(r.get_slice(k, form))
                     if k in original:
-                        want = original[k][form]
-                        if part.shape != want.shape or part.tobytes() != want.tobytes():
+                        want = np.array(original[k][form], dtype=original[k].dtype)
+                        if part.shape != want.shape or _content(part) != _content(want):
                             got[k] = part  # a wrong slice: report it as wrong data
         return got
 

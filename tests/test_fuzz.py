@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
-TESTS = 9
+TESTS = 10
 EXAMPLES = {"thorough": 100_000 // TESTS + 1, "ci": 2_000 // TESTS + 1}.get(PROFILE, 40)
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -185,6 +185,33 @@ def test_raw_data(server, seeds, work, how, consistent, r):
             _record_size(d, p)
 
     _check(server, work, seeds[1]["raw"], mutate, f"raw data {how} consistent={consistent} r={r}")
+
+
+# --- the string file (docs/FORMAT.md section 2.2) ---------------------------------------------
+
+
+@FUZZ
+@given(seed=st.sampled_from(["raw", "zstd"]), how=st.sampled_from(
+    ["flip", "flip", "overwrite", "truncate", "extend", "preamble"]), consistent=st.booleans(),
+       r=st.integers(0, 2**32))
+def test_string_file(server, seeds, work, seed, how, consistent, r):
+    rnd = random.Random(r)
+
+    def mutate(d: Path) -> None:
+        p = d / "strings.skstr"
+        data = p.read_bytes()
+        if how == "preamble":  # magic, generation length, generation
+            data = fz.bit_flips(data, rnd, 0, 56)
+        else:
+            data = {"flip": fz.bit_flips, "overwrite": fz.overwrite, "truncate": fz.truncate,
+                    "extend": fz.extend}[how](data, rnd)
+        _write(p, data)
+        if consistent:  # the manifest records the new size: only the content is wrong
+            index = fz.manifest_path(d)
+            index.write_bytes(fz.set_string_file_size(index.read_bytes(), len(data)))
+
+    _check(server, work, seeds[1][seed], mutate,
+           f"string file {how} consistent={consistent} r={r} ({seed})")
 
 
 # --- .skz shards --------------------------------------------------------------------------------

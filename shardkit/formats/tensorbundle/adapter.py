@@ -7,7 +7,9 @@ stored as an entry of its own under TensorFlow's encoded slice key (`names.encod
 The table built here lists the tensors in key order (TensorFlow's), each slice under shardkit's
 slice spec text, and keeps each data file's entries (`TensorBundleIndex.entries`): TensorBundle
 data files have no header, the index says where every entry is. Checksums are TensorFlow's
-(`slice_checksum_kind` "crc32c" or "crc32c-string", see `checksums`), checked by ``verify``.
+(`slice_checksum_kind` "crc32c", see `checksums`), checked by ``verify``. DT_STRING tensors
+are kept apart, as `CheckpointIndex.strings` (`strings.BundleStrings`), shardkit's one
+mechanism for string tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...dtypes import itemsize
-from ...errors import CheckpointNotFoundError, CorruptIndexError, UnsupportedVersionError
+from ...errors import (
+    CheckpointNotFoundError,
+    CorruptIndexError,
+    UnsupportedDTypeError,
+    UnsupportedVersionError,
+)
 from ...files import CheckpointDirectory
 from ...format import (
     MAX_INDEX_BYTES,
@@ -54,7 +61,6 @@ DTYPE_OF: Final[dict[int, str]] = {
 }
 DATATYPE_OF: Final[dict[str, int]] = {v: k for k, v in DTYPE_OF.items()}
 CRC32C: Final = "crc32c"
-CRC32C_STRING: Final = "crc32c-string"
 
 
 @dataclass(slots=True, eq=False)
@@ -140,8 +146,6 @@ def _shape(entry: Any, key: str, path: str) -> tuple[int, ...]:
 def _dtype(entry: Any, key: str, path: str) -> str:
     name = DTYPE_OF.get(entry.dtype)
     if name is None:
-        from ...errors import UnsupportedDTypeError
-
         raise UnsupportedDTypeError(
             f"{path}: tensor {_shown(key)} has TensorFlow dtype "
             f"{DATA_TYPE_NAMES.get(entry.dtype, entry.dtype)}, which shardkit cannot store or "
@@ -225,6 +229,9 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
     rows: list[_Row] = []
+    texts: list[_Row] = []
+    text_keys: list[str] = []
+    text_shapes: list[tuple[int, ...]] = []
     for raw_key, value in items[1:]:
         if raw_key.startswith(b"\x00"):
             continue  # a slice, read through its tensor's entry
@@ -235,6 +242,14 @@ def decode_bundle(data: bytes, path: str, prefix: str,
         entry = _entry(raw_key, value, path)
         dtype = _dtype(entry, key, path)
         shape = _shape(entry, key, path)
+        if dtype == STRING:  # string tensors: apart (`CheckpointIndex.strings`)
+            if entry.slices:
+                raise UnsupportedDTypeError(f"{path}: string tensor {_shown(key)} is stored "
+                                            "as slices, which shardkit does not read")
+            texts.append(_stored(entry, key, dtype, shape, WHOLE, key, -1, n, path, 0))
+            text_keys.append(key)
+            text_shapes.append(shape)
+            continue
         row = len(keys)
         keys.append(key)
         dtypes.append(dtype)
@@ -277,7 +292,7 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                                         f"stored with shape {list(got)}, expected {sizes}")
             rows.append(_stored(slice_entry, key, dtype, tuple(sizes), spec, f"{key}:{spec}",
                                 row, n, path, len(rows)))
-    check_keys(keys, error=CorruptIndexError, where=f"{path}: ")
+    check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
     rows.sort(key=lambda r: (r[0], r[1], r[7]))
     files = [data_file(prefix, i, n) for i in range(n)]
     shards = []
@@ -290,20 +305,30 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             f.close()
         shards.append(ShardInfo(file, 0, "raw", size))
     entries: list[dict[str, EntryLayout]] = [{} for _ in files]
-    for shard, offset, row, spec, ename, size, _crc, order in rows:
+    for shard, offset, row, _spec, _name, size, _crc, _order in rows + texts:
         if offset + size > shards[shard].bytes:
+            key = keys[row] if row >= 0 else text_keys[texts.index(
+                next(t for t in texts if t[0] == shard and t[1] == offset))]
             raise CorruptIndexError(
-                f"{path}: tensor {_shown(keys[row])}: bytes [{offset}, {offset + size}) are past "
+                f"{path}: tensor {_shown(key)}: bytes [{offset}, {offset + size}) are past "
                 f"the end of {files[shard]} ({shards[shard].bytes} bytes)")
+    for shard, offset, row, spec, ename, size, _crc, order in rows:
         entries[shard][ename] = EntryLayout(ename, dtypes[row], _slice_shape(shapes[row], spec),
                                             offset, offset + size, order)
     index = TensorBundleIndex(
-        "(none: a TensorFlow TensorBundle checkpoint)", shards, keys, dtypes, shapes,
-        [DEFAULT_DEVICE] * len(keys), [r[2] for r in rows], [r[3] for r in rows],
-        [r[0] for r in rows], [f"{r[6]:08x}" for r in rows], {}, "", None,
-        entries=entries, num_shards=n)
-    index.slice_checksum_kind = [CRC32C_STRING if dtypes[r[2]] == STRING else CRC32C
-                                 for r in rows]
+        callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
+        dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
+        slice_tensor=[r[2] for r in rows], slice_spec=[r[3] for r in rows],
+        slice_shard=[r[0] for r in rows], slice_xxh3=[f"{r[6]:08x}" for r in rows],
+        user_metadata={}, version="", generation=None,
+        slice_checksum_kind=[CRC32C] * len(rows), entries=entries, num_shards=n)
+    if texts:
+        from .strings import BundleStrings
+
+        index.strings = BundleStrings(
+            text_keys, ["bytes"] * len(texts), text_shapes, [DEFAULT_DEVICE] * len(texts),
+            files=[files[t[0]] for t in texts], offsets=[t[1] for t in texts],
+            sizes=[t[5] for t in texts], crcs=[t[6] for t in texts])
     _check_slices(index, path)
     return index
 

@@ -1,8 +1,8 @@
 """TensorFlow's entry checksums, computed over a stored entry (`verify`).
 
-``crc32c``: the masked crc32c of the entry's bytes; ``crc32c-string``: a DT_STRING entry's
-(see `strings`). Both are recorded as 8 lowercase hex digits of the masked value, as the
-BundleEntryProto's ``crc32c`` field holds it.
+``crc32c``: the masked crc32c of the entry's bytes, recorded as 8 lowercase hex digits of the
+masked value, as the BundleEntryProto's ``crc32c`` field holds it. (DT_STRING entries are
+checked by `strings.BundleStrings.verify`.)
 """
 
 from __future__ import annotations
@@ -11,23 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointFormatError, UnknownCodecError
+from ...errors import UnknownCodecError
 from ...format import EntryLayout
 from .crc import crc32c_extend, mask
 
 _STEP = 8 << 20
-
-
-def _stored_bytes(src: Any, entry: EntryLayout) -> bytes:
-    n = entry.nbytes
-    if not n:
-        return b""
-    view = src.view(entry, 0, n)
-    if view is not None:
-        return bytes(view)
-    buf = np.empty(n, np.uint8)
-    src.read_into(entry, 0, n, buf.data)
-    return buf.tobytes()
 
 
 def entry_checksum(kind: str, src: Any, entry: EntryLayout) -> str:
@@ -45,14 +33,4 @@ def entry_checksum(kind: str, src: Any, entry: EntryLayout) -> str:
             crc = crc32c_extend(crc, buf.data[:k])
             pos += k
         return f"{mask(crc):08x}"
-    if kind == "crc32c-string":
-        from .strings import decode_strings
-
-        count = int(np.prod(entry.shape, dtype=np.int64))
-        try:
-            _, crc = decode_strings(_stored_bytes(src, entry), count,
-                                    f"{src.path}: entry {entry.name!r}")
-        except CheckpointFormatError as e:
-            return f"(unreadable: {e})"
-        return f"{crc:08x}"
     raise UnknownCodecError(f"{src.path}: checksum kind {kind!r} is not known to shardkit")

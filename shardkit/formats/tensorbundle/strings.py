@@ -9,12 +9,17 @@ checksum as stored, then the bytes.
 
 from __future__ import annotations
 
+import math
+import os
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ...errors import ChecksumError, CorruptHeaderError
+from ...errors import CheckpointFormatError, ChecksumError, CorruptHeaderError, TruncatedShardError
+from ...strings import StringProblem, StringTensors, decode_elements
 from .crc import crc32c_extend, mask, unmask
 from .table import get_varint, put_varint
 
@@ -60,9 +65,7 @@ def decode_strings(data: bytes | memoryview, count: int, where: str) -> tuple[li
     """(the `count` elements, the entry's masked crc32c as computed) of stored bytes `data`;
     CorruptHeaderError / ChecksumError naming `where` when they do not parse or the length
     checksum does not match."""
-    if count == 0:
-        if len(data):
-            raise CorruptHeaderError(f"{where}: {len(data)} bytes for an empty string tensor")
+    if not len(data) and count == 0:  # ReadStringTensor accepts no bytes for no strings
         return [], 0
     lengths: list[int] = []
     pos = 0
@@ -95,3 +98,63 @@ def decode_strings(data: bytes | memoryview, count: int, where: str) -> tuple[li
         out.append(body[at : at + length])
         at += length
     return out, mask(crc)
+
+
+@dataclass(eq=False)
+class BundleStrings(StringTensors):
+    """The DT_STRING tensors of a TensorBundle (`CheckpointIndex.strings`): each is one entry
+    of a data file; read as object arrays of bytes (kind ``"bytes"``, what ``.numpy()`` of a
+    ``tf.string`` tensor gives), checked against the entry's crc32c by `verify`."""
+
+    files: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    crcs: list[int] = field(default_factory=list)  # masked, as the BundleEntryProto holds it
+
+    def nbytes(self, row: int) -> int:
+        return self.sizes[row]
+
+    def file_of(self, row: int) -> str:
+        return self.files[row]
+
+    def xxh3_of(self, row: int) -> str | None:
+        return f"{self.crcs[row]:08x}"  # the entry's checksum (crc32c, not xxh3)
+
+    def _stored(self, directory: Any, row: int) -> tuple[bytes, str]:
+        name = self.files[row]
+        path = directory.join(name)
+        f = directory.open_shard(name)
+        try:
+            with f as fd:
+                data = os.pread(fd, self.sizes[row], self.offsets[row])
+        finally:
+            f.close()
+        if len(data) != self.sizes[row]:
+            raise TruncatedShardError(
+                f"{path}: string tensor {self.keys[row]!r}: bytes [{self.offsets[row]}, "
+                f"{self.offsets[row] + self.sizes[row]}) are past the end of the file")
+        return data, f"{path}: string tensor {self.keys[row]!r}"
+
+    def read(self, directory: Any, row: int) -> np.ndarray:
+        data, where = self._stored(directory, row)
+        items, _ = decode_strings(data, math.prod(self.shapes[row]), where)
+        return decode_elements("bytes", self.shapes[row], items, where)
+
+    def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[StringProblem]]:
+        problems: list[StringProblem] = []
+        checked = 0
+        for row in rows:
+            key, path = self.keys[row], directory.join(self.files[row])
+            try:
+                data, where = self._stored(directory, row)
+                _, crc = decode_strings(data, math.prod(self.shapes[row]), where)
+            except CheckpointFormatError as e:
+                problems.append(StringProblem(path, key, "string tensor", "a valid entry",
+                                              str(e).replace(f"{path}: ", ""), type(e)))
+                continue
+            checked += 1
+            if crc != self.crcs[row]:
+                problems.append(StringProblem(path, key, "checksum of string tensor",
+                                              f"crc32c {self.crcs[row]:08x}", f"{crc:08x}",
+                                              ChecksumError))
+        return checked, problems

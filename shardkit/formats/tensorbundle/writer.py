@@ -145,10 +145,12 @@ def check_prefix(prefix: str, overwrite: bool) -> Path:
     return path
 
 
-def write_bundle(prefix: str, shards: Sequence[Any], *, threads: int, durable: bool,
-                 overwrite: bool) -> tuple[list[str], int]:
-    """Write `shards` (validated callback output, `writer.ShardColumns`) as the TensorBundle
-    at `prefix`; returns (the files written, data files then the index; their total bytes)."""
+def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, threads: int,
+                 durable: bool, overwrite: bool) -> tuple[list[str], int]:
+    """Write `shards` (validated callback output, `writer.ShardColumns`) and the string
+    tensors `strings` (a `strings.StringColumns`, which the callback does not see; they go into
+    the last data file) as the TensorBundle at `prefix`; returns (the files written, data files
+    then the index; their total bytes)."""
     target = check_prefix(prefix, overwrite)
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -181,6 +183,10 @@ def write_bundle(prefix: str, shards: Sequence[Any], *, threads: int, durable: b
                     ext.extent.add(start=o, length=ln)
                 f.entries.append(_entry(encode_slice_key(key, s.offsets, s.lengths), array,
                                         shape))
+        if strings is not None:
+            for key, array in zip(strings.keys, strings.arrays):
+                files[-1].entries.append(_entry(key.encode("utf-8"), np.asarray(array),
+                                                tuple(np.shape(array))))
         for f in files:
             _layout(f)
         ParallelRun(lambda f: _write_file(f, durable), files, threads).wait()
