@@ -14,7 +14,9 @@ mechanism for string tensors.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -35,10 +37,11 @@ from ...format import (
     _check_slices,
     _shown,
     check_shard_file_name,
+    entry_layouts,
 )
 from ...keys import check_keys
 from ...slices import WHOLE, format_slice_spec
-from ...tensors import DEFAULT_DEVICE
+from ...tensors import DEFAULT_DEVICE, _gc_paused
 from ..base import FormatAdapter, ParsedHeader
 from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
 from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
@@ -143,6 +146,24 @@ def _shape(entry: Any, key: str, path: str) -> tuple[int, ...]:
     return dims
 
 
+def _dims(encoded: bytes, raw_key: bytes, value: bytes, key: str, path: str
+          ) -> tuple[int, ...]:
+    """The dims of an encoded TensorShapeProto; any problem is worded by `_shape`."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import TensorShapeProto
+
+    try:
+        m = TensorShapeProto.FromString(encoded)
+    except DecodeError:
+        m = None
+    if m is not None:
+        dims = tuple([d.size for d in m.dim])
+        if not m.unknown_rank and (not dims or min(dims) >= 0) and math.prod(dims) < 1 << 62:
+            return dims
+    return _shape(_entry(raw_key, value, path), key, path)
+
+
 def _dtype(entry: Any, key: str, path: str) -> str:
     name = DTYPE_OF.get(entry.dtype)
     if name is None:
@@ -170,7 +191,8 @@ class TensorBundle(FormatAdapter):
             if data is None:
                 raise CheckpointNotFoundError(f"no TensorFlow checkpoint at {path}: the file "
                                               "is missing")
-        return decode_bundle(data, path, prefix_of(name), directory)
+        with _gc_paused():  # one object per entry: no cyclic GC pass is needed meanwhile
+            return decode_bundle(data, path, prefix_of(name), directory)
 
     def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
                     mmap: bool, file: Any) -> Any:
@@ -224,7 +246,17 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     n = header.num_shards
     if n < 0 or n > 99999:
         raise CorruptIndexError(f"{path}: num_shards {n} is out of range [0, 99999]")
-    by_key = dict(items[1:])
+    body = items[1:]
+    from .protos import parse_entries
+
+    try:
+        # one protobuf call for all entries, their shapes left encoded (`protos`)
+        parsed = parse_entries([v for _, v in body])
+    except DecodeError:
+        for k, v in body:
+            _entry(k, v, path)  # the first that does not parse raises, naming its key
+        raise
+    position: dict[bytes, int] | None = None  # key -> position in body, built for slices
     keys: list[str] = []
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
@@ -232,21 +264,25 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     texts: list[_Row] = []
     text_keys: list[str] = []
     text_shapes: list[tuple[int, ...]] = []
-    for raw_key, value in items[1:]:
-        if raw_key.startswith(b"\x00"):
+    itemsizes = {name: (0 if name == STRING else itemsize(name)) for name in DATATYPE_OF}
+    shape_of: dict[bytes, tuple[int, ...]] = {}  # encoded TensorShapeProto -> its dims
+    for (raw_key, value), flat in zip(body, parsed):
+        if raw_key[:1] == b"\x00":
             continue  # a slice, read through its tensor's entry
         try:
             key = raw_key.decode("utf-8")
         except UnicodeDecodeError:
             raise CorruptIndexError(f"{path}: key {_shown(raw_key)} is not valid UTF-8") from None
-        entry = _entry(raw_key, value, path)
-        dtype = _dtype(entry, key, path)
-        shape = _shape(entry, key, path)
+        encoded = flat.shape
+        shape = shape_of.get(encoded)  # type: ignore[assignment]
+        if shape is None:
+            shape = shape_of[encoded] = _dims(encoded, raw_key, value, key, path)
+        dtype = DTYPE_OF.get(flat.dtype) or _dtype(_entry(raw_key, value, path), key, path)
         if dtype == STRING:  # string tensors: apart (`CheckpointIndex.strings`)
-            if entry.slices:
+            if flat.slices:
                 raise UnsupportedDTypeError(f"{path}: string tensor {_shown(key)} is stored "
                                             "as slices, which shardkit does not read")
-            texts.append(_stored(entry, key, dtype, shape, WHOLE, key, -1, n, path, 0))
+            texts.append(_stored(flat, key, dtype, shape, WHOLE, key, -1, n, path, 0))
             text_keys.append(key)
             text_shapes.append(shape)
             continue
@@ -254,9 +290,16 @@ def decode_bundle(data: bytes, path: str, prefix: str,
         keys.append(key)
         dtypes.append(dtype)
         shapes.append(shape)
-        if not entry.slices:
-            rows.append(_stored(entry, key, dtype, shape, WHOLE, key, row, n, path, len(rows)))
+        if not flat.slices:
+            shard, offset, size = flat.shard_id, flat.offset, flat.size
+            if (size != math.prod(shape) * itemsizes[dtype] or offset < 0
+                    or not 0 <= shard < n):  # the checks of _stored, words and all
+                _stored(flat, key, dtype, shape, WHOLE, key, row, n, path, len(rows))
+            rows.append((shard, offset, row, WHOLE, key, size, flat.crc32c, len(rows)))
             continue
+        entry = _entry(raw_key, value, path)  # sliced: decoded in full
+        if position is None:
+            position = {k: i for i, (k, _) in enumerate(body)}
         for s in entry.slices:
             if len(s.extent) != len(shape):
                 raise CorruptIndexError(
@@ -272,12 +315,12 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                         f"{path}: tensor {_shown(key)}: slice extent {d} (start {o}, length "
                         f"{ln}) is outside dimension {shape[d]}")
             slice_key = encode_slice_key(key, starts, lengths)
-            stored = by_key.get(slice_key)
+            at = position.get(slice_key)
             spec = format_slice_spec(shape, offsets, sizes)
-            if stored is None:
+            if at is None:
                 raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} has no "
                                         "entry of its own (its encoded key is missing)")
-            slice_entry = _entry(slice_key, stored, path)
+            slice_entry = _entry(slice_key, body[at][1], path)
             if slice_entry.slices:
                 raise CorruptIndexError(f"{path}: tensor {_shown(key)}: the entry of slice "
                                         f"{spec!r} is itself sliced")
@@ -293,7 +336,7 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             rows.append(_stored(slice_entry, key, dtype, tuple(sizes), spec, f"{key}:{spec}",
                                 row, n, path, len(rows)))
     check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
-    rows.sort(key=lambda r: (r[0], r[1], r[7]))
+    rows.sort(key=_placement)
     files = [data_file(prefix, i, n) for i in range(n)]
     shards = []
     for file in files:
@@ -312,9 +355,14 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             raise CorruptIndexError(
                 f"{path}: tensor {_shown(key)}: bytes [{offset}, {offset + size}) are past "
                 f"the end of {files[shard]} ({shards[shard].bytes} bytes)")
-    for shard, offset, row, spec, ename, size, _crc, order in rows:
-        entries[shard][ename] = EntryLayout(ename, dtypes[row], _slice_shape(shapes[row], spec),
-                                            offset, offset + size, order)
+    for shard, group in itertools.groupby(rows, key=_shard_of):  # rows are by shard
+        mine = list(group)
+        names = [r[4] for r in mine]
+        begins = [r[1] for r in mine]
+        entries[shard] = dict(zip(names, entry_layouts(
+            names, [dtypes[r[2]] for r in mine],
+            [shapes[r[2]] if r[3] == WHOLE else _slice_shape(shapes[r[2]], r[3]) for r in mine],
+            begins, [b + r[5] for b, r in zip(begins, mine)])))
     index = TensorBundleIndex(
         callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
         dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
@@ -344,10 +392,17 @@ _Row = tuple[int, int, int, str, str, int, int, int]
 """A stored entry: shard, offset, tensor row, slice spec, entry name, size, crc, order."""
 
 
+def _placement(r: _Row) -> tuple[int, int, int]:
+    return r[0], r[1], r[7]
+
+
+_shard_of = operator.itemgetter(0)
+
+
 def _stored(entry: Any, key: str, dtype: str, shape: tuple[int, ...], spec: str, name: str,
             row: int, n: int, path: str, order: int) -> _Row:
     where = f"tensor {_shown(key)}" + (f" slice {spec!r}" if spec else "")
-    if not 0 <= entry.shard_id < max(n, 0) and not (entry.size == 0 and n == 0):
+    if not 0 <= entry.shard_id < n:
         raise CorruptIndexError(f"{path}: {where}: shard_id {entry.shard_id} is out of range "
                                 f"(the header records {n} data files)")
     if entry.offset < 0 or entry.size < 0:

@@ -97,12 +97,27 @@ def _build() -> dict[str, Any]:
              _field("all_model_checkpoint_paths", 2, STR, _REP),
              _field("all_model_checkpoint_timestamps", 3, DBL, _REP),
              _field("last_preserved_timestamp", 4, DBL)])]),
+        # shardkit's own: many entries in one message, so that protobuf decodes them in one
+        # call (their bytes framed as the repeated field; see `parse_entries`)
+        # A BundleEntryProto read with its shape and slices left as their encoded bytes (the
+        # same wire format: a message field is length-delimited bytes), so that one decode of
+        # each distinct shape serves every entry of that shape. `slices` is not repeated here:
+        # it only tells whether there are any (the entry is then decoded in full).
+        _file("shardkit/tensorbundle_entries.proto",
+              ["tensorflow/core/protobuf/tensor_bundle.proto"], [
+                  _msg("BundleEntryColumns",
+                       [_field("dtype", 1, I32), _field("shape", 2, _F.TYPE_BYTES),
+                        _field("shard_id", 3, I32), _field("offset", 4, I64),
+                        _field("size", 5, I64), _field("crc32c", 6, FX32),
+                        _field("slices", 7, _F.TYPE_BYTES)]),
+                  _msg("BundleEntries",
+                       [_field("entry", 1, MSG, _REP, ".tensorflow.BundleEntryColumns")])]),
     ]
     pool = descriptor_pool.DescriptorPool()
     for f in files:
         pool.Add(f)
     names = ["BundleHeaderProto", "BundleEntryProto", "TensorShapeProto", "TensorSliceProto",
-             "VersionDef", "CheckpointState"]
+             "VersionDef", "CheckpointState", "BundleEntries"]
     return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{n}"))
             for n in names}
 
@@ -114,6 +129,25 @@ TensorShapeProto: Final[Any] = _CLASSES["TensorShapeProto"]
 TensorSliceProto: Final[Any] = _CLASSES["TensorSliceProto"]
 VersionDef: Final[Any] = _CLASSES["VersionDef"]
 CheckpointState: Final[Any] = _CLASSES["CheckpointState"]
+BundleEntries: Final[Any] = _CLASSES["BundleEntries"]
 
-__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "BundleEntryProto", "BundleHeaderProto",
-           "CheckpointState", "TensorShapeProto", "TensorSliceProto", "VersionDef"]
+
+def parse_entries(values: list[bytes]) -> Any:
+    """The BundleEntryProtos whose encodings are `values`, decoded by one protobuf call: the
+    values are framed as field 1 of a BundleEntries message (tag, length, bytes each; what
+    protobuf's encoder writes for a repeated message field). DecodeError if any is malformed:
+    decode them one by one then to find which."""
+    framed = bytearray()
+    for v in values:
+        n = len(v)
+        framed.append(0x0A)  # field 1, wire type 2 (length-delimited)
+        while n >= 0x80:
+            framed.append((n & 0x7F) | 0x80)
+            n >>= 7
+        framed.append(n)
+        framed += v
+    return BundleEntries.FromString(bytes(framed)).entry
+
+__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "BundleEntries", "BundleEntryProto",
+           "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorSliceProto",
+           "VersionDef", "parse_entries"]

@@ -22,6 +22,7 @@ are compared bytewise. Every structural error raises CorruptIndexError naming th
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 from collections.abc import Iterable
 from typing import Final
@@ -229,27 +230,34 @@ def _entries(block: memoryview, path: str, what: str) -> list[tuple[bytes, bytes
             restarts) != sorted(restarts):
         raise CorruptIndexError(f"{path}: {what} has bad restart points {list(restarts)[:8]}")
     out: list[tuple[bytes, bytes]] = []
+    append = out.append
+    blk = bytes(block)  # slices of bytes are bytes: one copy of the block, none per entry
     pos = 0
     last = b""
     restart_at = set(restarts)
-    while pos < limit:
+    while pos < limit:  # limit is at least 4 bytes before the end: 3 bytes are readable
         at = pos
-        try:
-            shared, pos = get_varint(block, pos, limit, 32)
-            unshared, pos = get_varint(block, pos, limit, 32)
-            length, pos = get_varint(block, pos, limit, 32)
-        except ValueError as e:
-            raise CorruptIndexError(f"{path}: {what}: bad entry at byte {at} ({e})") from None
-        if shared > len(last) or (at in restart_at and shared):
+        shared, unshared, length = blk[pos], blk[pos + 1], blk[pos + 2]
+        if shared < 0x80 and unshared < 0x80 and length < 0x80:  # one byte each: the usual
+            pos += 3
+        else:
+            try:
+                shared, pos = get_varint(blk, pos, limit, 32)
+                unshared, pos = get_varint(blk, pos, limit, 32)
+                length, pos = get_varint(blk, pos, limit, 32)
+            except ValueError as e:
+                raise CorruptIndexError(f"{path}: {what}: bad entry at byte {at} ({e})") from None
+        if shared and (shared > len(last) or at in restart_at):
             raise CorruptIndexError(
                 f"{path}: {what}: entry at byte {at} shares {shared} bytes with the previous "
                 f"key of {len(last)} bytes" + (" at a restart point" if at in restart_at else ""))
-        if pos + unshared + length > limit:
+        end = pos + unshared
+        stop = end + length
+        if stop > limit:
             raise CorruptIndexError(f"{path}: {what}: entry at byte {at} runs past the block")
-        key = last[:shared] + bytes(block[pos : pos + unshared])
-        pos += unshared
-        out.append((key, bytes(block[pos : pos + length])))
-        pos += length
+        key = last[:shared] + blk[pos:end] if shared else blk[pos:end]
+        append((key, blk[end:stop]))
+        pos = stop
         last = key
     return out
 
@@ -277,11 +285,12 @@ def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
         previous_end = b_off + b_size + TRAILER_SIZE
         what = f"data block {i}"
         block = _entries(_block(data, b_off, b_size, path, what), path, what)
-        for key, _v in block:
-            if key > sep:
-                raise CorruptIndexError(f"{path}: {what}: key {key!r} is past its index key")
+        if block and block[-1][0] > sep:  # keys increase (checked below): the last is enough
+            raise CorruptIndexError(f"{path}: {what}: key {block[-1][0]!r} is past its index "
+                                    "key")
         items.extend(block)
-    for (a, _), (b, _) in itertools.pairwise(items):
-        if b <= a:
-            raise CorruptIndexError(f"{path}: keys out of order or repeated: {b!r} after {a!r}")
+    keys = [k for k, _ in items]
+    if any(map(operator.ge, keys, keys[1:])):
+        a, b = next((a, b) for a, b in itertools.pairwise(keys) if b <= a)
+        raise CorruptIndexError(f"{path}: keys out of order or repeated: {b!r} after {a!r}")
     return items
