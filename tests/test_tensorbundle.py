@@ -348,6 +348,26 @@ def test_save_refuses_what_a_bundle_cannot_hold_and_keeps_old_checkpoints(tf, tm
         shardkit.save(tmp_path / "d", {"a": np.ones(2)}, format="tensorflow")
 
 
+def test_a_failed_publish_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
+    prefix = tmp_path / "ck"
+    shardkit.save(prefix, {"a": np.ones(3)}, format="tensorflow")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = os.rename
+
+    def failing(src, dst, *args, **kwargs):
+        if str(dst) == f"{prefix}.index" and os.path.basename(src) == "ck.index":  # the new
+            raise OSError(28, "No space left on device")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="No space"):
+        shardkit.save(prefix, {"a": np.zeros(3), "b": np.ones(1)}, format="tensorflow",
+                      overwrite=True)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert _same(shardkit.load(prefix, verify=True)["a"], np.ones(3))
+
+
 def test_convert_both_ways(tf, tmp_path, capsys):
     state = _state()
     _savev2(tf, str(tmp_path / "tf"), state)
@@ -366,6 +386,8 @@ def test_convert_both_ways(tf, tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "tf2")]) == 0
     assert "checksums: crc32c" in capsys.readouterr().out
     assert cli.main(["verify", str(tmp_path / "tf2")]) == 0
+    assert cli.main(["plan", str(tmp_path / "tf2"), "--policy", "default"]) == 0
+    assert f"{len(state)} tensors" in capsys.readouterr().out
 
 
 # --- corrupt and malformed input ---------------------------------------------------------------

@@ -14,14 +14,18 @@ are written into a hidden temp directory next to the prefix (``.<name>.shardkit-
 like shardkit's own saves, so a crashed save's leftovers are cleaned by the next save there),
 fsynced (`durable`), then the data files are renamed into place and the ``.index`` last, and
 the directory is fsynced. A reader sees no checkpoint at the prefix until the ``.index`` lands,
-and then all of it. Replacing a checkpoint (`overwrite`) first moves the old ``.index`` aside:
-in between, readers see no checkpoint at that prefix (never a mix of old and new files); old
-data files the new checkpoint does not reuse are deleted last. The ``checkpoint`` state file is
-not written (``tf.train.Checkpoint.write`` does not write it either).
+and then all of it. Replacing a checkpoint (`overwrite`) first moves the old one (its
+``.index`` first, then its data files) into the temp directory: in between, readers see no
+checkpoint at that prefix, never a mix of old and new files. If the publication fails, the old
+files are moved back; once it succeeds they are deleted with the temp directory. (A crash in
+that window leaves the old files in the temp directory, which the next save there cleans up.)
+The ``checkpoint`` state file is not written (``tf.train.Checkpoint.write`` does not write it
+either).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Sequence
@@ -229,24 +233,35 @@ def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, thr
 
 def _publish(tmp: Path, parent: Path, name: str, data: list[str], index_name: str,
              overwrite: bool, durable: bool) -> None:
+    """Rename the data files, then the index, from `tmp` into `parent`. An old checkpoint at
+    the prefix (`overwrite`) is moved into `tmp` first, index first, and moved back if this
+    fails before the new index is in place; it goes with `tmp` afterwards."""
     final_index = parent / index_name
-    old_data: list[str] = []
-    if os.path.lexists(final_index):
-        if not overwrite:
-            raise CheckpointExistsError(f"{final_index} was created by someone else while this "
-                                        "save ran; pass overwrite=True to replace it")
-        os.rename(final_index, tmp / (".old" + index_name))  # the old checkpoint leaves first
-        mine = re.compile(re.escape(name) + r"\.data-\d{5}-of-\d{5}")
-        old_data = [e for e in os.listdir(parent) if mine.fullmatch(e) and e not in data]
-    for d in data:
-        os.rename(tmp / d, parent / d)
+    moved: list[tuple[Path, Path]] = []  # renames of the old checkpoint, to undo on failure
+    placed: list[Path] = []
+    try:
+        if os.path.lexists(final_index):
+            if not overwrite:
+                raise CheckpointExistsError(f"{final_index} was created by someone else while "
+                                            "this save ran; pass overwrite=True to replace it")
+            mine = re.compile(re.escape(name) + r"\.data-\d{5}-of-\d{5}")
+            for old in [index_name, *(e for e in os.listdir(parent) if mine.fullmatch(e))]:
+                aside = tmp / f".old.{old}"
+                os.rename(parent / old, aside)  # the index first: the old checkpoint leaves
+                moved.append((parent / old, aside))
+        for d in data:
+            os.rename(tmp / d, parent / d)
+            placed.append(parent / d)
+        if durable:
+            commit.fsync_dir(parent)
+        os.rename(tmp / index_name, final_index)  # the checkpoint appears whole
+    except BaseException:
+        for p in placed:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        for original, aside in reversed(moved):
+            with contextlib.suppress(OSError):
+                os.rename(aside, original)
+        raise
     if durable:
         commit.fsync_dir(parent)
-    os.rename(tmp / index_name, final_index)  # the checkpoint appears whole
-    if durable:
-        commit.fsync_dir(parent)
-    for d in old_data:
-        try:
-            os.unlink(parent / d)
-        except FileNotFoundError:
-            pass
