@@ -231,7 +231,8 @@ class CheckpointReader:
 
     @property
     def format(self) -> str:
-        """The layout read: "shardkit", "huggingface" or "safetensors" (`shardkit.formats`)."""
+        """The layout read: "shardkit", "huggingface", "safetensors" or "tensorbundle"
+        (`shardkit.formats`)."""
         return self.layout.name
 
     @property
