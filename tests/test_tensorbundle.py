@@ -155,6 +155,16 @@ def test_tensorflow_to_shardkit_every_dtype_bit_exact(tf, tmp_path):
     assert set(got) == set(state)
     for k, v in state.items():
         assert _same(got[k], v), k
+    # TensorFlow packs entries (data_alignment 1): those left unaligned come back as aligned
+    # copies, the others as views of the map
+    with shardkit.open(tmp_path / "ck") as r:
+        placed = r.index.entries[0]
+        odd = [k for k, e in placed.items() if e.begin % np.dtype(state[k].dtype).alignment]
+        even = [k for k in placed if k not in odd and state[k].nbytes]
+    assert odd and even
+    assert all(got[k].flags.aligned for k in got)
+    assert all(got[k].base is not None and not got[k].flags.owndata for k in even)
+    assert all(got[k].flags.owndata for k in odd)
     assert shardkit.load(tmp_path / "ck", mmap=False, verify=True).keys() == got.keys()
     with shardkit.open(tmp_path / "ck.index") as r:  # the .index file names it too
         assert r.format == "tensorbundle"
