@@ -85,7 +85,8 @@ def _trackable_base() -> type:
 def is_trackable(obj: Any) -> bool:
     """A TensorFlow object with checkpointed state of its own (tf.Module, Keras layer / model /
     optimizer, tf.train.Checkpoint...), not a single variable."""
-    return isinstance(obj, _trackable_base()) and not isinstance(obj, tf.Variable)
+    return (isinstance(obj, _trackable_base()) and not isinstance(obj, tf.Variable)
+            and not _assignable(obj))
 
 
 def serialize(root: Any, owners: dict[str, Any] | None = None) -> tuple[dict[str, Any], bytes]:
@@ -175,6 +176,12 @@ def object_variables(obj: Any) -> dict[str, Any]:
     return {k: owners[k] if _assignable(owners.get(k)) else _leaf(v) for k, v in flat.items()}
 
 
+def is_variable(obj: Any) -> bool:
+    """A tf.Variable or a Keras variable (restored in place with ``assign``)."""
+    return isinstance(obj, tf.Variable) or (isinstance(obj, _trackable_base())
+                                            and _assignable(obj))
+
+
 def _assignable(obj: Any) -> bool:
     """A variable (tf.Variable or a Keras variable): has a shape, a dtype and ``assign``."""
     return obj is not None and callable(getattr(obj, "assign", None)) and hasattr(obj, "shape")
@@ -215,7 +222,7 @@ def assign_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
     """For a tf.Variable leaf: a host buffer of its shape and dtype to fill and the function
     that assigns it back (in place, the variable keeps its identity); None for other leaves.
     A tf.Tensor is immutable: RestoreMismatchError."""
-    if isinstance(leaf, tf.Variable) or (is_trackable(leaf) and _assignable(leaf)):
+    if is_variable(leaf):
         if tf.as_dtype(leaf.dtype) == tf.string:
             return None
         dtype = numpy_dtype(tf.as_dtype(leaf.dtype))
