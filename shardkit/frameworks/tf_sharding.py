@@ -96,19 +96,29 @@ def run_tensorflow_callback(callback: Any, tensors: Sequence[ShardableTensor]) -
 
 
 def _host(value: Any, given: dict[int, np.ndarray]) -> Any:
+    """A returned value on the host: the caller's own array when it is a tensor handed back
+    unchanged, else `Returned` (array, device string); a value that is not a tensor, or not
+    one TensorFlow can give the bytes of, as it is (validation names the problem)."""
     original = given.get(id(value))
     if original is not None:
         return original  # handed back unchanged: the caller's own array
-    if isinstance(value, saveable_object.SaveSpec):
+    device = None
+    if isinstance(value, saveable_object.SaveSpec):  # its device is the one it claims
+        device = value.device
         value = value.tensor
-    if isinstance(value, (tf.Tensor, tf.Variable)):
         original = given.get(id(value))
-        if original is not None:
+        if original is not None and not device:
             return original
-        array = value.numpy()
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        try:
+            array = value.numpy()
+        except Exception:  # a symbolic tensor: nothing to read
+            return value
         if not isinstance(array, np.ndarray):
             array = np.asarray(array, dtype=object if value.dtype == tf.string else None)
-        return Returned(array, getattr(value, "device", "") or "")
+        if device is None:
+            device = getattr(value, "device", "") or ""
+        return Returned(array, device if isinstance(device, str) else device.to_string())
     return value
 
 
