@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
+from tensorflow.python.eager import context, execute  # type: ignore[import-untyped]
 from tensorflow.python.ops import (  # type: ignore[import-untyped]
     gen_resource_variable_ops,
     resource_variable_ops,
@@ -27,6 +28,11 @@ from tensorflow.python.ops import (  # type: ignore[import-untyped]
 from ..devices import DeviceSpec
 from ..errors import InvalidArgumentError, RestoreMismatchError, UnsupportedDTypeError
 
+_STORABLE_TF = frozenset({tf.float16, tf.float32, tf.float64, tf.bfloat16, tf.int8, tf.int16,
+                          tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
+                          tf.bool, getattr(tf, "float8_e4m3fn", tf.float32),
+                          getattr(tf, "float8_e5m2", tf.float32)})
+_STORABLE_ENUMS = frozenset(d.as_datatype_enum for d in _STORABLE_TF)
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 """The key of the TrackableObjectGraph proto in a TensorFlow object-based checkpoint."""
 _CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -70,6 +76,59 @@ def _host_array(value: Any) -> np.ndarray:
     numpy = getattr(value, "_numpy", None)
     array = numpy() if numpy is not None else value.numpy()
     return array if isinstance(array, np.ndarray) else np.asarray(array)
+
+
+READ_BATCH = 1000  # variables read by one _ReadVariablesOp (TensorFlow caches its kernel per
+# count and dtypes, so equal batches of one dtype reuse one kernel)
+
+
+def host_arrays(values: list[Any], keys: list[str], strings: bool = False
+                ) -> list[tuple[np.ndarray, DeviceSpec] | None]:
+    """`to_host` of many tensors and variables (`keys` name them in errors); None for a
+    tf.string value when `strings` (the caller stores it apart), else it is refused. Resource
+    variables are read in batches, by device and dtype, with TensorFlow's ``_ReadVariablesOp``
+    (one op for up to READ_BATCH variables: 3-10 us a variable instead of 10-30 us for one
+    ReadVariableOp each); should that op fail, each is read alone."""
+    out: list[Any] = [None] * len(values)
+    groups: dict[tuple[str, Any], list[int]] = {}
+    base = resource_variable_ops.BaseResourceVariable
+    storable = _STORABLE_ENUMS
+    for i, (value, key) in enumerate(zip(values, keys)):
+        dtype = value.dtype
+        if dtype._type_enum not in storable:
+            if strings and dtype == tf.string:
+                continue
+            try:
+                to_host(value)
+            except UnsupportedDTypeError as e:
+                raise UnsupportedDTypeError(f"{key!r}: {e}") from None
+        if type(value) is not tf.Tensor and isinstance(value, base):
+            groups.setdefault((value.device, dtype), []).append(i)
+        else:
+            out[i] = (_host_array(value), _device(value))
+    for (device, dtype), rows in groups.items():
+        spec = _device(values[rows[0]])
+        for at in range(0, len(rows), READ_BATCH):
+            part = rows[at : at + READ_BATCH]
+            for i, array in zip(part, _read_batch([values[i] for i in part], dtype, device)):
+                out[i] = (array, spec)
+    return out
+
+
+def _read_batch(variables: list[Any], dtype: Any, device: str) -> list[np.ndarray]:
+    try:
+        with tf.device(device):
+            tensors = execute.execute(
+                b"_ReadVariablesOp", len(variables), inputs=[v.handle for v in variables],
+                attrs=("N", len(variables), "dtypes", [dtype.as_datatype_enum] * len(variables)),
+                ctx=context.context())
+    except Exception:  # not in this TensorFlow, or not on this device: one read each
+        return [_host_array(v) for v in variables]
+    return [_as_array(t._numpy()) for t in tensors]
+
+
+def _as_array(x: Any) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else np.asarray(x)
 
 
 def to_host(value: Any) -> tuple[np.ndarray, DeviceSpec]:
