@@ -187,6 +187,7 @@ def save(
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
     options: CheckpointOptions | None = None,
+    format: str = "shardkit",
 ) -> SaveInfo:
     """Save `state` (nested dicts / lists of arrays) as a sharded checkpoint directory at `path`.
 
@@ -213,6 +214,13 @@ def save(
     that breaks a rule raises InvalidKeyError (InvalidKeyTypeError for a key's type) naming
     where in `state` the key came from, before anything is written. Bad arguments raise
     InvalidArgumentError / InvalidArgumentTypeError (ValueError / TypeError subclasses).
+
+    - `format`: ``"shardkit"`` (the default: the directory described above) or
+      ``"tensorflow"``: TensorFlow's TensorBundle checkpoint, `path` then being a prefix as
+      TensorFlow's (``<path>.index`` and one ``<path>.data-0000i-of-0000n`` per shard the
+      callback made; see `shardkit.formats.tensorbundle`), which ``tf.train.load_checkpoint``
+      and ``tf.train.Checkpoint.restore`` read. Its entries always carry TensorFlow's crc32c;
+      `compression`, `metadata` and `progress` are refused with it.
 
     Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
     and no temp directory behind.
@@ -250,6 +258,10 @@ def save(
         raise InvalidArgumentTypeError(
             f"state must be a mapping (e.g. a dict of arrays), got {type(state).__name__}"
         )
+    if format == "tensorflow":
+        return _save_tensorbundle(path, state, opts, user_metadata, overwrite, progress, started)
+    if format != "shardkit":
+        raise InvalidArgumentError(f"format must be 'shardkit' or 'tensorflow', got {format!r}")
     commit.check_target(path, overwrite)  # fail fast, before the callback runs
     with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
         info, split = _save(path, state, opts, user_metadata, overwrite, progress, started)
@@ -304,16 +316,7 @@ def _save(
     callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
     description = callback_description(callback)
     strings = StringColumns()  # string tensors: their own file, not the callback's
-    planned = (_default_shards(callback, state, strings)
-               if type(callback) is DefaultShardingPolicy else None)
-    if planned is None:
-        tensors = shardable_tensors(state, strings=strings)
-        shards = shard_columns(shard_tensors(callback, tensors))
-        saved = SavedTensors.of(tensors)
-        split = _split_keys(shards)
-    else:
-        shards, saved = planned
-        split = []
+    shards, saved, split = _plan(callback, state, strings)
 
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
         index, index_chunks = write_shards(
@@ -341,6 +344,44 @@ def _save(
              + (0 if index.strings is None else index.strings.size))
     info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
     return info, split
+
+
+def _plan(callback: ShardingCallback, state: Mapping[str, Any], strings: StringColumns
+          ) -> tuple[list[ShardColumns], SavedTensors, list[str]]:
+    """The validated shards of `state`, the saved tensors, and the keys the callback split;
+    string tensors go to `strings` instead."""
+    planned = (_default_shards(callback, state, strings)
+               if type(callback) is DefaultShardingPolicy else None)
+    if planned is None:
+        tensors = shardable_tensors(state, strings=strings)
+        shards = shard_columns(shard_tensors(callback, tensors))
+        return shards, SavedTensors.of(tensors), _split_keys(shards)
+    return *planned, []
+
+
+def _save_tensorbundle(path: str | os.PathLike[str], state: Mapping[str, Any],
+                       opts: CheckpointOptions, user_metadata: dict[str, Any], overwrite: bool,
+                       progress: bool, started: float) -> SaveInfo:
+    """``save(..., format="tensorflow")``: plan as any save, write a TensorBundle."""
+    from .formats.tensorbundle.writer import check_prefix, write_bundle
+
+    for name, bad in (("compression", opts.compression is not None),
+                      ("metadata", bool(user_metadata)), ("progress", progress)):
+        if bad:
+            raise InvalidArgumentError(
+                f"save(..., format='tensorflow') cannot honour {name}: a TensorFlow checkpoint "
+                "stores raw tensors and no user metadata")
+    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
+    prefix = os.fspath(path)
+    check_prefix(prefix, overwrite)  # fail fast, before the callback runs
+    strings = StringColumns()
+    with _gc_paused():
+        shards, _saved, _split = _plan(callback, state, strings)
+        files, total = write_bundle(prefix, shards, strings, threads=opts.threads
+                                    or default_threads(), durable=opts.durable,
+                                    overwrite=overwrite)
+    opts.run_write_callbacks(prefix)
+    return SaveInfo(prefix, tuple(files), total, time.perf_counter() - started, None)
 
 
 def _default_shards(

@@ -825,6 +825,9 @@ class CheckpointIndex:
     version: str = FORMAT_VERSION
     generation: str | None = None  # shardkit.generation (format 2.1); every shard records it
     strings: Any = None  # the string tensors (a strings.StringTensors, format 2.3), or None
+    # per stored slice, the algorithm of its `slice_xxh3` value (docs/FORMAT.md, "Checksum
+    # kinds"); None: all "xxh3" (shardkit's own format)
+    slice_checksum_kind: list[str] | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __eq__(self, other: object) -> bool:

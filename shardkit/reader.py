@@ -635,6 +635,7 @@ class CheckpointReader:
         shapes = index.slice_shapes()
         index_path = self._manifest_path
         manifest = self._manifest
+        kinds = index.slice_checksum_kind
         for i, js in sorted(by_shard.items()):
             src = self._sources.get(i) or self._verify_source(i, index_path, problems, opened)
             if src is None:
@@ -678,14 +679,17 @@ class CheckpointReader:
                     if found is None:  # in a corrupt frame: reported once, as the frame
                         continue
                 else:
-                    found = _xxh3_of(src, entry)
+                    kind = kinds[j] if kinds is not None else "xxh3"
+                    found = (_xxh3_of(src, entry) if kind == "xxh3"
+                             else self.layout.checksum(kind, src, entry))
                 checked += 1
                 if found != recorded:
                     spec = index.slice_spec[j]
                     what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
                             else f"checksum of entry {entry.name!r}")
                     problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
-                                     f"xxh3 {recorded} ({manifest})", found,
+                                     f"{kinds[j] if kinds is not None else 'xxh3'} "
+                                     f"{recorded} ({manifest})", found,
                                      ChecksumError)] = None
         return VerifyReport(checked, list(problems),
                             any(x is not None for x in index.slice_xxh3))
@@ -716,7 +720,9 @@ class CheckpointReader:
             return None
         size = file.size
         try:
-            src = opener(path, dataclasses.replace(info, bytes=size), mmap=self._mmap, file=file)
+            sized = dataclasses.replace(info, bytes=size)
+            src = (self.layout.open_source(self.index, i, path, sized, mmap=self._mmap, file=file)
+                   or opener(path, sized, mmap=self._mmap, file=file))
         except CheckpointFormatError as e:
             file.close()
             if size != info.bytes:
@@ -836,7 +842,12 @@ class CheckpointReader:
                 opener = _opener(info.codec, path)
                 file = self._open_shard(i)
                 try:
-                    if opener is RawShard:
+                    # a layout whose index places the entries (TensorBundle) opens its own
+                    src = self.layout.open_source(self.index, i, path, info, mmap=self._mmap,
+                                                  file=file)
+                    if src is not None:
+                        pass
+                    elif opener is RawShard:
                         # a foreign layout's headers are in any order: no writer's header to
                         # recognise, parse it
                         expected = self._expected(i) if self.layout is SHARDKIT else None

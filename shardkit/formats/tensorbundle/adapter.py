@@ -1,0 +1,423 @@
+"""The TensorBundle adapter: ``<prefix>.index`` + ``<prefix>.data-*`` -> the reader's table.
+
+The ``.index`` table (`table.read_table`) maps ``""`` to the BundleHeaderProto and every other
+key to a BundleEntryProto (`protos`). A whole tensor's entry names its data file (`shard_id`),
+`offset`, `size` and masked `crc32c`; a sliced tensor's entry lists `slices` instead, each
+stored as an entry of its own under TensorFlow's encoded slice key (`names.encode_slice_key`).
+The table built here lists the tensors in key order (TensorFlow's), each slice under shardkit's
+slice spec text, and keeps each data file's entries (`TensorBundleIndex.entries`): TensorBundle
+data files have no header, the index says where every entry is. Checksums are TensorFlow's
+(`slice_checksum_kind` "crc32c", see `checksums`), checked by ``verify``. DT_STRING tensors
+are kept apart, as `CheckpointIndex.strings` (`strings.BundleStrings`), shardkit's one
+mechanism for string tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import os
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ...dtypes import itemsize
+from ...errors import (
+    CheckpointNotFoundError,
+    CorruptIndexError,
+    UnsupportedDTypeError,
+    UnsupportedVersionError,
+)
+from ...files import CheckpointDirectory
+from ...format import (
+    MAX_INDEX_BYTES,
+    CheckpointIndex,
+    EntryLayout,
+    ShardInfo,
+    _check_slices,
+    _shown,
+    check_shard_file_name,
+    entry_layouts,
+)
+from ...keys import check_keys
+from ...slices import WHOLE, format_slice_spec
+from ...tensors import DEFAULT_DEVICE, _gc_paused
+from ..base import FormatAdapter, ParsedHeader
+from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
+from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
+from .table import read_table
+
+BUNDLE_VERSION: Final = 1  # kTensorBundleVersion: the producer version written, the consumer read
+BUNDLE_MIN_PRODUCER: Final = 0  # kTensorBundleMinProducer
+STRING: Final = "STRING"
+"""shardkit's dtype name for TensorFlow's DT_STRING (an object array of bytes when read)."""
+
+# DataType -> shardkit's dtype name
+DTYPE_OF: Final[dict[int, str]] = {
+    DATA_TYPES["DT_FLOAT"]: "F32", DATA_TYPES["DT_DOUBLE"]: "F64", DATA_TYPES["DT_HALF"]: "F16",
+    DATA_TYPES["DT_BFLOAT16"]: "BF16", DATA_TYPES["DT_FLOAT8_E4M3FN"]: "F8_E4M3",
+    DATA_TYPES["DT_FLOAT8_E5M2"]: "F8_E5M2", DATA_TYPES["DT_INT64"]: "I64",
+    DATA_TYPES["DT_INT32"]: "I32", DATA_TYPES["DT_INT16"]: "I16", DATA_TYPES["DT_INT8"]: "I8",
+    DATA_TYPES["DT_UINT64"]: "U64", DATA_TYPES["DT_UINT32"]: "U32",
+    DATA_TYPES["DT_UINT16"]: "U16", DATA_TYPES["DT_UINT8"]: "U8", DATA_TYPES["DT_BOOL"]: "BOOL",
+    DATA_TYPES["DT_STRING"]: STRING,
+}
+DATATYPE_OF: Final[dict[str, int]] = {v: k for k, v in DTYPE_OF.items()}
+CRC32C: Final = "crc32c"
+
+
+@dataclass(slots=True, eq=False)
+class TensorBundleIndex(CheckpointIndex):
+    """A CheckpointIndex that also says where each entry of each data file is (`entries`: per
+    shard, entry name -> EntryLayout with offsets from the start of the file), and the header
+    that was read."""
+
+    entries: list[dict[str, EntryLayout]] = field(default_factory=list)
+    num_shards: int = 0
+
+
+def prefix_of(index_name: str) -> str:
+    return index_name[: -len(INDEX_SUFFIX)]
+
+
+def state_target(directory: CheckpointDirectory) -> str | None:
+    """The ``.index`` file that the directory's ``checkpoint`` state file names as the latest
+    checkpoint, or None without a state file. CorruptIndexError for a state file that does not
+    parse or names a checkpoint outside the directory."""
+    data = directory.read_manifest(STATE_FILE, 1 << 20)
+    if data is None:
+        return None
+    from google.protobuf import text_format  # type: ignore[import-untyped]
+
+    from .protos import CheckpointState
+
+    path = directory.join(STATE_FILE)
+    state = CheckpointState()
+    try:
+        text_format.Parse(data.decode("utf-8"), state)
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise CorruptIndexError(
+            f"{path}: not a text-format CheckpointState (TensorFlow's checkpoint state file): "
+            f"{e}") from None
+    target = state.model_checkpoint_path
+    if not target:
+        raise CorruptIndexError(f"{path}: model_checkpoint_path is empty (no latest checkpoint)")
+    if os.path.isabs(target):
+        parent, name = os.path.split(target)
+        try:
+            same = os.path.samefile(parent, directory.path)
+        except OSError:
+            same = False
+        if not same:
+            raise CheckpointNotFoundError(
+                f"{path}: model_checkpoint_path {_shown(target)} is outside this directory; "
+                "open that prefix itself")
+        target = name
+    if "/" in target or target in (".", ".."):
+        raise CheckpointNotFoundError(
+            f"{path}: model_checkpoint_path {_shown(target)} is not in this directory; open "
+            "that prefix itself")
+    return target + INDEX_SUFFIX
+
+
+def _entry(key: bytes, value: bytes, path: str) -> Any:
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import BundleEntryProto
+
+    entry = BundleEntryProto()
+    try:
+        entry.ParseFromString(value)
+    except DecodeError as e:
+        raise CorruptIndexError(f"{path}: entry for key {_shown(key)} is not a parseable "
+                                f"BundleEntryProto ({e})") from None
+    return entry
+
+
+def _shape(entry: Any, key: str, path: str) -> tuple[int, ...]:
+    if entry.shape.unknown_rank:
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has an unknown rank")
+    dims = tuple(d.size for d in entry.shape.dim)
+    if any(d < 0 for d in dims):
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has a negative dimension in "
+                                f"shape {list(dims)}")
+    if math.prod(dims) >= 1 << 62:
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)}: shape {list(dims)} is too large")
+    return dims
+
+
+def _dims(encoded: bytes, raw_key: bytes, value: bytes, key: str, path: str
+          ) -> tuple[int, ...]:
+    """The dims of an encoded TensorShapeProto; any problem is worded by `_shape`."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import TensorShapeProto
+
+    try:
+        m = TensorShapeProto.FromString(encoded)
+    except DecodeError:
+        m = None
+    if m is not None:
+        dims = tuple([d.size for d in m.dim])
+        if not m.unknown_rank and (not dims or min(dims) >= 0) and math.prod(dims) < 1 << 62:
+            return dims
+    return _shape(_entry(raw_key, value, path), key, path)
+
+
+def _dtype(entry: Any, key: str, path: str) -> str:
+    name = DTYPE_OF.get(entry.dtype)
+    if name is None:
+        raise UnsupportedDTypeError(
+            f"{path}: tensor {_shown(key)} has TensorFlow dtype "
+            f"{DATA_TYPE_NAMES.get(entry.dtype, entry.dtype)}, which shardkit cannot store or "
+            f"read (it reads {', '.join(DATA_TYPE_NAMES[t] for t in DTYPE_OF)})")
+    return name
+
+
+class TensorBundle(FormatAdapter):
+    """TensorFlow's TensorBundle checkpoint (tf.train.Checkpoint.write / save, tf.saved_model
+    variables): ``<prefix>.index`` and ``<prefix>.data-0000i-of-0000n``."""
+
+    name = "tensorbundle"
+    description = "TensorFlow TensorBundle checkpoint"
+    checksums = True
+
+    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
+                   headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:
+        path = directory.join(name)
+        check_shard_file_name(name, path)
+        if data is None:
+            data = directory.read_manifest(name, MAX_INDEX_BYTES)
+            if data is None:
+                raise CheckpointNotFoundError(f"no TensorFlow checkpoint at {path}: the file "
+                                              "is missing")
+        with _gc_paused():  # one object per entry: no cyclic GC pass is needed meanwhile
+            return decode_bundle(data, path, prefix_of(name), directory)
+
+    def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
+                    mmap: bool, file: Any) -> Any:
+        from .source import BundleData
+
+        assert isinstance(index, TensorBundleIndex)
+        return BundleData(path, info, index.entries[i], mmap=mmap, file=file)
+
+    def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
+        from .checksums import entry_checksum
+
+        return entry_checksum(kind, src, entry)
+
+
+def _check_version(header: Any, path: str) -> None:
+    v = header.version
+    if header.endianness != 0:
+        raise UnsupportedVersionError(
+            f"{path}: the bundle is big-endian; shardkit reads little-endian bundles only")
+    if v.producer < BUNDLE_MIN_PRODUCER:
+        raise UnsupportedVersionError(f"{path}: bundle producer version {v.producer} is older "
+                                      f"than the oldest supported ({BUNDLE_MIN_PRODUCER})")
+    if v.min_consumer > BUNDLE_VERSION:
+        raise UnsupportedVersionError(
+            f"{path}: the bundle needs a reader of version {v.min_consumer} or newer; shardkit "
+            f"reads version {BUNDLE_VERSION} (written by a newer TensorFlow?)")
+    if BUNDLE_VERSION in v.bad_consumers:
+        raise UnsupportedVersionError(f"{path}: the bundle disallows readers of version "
+                                      f"{BUNDLE_VERSION} (bad_consumers)")
+
+
+def decode_bundle(data: bytes, path: str, prefix: str,
+                  directory: CheckpointDirectory) -> TensorBundleIndex:
+    """The table of the bundle whose ``.index`` bytes are `data` (file `path`); the data files
+    (`prefix` + ``.data-*``) are opened through `directory` for their sizes."""
+    items = read_table(data, path)
+    if not items or items[0][0] != b"":
+        raise CorruptIndexError(f"{path}: the table has no header entry (key \"\"); not a "
+                                "TensorBundle index")
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import BundleHeaderProto
+
+    header = BundleHeaderProto()
+    try:
+        header.ParseFromString(items[0][1])
+    except DecodeError as e:
+        raise CorruptIndexError(f"{path}: the header entry is not a parseable "
+                                f"BundleHeaderProto ({e})") from None
+    _check_version(header, path)
+    n = header.num_shards
+    if n < 0 or n > 99999:
+        raise CorruptIndexError(f"{path}: num_shards {n} is out of range [0, 99999]")
+    body = items[1:]
+    from .protos import parse_entries
+
+    try:
+        # one protobuf call for all entries, their shapes left encoded (`protos`)
+        parsed = parse_entries([v for _, v in body])
+    except DecodeError:
+        for k, v in body:
+            _entry(k, v, path)  # the first that does not parse raises, naming its key
+        raise
+    position: dict[bytes, int] | None = None  # key -> position in body, built for slices
+    keys: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    rows: list[_Row] = []
+    texts: list[_Row] = []
+    text_keys: list[str] = []
+    text_shapes: list[tuple[int, ...]] = []
+    itemsizes = {name: (0 if name == STRING else itemsize(name)) for name in DATATYPE_OF}
+    shape_of: dict[bytes, tuple[int, ...]] = {}  # encoded TensorShapeProto -> its dims
+    for (raw_key, value), flat in zip(body, parsed):
+        if raw_key[:1] == b"\x00":
+            continue  # a slice, read through its tensor's entry
+        try:
+            key = raw_key.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptIndexError(f"{path}: key {_shown(raw_key)} is not valid UTF-8") from None
+        encoded = flat.shape
+        shape = shape_of.get(encoded)  # type: ignore[assignment]
+        if shape is None:
+            shape = shape_of[encoded] = _dims(encoded, raw_key, value, key, path)
+        dtype = DTYPE_OF.get(flat.dtype) or _dtype(_entry(raw_key, value, path), key, path)
+        if dtype == STRING:  # string tensors: apart (`CheckpointIndex.strings`)
+            if flat.slices:
+                raise UnsupportedDTypeError(f"{path}: string tensor {_shown(key)} is stored "
+                                            "as slices, which shardkit does not read")
+            texts.append(_stored(flat, key, dtype, shape, WHOLE, key, -1, n, path, 0))
+            text_keys.append(key)
+            text_shapes.append(shape)
+            continue
+        row = len(keys)
+        keys.append(key)
+        dtypes.append(dtype)
+        shapes.append(shape)
+        if not flat.slices:
+            shard, offset, size = flat.shard_id, flat.offset, flat.size
+            if (size != math.prod(shape) * itemsizes[dtype] or offset < 0
+                    or not 0 <= shard < n):  # the checks of _stored, words and all
+                _stored(flat, key, dtype, shape, WHOLE, key, row, n, path, len(rows))
+            rows.append((shard, offset, row, WHOLE, key, size, flat.crc32c, len(rows)))
+            continue
+        entry = _entry(raw_key, value, path)  # sliced: decoded in full
+        if position is None:
+            position = {k: i for i, (k, _) in enumerate(body)}
+        for s in entry.slices:
+            if len(s.extent) != len(shape):
+                raise CorruptIndexError(
+                    f"{path}: tensor {_shown(key)}: a slice has {len(s.extent)} extents for a "
+                    f"tensor of rank {len(shape)}")
+            starts = [e.start for e in s.extent]
+            lengths = [e.length if e.HasField("length") else -1 for e in s.extent]
+            offsets = list(starts)
+            sizes = [d if ln == -1 else ln for ln, d in zip(lengths, shape)]
+            for d, (o, ln) in enumerate(zip(offsets, sizes)):
+                if o < 0 or ln < 0 or o + ln > shape[d]:
+                    raise CorruptIndexError(
+                        f"{path}: tensor {_shown(key)}: slice extent {d} (start {o}, length "
+                        f"{ln}) is outside dimension {shape[d]}")
+            slice_key = encode_slice_key(key, starts, lengths)
+            at = position.get(slice_key)
+            spec = format_slice_spec(shape, offsets, sizes)
+            if at is None:
+                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} has no "
+                                        "entry of its own (its encoded key is missing)")
+            slice_entry = _entry(slice_key, body[at][1], path)
+            if slice_entry.slices:
+                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: the entry of slice "
+                                        f"{spec!r} is itself sliced")
+            if slice_entry.dtype != entry.dtype:
+                raise CorruptIndexError(
+                    f"{path}: tensor {_shown(key)}: slice {spec!r} has dtype "
+                    f"{DATA_TYPE_NAMES.get(slice_entry.dtype, slice_entry.dtype)}, the tensor "
+                    f"{DATA_TYPE_NAMES.get(entry.dtype, entry.dtype)}")
+            got = _shape(slice_entry, key, path)
+            if got != tuple(sizes):
+                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} is "
+                                        f"stored with shape {list(got)}, expected {sizes}")
+            rows.append(_stored(slice_entry, key, dtype, tuple(sizes), spec, f"{key}:{spec}",
+                                row, n, path, len(rows)))
+    check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
+    rows.sort(key=_placement)
+    files = [data_file(prefix, i, n) for i in range(n)]
+    shards = []
+    for file in files:
+        check_shard_file_name(file, path)
+        f = directory.open_shard(file, path)
+        try:
+            size = f.size
+        finally:
+            f.close()
+        shards.append(ShardInfo(file, 0, "raw", size))
+    entries: list[dict[str, EntryLayout]] = [{} for _ in files]
+    for shard, offset, row, _spec, _name, size, _crc, _order in rows + texts:
+        if offset + size > shards[shard].bytes:
+            key = keys[row] if row >= 0 else text_keys[texts.index(
+                next(t for t in texts if t[0] == shard and t[1] == offset))]
+            raise CorruptIndexError(
+                f"{path}: tensor {_shown(key)}: bytes [{offset}, {offset + size}) are past "
+                f"the end of {files[shard]} ({shards[shard].bytes} bytes)")
+    for shard, group in itertools.groupby(rows, key=_shard_of):  # rows are by shard
+        mine = list(group)
+        names = [r[4] for r in mine]
+        begins = [r[1] for r in mine]
+        entries[shard] = dict(zip(names, entry_layouts(
+            names, [dtypes[r[2]] for r in mine],
+            [shapes[r[2]] if r[3] == WHOLE else _slice_shape(shapes[r[2]], r[3]) for r in mine],
+            begins, [b + r[5] for b, r in zip(begins, mine)])))
+    index = TensorBundleIndex(
+        callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
+        dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
+        slice_tensor=[r[2] for r in rows], slice_spec=[r[3] for r in rows],
+        slice_shard=[r[0] for r in rows], slice_xxh3=[f"{r[6]:08x}" for r in rows],
+        user_metadata={}, version="", generation=None,
+        slice_checksum_kind=[CRC32C] * len(rows), entries=entries, num_shards=n)
+    if texts:
+        from .strings import BundleStrings
+
+        index.strings = BundleStrings(
+            text_keys, ["bytes"] * len(texts), text_shapes, [DEFAULT_DEVICE] * len(texts),
+            files=[files[t[0]] for t in texts], offsets=[t[1] for t in texts],
+            sizes=[t[5] for t in texts], crcs=[t[6] for t in texts])
+    _check_slices(index, path)
+    return index
+
+
+def _slice_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
+    if spec == WHOLE:
+        return shape
+    ranges = spec.split(" ")[-1].split(":")
+    return tuple(int(r.split(",")[1]) for r in ranges)
+
+
+_Row = tuple[int, int, int, str, str, int, int, int]
+"""A stored entry: shard, offset, tensor row, slice spec, entry name, size, crc, order."""
+
+
+def _placement(r: _Row) -> tuple[int, int, int]:
+    return r[0], r[1], r[7]
+
+
+_shard_of = operator.itemgetter(0)
+
+
+def _stored(entry: Any, key: str, dtype: str, shape: tuple[int, ...], spec: str, name: str,
+            row: int, n: int, path: str, order: int) -> _Row:
+    where = f"tensor {_shown(key)}" + (f" slice {spec!r}" if spec else "")
+    if not 0 <= entry.shard_id < n:
+        raise CorruptIndexError(f"{path}: {where}: shard_id {entry.shard_id} is out of range "
+                                f"(the header records {n} data files)")
+    if entry.offset < 0 or entry.size < 0:
+        raise CorruptIndexError(f"{path}: {where}: negative offset {entry.offset} or size "
+                                f"{entry.size}")
+    count = math.prod(shape)
+    if dtype == STRING:
+        if entry.size < (count + 4 if count else 0):
+            raise CorruptIndexError(f"{path}: {where}: {entry.size} bytes cannot hold {count} "
+                                    "strings (a length each and the length checksum)")
+    elif entry.size != count * itemsize(dtype):
+        raise CorruptIndexError(f"{path}: {where}: stored size {entry.size} bytes, expected "
+                                f"{count * itemsize(dtype)} for {dtype} {list(shape)}")
+    return entry.shard_id, entry.offset, row, spec, name, entry.size, entry.crc32c, order
+
+TENSORBUNDLE: Final = TensorBundle()
+__all__ = ["STRING", "TENSORBUNDLE", "TensorBundle", "TensorBundleIndex", "decode_bundle",
+           "state_target"]
