@@ -242,3 +242,21 @@ def test_load_as_tensorflow_checks_the_device(tf, tmp_path):
     assert got["a"].device.endswith("CPU:0") and got["a"].numpy().tolist() == [0, 1, 2]
     with pytest.raises(InvalidArgumentError, match="TensorFlow device string"):
         shardkit.load(tmp_path / "c", framework="tensorflow", device=3)
+
+
+def test_keras_model_across_formats_with_assert_consumed(tf, keras, trained, tmp_path):
+    """The same trained model and optimizer, given as a mapping: written by shardkit as a
+    TensorFlow checkpoint and restored by TensorFlow (assert_consumed), and written by
+    TensorFlow and restored by shardkit in place."""
+    model, opt, x = trained
+    want = model.predict(x, verbose=0)
+    shardkit.save(tmp_path / "sk", {"model": model, "optimizer": opt}, format="tensorflow")
+    fresh, fresh_opt = _keras_model(keras, 3)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_opt).read(
+        str(tmp_path / "sk")).assert_consumed()
+    assert np.array_equal(fresh.predict(x, verbose=0), want)
+    prefix = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "tf" / "x"))
+    other, other_opt = _keras_model(keras, 4)
+    shardkit.restore_into(prefix, {"model": other, "optimizer": other_opt}).assert_consumed()
+    assert np.array_equal(other.predict(x, verbose=0), want)
+    assert int(other_opt.iterations.numpy()) == int(opt.iterations.numpy())
