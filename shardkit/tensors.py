@@ -126,8 +126,12 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
     if described is None:  # framework tensors, other types or byte orders: convert those
         ndarray, storable = np.ndarray, STORABLE
         taken: list[int] = []
+        tf_rows: list[int] = []  # TensorFlow values: converted in one batch
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in storable):
+                if _is_tf(value):  # strings among them too: sorted out in the batch
+                    tf_rows.append(i)
+                    continue
                 if strings is not None and _string_leaf(value, key, strings, device):
                     taken.append(i)
                     continue
@@ -135,6 +139,17 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
                 if dev is not None:
                     devices[i] = dev
                     moved = True
+        if tf_rows:
+            hosts = _tf().host_arrays([arrays[i] for i in tf_rows], [keys[i] for i in tf_rows],
+                                      strings=strings is not None)
+            for i, got in zip(tf_rows, hosts):
+                if got is None:  # a tf.string value
+                    _string_leaf(arrays[i], keys[i], strings, device)
+                    taken.append(i)
+                else:
+                    arrays[i], devices[i] = got
+            taken.sort()
+            moved = True
         if taken:  # string tensors went to `strings`: the columns without them
             gone = set(taken)
             keep = [i for i in range(len(keys)) if i not in gone]
@@ -411,11 +426,19 @@ def _is_jax(value: Any) -> bool:
     return jax is not None and isinstance(value, jax.Array)
 
 
+_TF_TYPES: dict[type, bool] = {}  # type -> whether its instances are tf.Tensor / tf.Variable
+
+
 def _is_tf(value: Any) -> bool:
-    """A tf.Tensor or tf.Variable (TensorFlow is imported already if one exists)."""
+    """A tf.Tensor or tf.Variable (TensorFlow is imported already if one exists); decided
+    once per type (isinstance against TensorFlow's abstract classes is slow)."""
+    known = _TF_TYPES.get(type(value))
+    if known is not None:
+        return known
     if "tensorflow" not in sys.modules:
         return False
-    return _tf().is_tf_value(value)
+    got = _TF_TYPES[type(value)] = bool(_tf().is_tf_value(value))
+    return got
 
 
 def expand_objects(state: Any) -> Any:
@@ -433,10 +456,15 @@ def expand_targets(state: Any) -> Any:
     return _tf().expand_targets(state)
 
 
-def _tf() -> Any:
-    from .frameworks import tensorflow
+_TF_MODULE: list[Any] = []
 
-    return tensorflow
+
+def _tf() -> Any:
+    if not _TF_MODULE:
+        from .frameworks import tensorflow
+
+        _TF_MODULE.append(tensorflow)
+    return _TF_MODULE[0]
 
 
 @lru_cache(maxsize=1)

@@ -19,10 +19,20 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
+from tensorflow.python.eager import context, execute  # type: ignore[import-untyped]
+from tensorflow.python.ops import (  # type: ignore[import-untyped]
+    gen_resource_variable_ops,
+    resource_variable_ops,
+)
 
 from ..devices import DeviceSpec
 from ..errors import InvalidArgumentError, RestoreMismatchError, UnsupportedDTypeError
 
+_STORABLE_TF = frozenset({tf.float16, tf.float32, tf.float64, tf.bfloat16, tf.int8, tf.int16,
+                          tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
+                          tf.bool, getattr(tf, "float8_e4m3fn", tf.float32),
+                          getattr(tf, "float8_e5m2", tf.float32)})
+_STORABLE_ENUMS = frozenset(d.as_datatype_enum for d in _STORABLE_TF)
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 """The key of the TrackableObjectGraph proto in a TensorFlow object-based checkpoint."""
 _CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -37,30 +47,103 @@ def tf_is_string(value: Any) -> bool:
     return bool(value.dtype == tf.string)
 
 
+_DEVICES: dict[str, DeviceSpec] = {}  # device string -> parsed (a few distinct strings)
+
+
 def _device(value: Any) -> DeviceSpec:
     name = getattr(value, "device", "") or _CPU
+    got = _DEVICES.get(name)
+    if got is None:
+        try:
+            got = DeviceSpec.from_string(name)
+        except Exception:  # an unusual device string: the default place
+            got = DeviceSpec.from_string(_CPU)
+        if len(_DEVICES) < 4096:
+            _DEVICES[name] = got
+    return got
+
+
+def _host_array(value: Any) -> np.ndarray:
+    """The value of a tensor or variable as a host array: for an eager CPU tensor a view of
+    its buffer (``Tensor._numpy``; ``numpy()`` would copy), for a resource variable one read
+    (``ReadVariableOp``, about 4x cheaper than ``Variable.numpy()``: 50,000 small variables
+    are read in about 0.5 s instead of 2.4 s). The view is never written to: TensorFlow's
+    copy-on-write keeps it valid when the variable is assigned later."""
+    if isinstance(value, resource_variable_ops.BaseResourceVariable):
+        value = gen_resource_variable_ops.read_variable_op(value.handle, value.dtype)
+    elif isinstance(value, tf.Variable):
+        value = value.value()
+    numpy = getattr(value, "_numpy", None)
+    array = numpy() if numpy is not None else value.numpy()
+    return array if isinstance(array, np.ndarray) else np.asarray(array)
+
+
+READ_BATCH = 1000  # variables read by one _ReadVariablesOp (TensorFlow caches its kernel per
+# count and dtypes, so equal batches of one dtype reuse one kernel)
+
+
+def host_arrays(values: list[Any], keys: list[str], strings: bool = False
+                ) -> list[tuple[np.ndarray, DeviceSpec] | None]:
+    """`to_host` of many tensors and variables (`keys` name them in errors); None for a
+    tf.string value when `strings` (the caller stores it apart), else it is refused. Resource
+    variables are read in batches, by device and dtype, with TensorFlow's ``_ReadVariablesOp``
+    (one op for up to READ_BATCH variables: 3-10 us a variable instead of 10-30 us for one
+    ReadVariableOp each); should that op fail, each is read alone."""
+    out: list[Any] = [None] * len(values)
+    groups: dict[tuple[str, Any], list[int]] = {}
+    base = resource_variable_ops.BaseResourceVariable
+    storable = _STORABLE_ENUMS
+    for i, (value, key) in enumerate(zip(values, keys)):
+        dtype = value.dtype
+        if dtype._type_enum not in storable:
+            if strings and dtype == tf.string:
+                continue
+            try:
+                to_host(value)
+            except UnsupportedDTypeError as e:
+                raise UnsupportedDTypeError(f"{key!r}: {e}") from None
+        if type(value) is not tf.Tensor and isinstance(value, base):
+            groups.setdefault((value.device, dtype), []).append(i)
+        else:
+            out[i] = (_host_array(value), _device(value))
+    for (device, dtype), rows in groups.items():
+        spec = _device(values[rows[0]])
+        for at in range(0, len(rows), READ_BATCH):
+            part = rows[at : at + READ_BATCH]
+            for i, array in zip(part, _read_batch([values[i] for i in part], dtype, device)):
+                out[i] = (array, spec)
+    return out
+
+
+def _read_batch(variables: list[Any], dtype: Any, device: str) -> list[np.ndarray]:
     try:
-        return DeviceSpec.from_string(name)
-    except Exception:  # an unusual device string: the default place
-        return DeviceSpec.from_string(_CPU)
+        with tf.device(device):
+            tensors = execute.execute(
+                b"_ReadVariablesOp", len(variables), inputs=[v.handle for v in variables],
+                attrs=("N", len(variables), "dtypes", [dtype.as_datatype_enum] * len(variables)),
+                ctx=context.context())
+    except Exception:  # not in this TensorFlow, or not on this device: one read each
+        return [_host_array(v) for v in variables]
+    return [_as_array(t._numpy()) for t in tensors]
+
+
+def _as_array(x: Any) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else np.asarray(x)
 
 
 def to_host(value: Any) -> tuple[np.ndarray, DeviceSpec]:
-    """A host numpy array of `value` and the device it lives on. An eager CPU tensor's array
-    shares its memory; a variable is read once."""
-    if value.dtype == tf.string:
+    """A host numpy array of `value` and the device it lives on (`_host_array`)."""
+    dtype = value.dtype
+    if dtype == tf.string:
         raise UnsupportedDTypeError("a tf.string tensor is a string tensor, not an array")
-    if value.dtype.is_complex or value.dtype in (tf.resource, tf.variant):
-        raise UnsupportedDTypeError(f"TensorFlow dtype {value.dtype.name} cannot be stored")
-    array = value.numpy()
-    if not isinstance(array, np.ndarray):
-        array = np.asarray(array)
-    return array, _device(value)
+    if dtype.is_complex or dtype in (tf.resource, tf.variant):
+        raise UnsupportedDTypeError(f"TensorFlow dtype {dtype.name} cannot be stored")
+    return _host_array(value), _device(value)
 
 
 def string_to_host(value: Any) -> tuple[np.ndarray, DeviceSpec]:
     """A tf.string tensor or variable as an object array of bytes (TensorFlow's form)."""
-    array = value.numpy()
+    array = value.numpy()  # a copy: object arrays of bytes are built anyway
     if not isinstance(array, np.ndarray):  # a scalar: bytes
         out = np.empty((), object)
         out[()] = array
@@ -85,7 +168,8 @@ def _trackable_base() -> type:
 def is_trackable(obj: Any) -> bool:
     """A TensorFlow object with checkpointed state of its own (tf.Module, Keras layer / model /
     optimizer, tf.train.Checkpoint...), not a single variable."""
-    return isinstance(obj, _trackable_base()) and not isinstance(obj, tf.Variable)
+    return (isinstance(obj, _trackable_base()) and not isinstance(obj, tf.Variable)
+            and not _assignable(obj))
 
 
 def serialize(root: Any, owners: dict[str, Any] | None = None) -> tuple[dict[str, Any], bytes]:
@@ -175,6 +259,12 @@ def object_variables(obj: Any) -> dict[str, Any]:
     return {k: owners[k] if _assignable(owners.get(k)) else _leaf(v) for k, v in flat.items()}
 
 
+def is_variable(obj: Any) -> bool:
+    """A tf.Variable or a Keras variable (restored in place with ``assign``)."""
+    return isinstance(obj, tf.Variable) or (isinstance(obj, _trackable_base())
+                                            and _assignable(obj))
+
+
 def _assignable(obj: Any) -> bool:
     """A variable (tf.Variable or a Keras variable): has a shape, a dtype and ``assign``."""
     return obj is not None and callable(getattr(obj, "assign", None)) and hasattr(obj, "shape")
@@ -215,7 +305,7 @@ def assign_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
     """For a tf.Variable leaf: a host buffer of its shape and dtype to fill and the function
     that assigns it back (in place, the variable keeps its identity); None for other leaves.
     A tf.Tensor is immutable: RestoreMismatchError."""
-    if isinstance(leaf, tf.Variable) or (is_trackable(leaf) and _assignable(leaf)):
+    if is_variable(leaf):
         if tf.as_dtype(leaf.dtype) == tf.string:
             return None
         dtype = numpy_dtype(tf.as_dtype(leaf.dtype))
