@@ -782,7 +782,15 @@ class CheckpointReader:
         self._check_open()
         strings = self._strings
         assert strings is not None
-        return strings.read(self._directory, strings.row(key))
+        try:
+            return strings.read(self._directory, strings.row(key))
+        except MissingShardError:
+            if self._replaced():
+                raise CheckpointReplacedError(
+                    f"{self._dir_path}: the string file is gone: the checkpoint at {self.path} "
+                    "was replaced while this reader had it open; open it again to read the "
+                    "new one") from None
+            raise
 
     def _string_info(self, key: str) -> KeyInfo:
         self._check_open()
@@ -876,11 +884,15 @@ class CheckpointReader:
         """Open (and map) every shard holding `keys` (default: all) now rather than on first
         read, so a concurrent overwrite has only this short window to delete them."""
         index = self.index
+        strings = self._strings
+        if strings is not None and strings.keys and (
+                keys is None or any(k in strings for k in keys)):
+            self._get_string(strings.keys[0])  # reads (and keeps) the string file now
         if keys is None:
             shards: Iterable[int] = range(len(index.shards))
         else:
-            if self._strings is not None:
-                keys = [k for k in keys if k not in self._strings]
+            if strings is not None:
+                keys = [k for k in keys if k not in strings]
             rows = index.rows()
             slices = index.slices_of()
             shards = sorted({index.slice_shard[j] for k in keys for j in slices[rows[k]]})

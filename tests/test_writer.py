@@ -539,7 +539,7 @@ def test_options_and_conflicts(tmp_path, rng):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"experimental_sharding_callback": "by-task"}, TypeError, "must be a shardkit"),
+        ({"experimental_sharding_callback": "by-task"}, TypeError, "must be a sharding callback"),
         ({"durable": 1}, TypeError, "durable must be True or False, got 1"),
         ({"threads": 0}, ValueError, "threads must be at least 1, got 0"),
         ({"threads": True}, TypeError, "threads must be a positive int or None"),
