@@ -5,21 +5,22 @@ key to a BundleEntryProto (`protos`). A whole tensor's entry names its data file
 `offset`, `size` and masked `crc32c`; a sliced tensor's entry lists `slices` instead, each
 stored as an entry of its own under TensorFlow's encoded slice key (`names.encode_slice_key`).
 The table built here lists the tensors in key order (TensorFlow's), each slice under shardkit's
-slice spec text, and keeps each data file's entries (`TensorBundleIndex.entries`): TensorBundle
-data files have no header, the index says where every entry is. Checksums are TensorFlow's
-(`slice_checksum_kind` "crc32c", see `checksums`), checked by ``verify``. DT_STRING tensors
-are kept apart, as `CheckpointIndex.strings` (`strings.BundleStrings`), shardkit's one
-mechanism for string tensors.
+slice spec text, and keeps where each data file's entries begin (`TensorBundleIndex.begins`):
+TensorBundle data files have no header, the index says where every entry is. Checksums are
+TensorFlow's (`slice_checksum_kind` "crc32c", see `checksums`), checked by ``verify``.
+DT_STRING tensors are kept apart, as `CheckpointIndex.strings` (`strings.BundleStrings`),
+shardkit's one mechanism for string tensors.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+import numpy as np
 
 from ...dtypes import itemsize
 from ...errors import (
@@ -37,7 +38,7 @@ from ...format import (
     _check_slices,
     _shown,
     check_shard_file_name,
-    entry_layouts,
+    entries_at,
 )
 from ...keys import check_keys
 from ...slices import WHOLE, format_slice_spec
@@ -68,12 +69,25 @@ CRC32C: Final = "crc32c"
 
 @dataclass(slots=True, eq=False)
 class TensorBundleIndex(CheckpointIndex):
-    """A CheckpointIndex that also says where each entry of each data file is (`entries`: per
-    shard, entry name -> EntryLayout with offsets from the start of the file), and the header
-    that was read."""
+    """A CheckpointIndex that also says where each stored slice of each data file begins
+    (`begins`: per shard, offsets from the start of the file, in the order of the shard's
+    slices), and the header that was read."""
 
-    entries: list[dict[str, EntryLayout]] = field(default_factory=list)
+    begins: list[list[int]] = field(default_factory=list)
     num_shards: int = 0
+
+    def layout(self, shard: int) -> tuple[list[str], list[str], list[tuple[int, ...]],
+                                          list[int]]:
+        """The entries of data file `shard` column-wise: names, dtype names, shapes, begins."""
+        r = self.shard_range(shard)
+        rows = self.slice_tensor[r.start : r.stop]
+        return (self.entry_names()[r.start : r.stop], list(map(self.dtypes.__getitem__, rows)),
+                self.slice_shapes()[r.start : r.stop], self.begins[shard])
+
+    @property
+    def entries(self) -> list[dict[str, EntryLayout]]:
+        """Per data file, entry name -> EntryLayout (offsets from the start of the file)."""
+        return [entries_at(*self.layout(i)) for i in range(len(self.shards))]
 
 
 def prefix_of(index_name: str) -> str:
@@ -199,7 +213,7 @@ class TensorBundle(FormatAdapter):
         from .source import BundleData
 
         assert isinstance(index, TensorBundleIndex)
-        return BundleData(path, info, index.entries[i], mmap=mmap, file=file)
+        return BundleData(path, info, index.layout(i), mmap=mmap, file=file)
 
     def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
         from .checksums import entry_checksum
@@ -256,14 +270,155 @@ def decode_bundle(data: bytes, path: str, prefix: str,
         for k, v in body:
             _entry(k, v, path)  # the first that does not parse raises, naming its key
         raise
+    if any(map(operator.attrgetter("slices"), parsed)) or any(
+            k[:1] == b"\x00" for k, _ in body):
+        cols = _general_columns(body, parsed, n, path)
+    else:
+        cols = _whole_columns(body, parsed, n, path)
+    keys, dtypes, shapes, rows, texts = cols
+    text_keys = [t[4] for t in texts]
+    text_shapes = [t[5] for t in texts]
+    check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
+    files = [data_file(prefix, i, n) for i in range(n)]
+    shards = []
+    for file in files:
+        check_shard_file_name(file, path)
+        f = directory.open_shard(file, path)
+        try:
+            size = f.size
+        finally:
+            f.close()
+        shards.append(ShardInfo(file, 0, "raw", size))
+    shard, offset, row, size, crc, order = rows.columns
+    place = np.lexsort((order, offset, shard))  # by shard, then offset, then index order
+    shard, offset, row, size, crc = shard[place], offset[place], row[place], size[place], crc[
+        place]
+    specs = [rows.specs[i] for i in place.tolist()] if rows.specs else [WHOLE] * len(place)
+    limits = np.array([s.bytes for s in shards], np.int64)
+    past = np.flatnonzero(offset + size > limits[shard]) if len(place) else place
+    for t in texts:
+        if t[1] + t[3] > shards[t[0]].bytes:
+            raise CorruptIndexError(
+                f"{path}: tensor {_shown(t[4])}: bytes [{t[1]}, {t[1] + t[3]}) are past the "
+                f"end of {files[t[0]]} ({shards[t[0]].bytes} bytes)")
+    if len(past):
+        j = int(past[0])
+        a, b, s_ = int(offset[j]), int(offset[j] + size[j]), int(shard[j])
+        raise CorruptIndexError(
+            f"{path}: tensor {_shown(keys[int(row[j])])}: bytes [{a}, {b}) are past the end of "
+            f"{files[s_]} ({shards[s_].bytes} bytes)")
+    slice_tensor = row.tolist()
+    slice_shard = shard.tolist()
+    begins = offset.tolist()
+    hexed = crc.astype(">u4").tobytes().hex()
+    index = TensorBundleIndex(
+        callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
+        dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
+        slice_tensor=slice_tensor, slice_spec=specs, slice_shard=slice_shard,
+        slice_xxh3=[hexed[i : i + 8] for i in range(0, len(hexed), 8)],
+        user_metadata={}, version="", generation=None,
+        slice_checksum_kind=[CRC32C] * len(slice_tensor), num_shards=n)
+    index.begins = [[] for _ in files]
+    bounds = np.searchsorted(shard, np.arange(n + 1)).tolist()
+    for i in range(n):
+        index.begins[i] = begins[bounds[i] : bounds[i + 1]]
+    if texts:
+        from .strings import BundleStrings
+
+        index.strings = BundleStrings(
+            text_keys, ["bytes"] * len(texts), text_shapes, [DEFAULT_DEVICE] * len(texts),
+            files=[files[t[0]] for t in texts], offsets=[t[1] for t in texts],
+            sizes=[t[3] for t in texts], crcs=[t[2] for t in texts])
+    _check_slices(index, path)
+    return index
+
+
+@dataclass(slots=True)
+class _Rows:
+    """The stored (non-string) entries, column-wise: shard, offset, tensor row, size, crc32c,
+    position (int64 arrays), and their slice specs (empty: all whole)."""
+
+    columns: tuple[np.ndarray, ...]
+    specs: list[str]
+
+
+_Text = tuple[int, int, int, int, str, tuple[int, ...]]
+"""A string tensor's entry: shard, offset, crc32c, size, key, shape."""
+_Columns = tuple[list[str], list[str], list[tuple[int, ...]], _Rows, list[_Text]]
+
+
+def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
+                   ) -> _Columns:
+    """The columns of a bundle whose tensors are all stored whole (no slices): the fields of
+    the entries read field by field, checked in bulk; an entry failing a check is looked at
+    alone for the error's wording."""
+    raw_keys = [k for k, _ in body]
+    try:
+        all_keys = [k.decode("utf-8") for k in raw_keys]
+    except UnicodeDecodeError:
+        bad = next(k for k in raw_keys if not _is_utf8(k))
+        raise CorruptIndexError(f"{path}: key {_shown(bad)} is not valid UTF-8") from None
+    encoded = [f.shape for f in parsed]
+    shape_of: dict[bytes, tuple[int, ...]] = {}
+    for i, e in enumerate(encoded):
+        if e not in shape_of:
+            shape_of[e] = _dims(e, raw_keys[i], body[i][1], all_keys[i], path)
+    all_shapes = list(map(shape_of.__getitem__, encoded))
+    codes = [f.dtype for f in parsed]
+    names = list(map(DTYPE_OF.get, codes))
+    if None in names:
+        i = names.index(None)
+        _dtype(_entry(raw_keys[i], body[i][1], path), all_keys[i], path)
+    count = len(parsed)
+    shard = np.fromiter([f.shard_id for f in parsed], np.int64, count)
+    offset = np.fromiter([f.offset for f in parsed], np.int64, count)
+    size = np.fromiter([f.size for f in parsed], np.int64, count)
+    crc = np.fromiter([f.crc32c for f in parsed], np.int64, count)
+    texts: list[_Text] = []
+    if STRING in names:
+        keep = [i for i, d in enumerate(names) if d != STRING]
+        for i in (i for i, d in enumerate(names) if d == STRING):
+            t = _stored(parsed[i], all_keys[i], STRING, all_shapes[i], WHOLE, all_keys[i], -1,
+                        n, path, 0)
+            texts.append((t[0], t[1], t[6], t[5], all_keys[i], all_shapes[i]))
+        at = np.array(keep, np.int64)
+        shard, offset, size, crc = shard[at], offset[at], size[at], crc[at]
+        keys = [all_keys[i] for i in keep]
+        dtypes = [names[i] for i in keep]  # type: ignore[misc]
+        shapes = [all_shapes[i] for i in keep]
+        entries = [parsed[i] for i in keep]
+    else:
+        keys, dtypes, shapes, entries = all_keys, names, all_shapes, parsed  # type: ignore
+    counts = {s: math.prod(s) for s in shape_of.values()}
+    sizes = {d: itemsize(d) for d in set(dtypes)}
+    expected = np.fromiter(map(operator.mul, map(counts.__getitem__, shapes),
+                               map(sizes.__getitem__, dtypes)), np.int64, len(keys))
+    bad = np.flatnonzero((size != expected) | (offset < 0) | (shard < 0) | (shard >= n))
+    if len(bad):
+        i = int(bad[0])
+        _stored(entries[i], keys[i], dtypes[i], shapes[i], WHOLE, keys[i], i, n, path, i)
+    order = np.arange(len(keys), dtype=np.int64)
+    return keys, dtypes, shapes, _Rows((shard, offset, order, size, crc, order), []), texts
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
+                     ) -> _Columns:
+    """The columns of any bundle, entry by entry: sliced tensors are reassembled from the
+    entries of their slices."""
     position: dict[bytes, int] | None = None  # key -> position in body, built for slices
     keys: list[str] = []
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
     rows: list[_Row] = []
-    texts: list[_Row] = []
-    text_keys: list[str] = []
-    text_shapes: list[tuple[int, ...]] = []
+    texts: list[_Text] = []
     itemsizes = {name: (0 if name == STRING else itemsize(name)) for name in DATATYPE_OF}
     shape_of: dict[bytes, tuple[int, ...]] = {}  # encoded TensorShapeProto -> its dims
     for (raw_key, value), flat in zip(body, parsed):
@@ -282,9 +437,8 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             if flat.slices:
                 raise UnsupportedDTypeError(f"{path}: string tensor {_shown(key)} is stored "
                                             "as slices, which shardkit does not read")
-            texts.append(_stored(flat, key, dtype, shape, WHOLE, key, -1, n, path, 0))
-            text_keys.append(key)
-            text_shapes.append(shape)
+            t = _stored(flat, key, dtype, shape, WHOLE, key, -1, n, path, 0)
+            texts.append((t[0], t[1], t[6], t[5], key, shape))
             continue
         row = len(keys)
         keys.append(key)
@@ -335,50 +489,9 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                                         f"stored with shape {list(got)}, expected {sizes}")
             rows.append(_stored(slice_entry, key, dtype, tuple(sizes), spec, f"{key}:{spec}",
                                 row, n, path, len(rows)))
-    check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
-    rows.sort(key=_placement)
-    files = [data_file(prefix, i, n) for i in range(n)]
-    shards = []
-    for file in files:
-        check_shard_file_name(file, path)
-        f = directory.open_shard(file, path)
-        try:
-            size = f.size
-        finally:
-            f.close()
-        shards.append(ShardInfo(file, 0, "raw", size))
-    entries: list[dict[str, EntryLayout]] = [{} for _ in files]
-    for shard, offset, row, _spec, _name, size, _crc, _order in rows + texts:
-        if offset + size > shards[shard].bytes:
-            key = keys[row] if row >= 0 else text_keys[texts.index(
-                next(t for t in texts if t[0] == shard and t[1] == offset))]
-            raise CorruptIndexError(
-                f"{path}: tensor {_shown(key)}: bytes [{offset}, {offset + size}) are past "
-                f"the end of {files[shard]} ({shards[shard].bytes} bytes)")
-    for shard, group in itertools.groupby(rows, key=_shard_of):  # rows are by shard
-        mine = list(group)
-        names = [r[4] for r in mine]
-        begins = [r[1] for r in mine]
-        entries[shard] = dict(zip(names, entry_layouts(
-            names, [dtypes[r[2]] for r in mine],
-            [shapes[r[2]] if r[3] == WHOLE else _slice_shape(shapes[r[2]], r[3]) for r in mine],
-            begins, [b + r[5] for b, r in zip(begins, mine)])))
-    index = TensorBundleIndex(
-        callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
-        dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
-        slice_tensor=[r[2] for r in rows], slice_spec=[r[3] for r in rows],
-        slice_shard=[r[0] for r in rows], slice_xxh3=[f"{r[6]:08x}" for r in rows],
-        user_metadata={}, version="", generation=None,
-        slice_checksum_kind=[CRC32C] * len(rows), entries=entries, num_shards=n)
-    if texts:
-        from .strings import BundleStrings
-
-        index.strings = BundleStrings(
-            text_keys, ["bytes"] * len(texts), text_shapes, [DEFAULT_DEVICE] * len(texts),
-            files=[files[t[0]] for t in texts], offsets=[t[1] for t in texts],
-            sizes=[t[5] for t in texts], crcs=[t[6] for t in texts])
-    _check_slices(index, path)
-    return index
+    columns = tuple(np.array([r[i] for r in rows], np.int64).reshape(len(rows))
+                    for i in (0, 1, 2, 5, 6, 7))
+    return keys, dtypes, shapes, _Rows(columns, [r[3] for r in rows]), texts
 
 
 def _slice_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
@@ -390,13 +503,6 @@ def _slice_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
 
 _Row = tuple[int, int, int, str, str, int, int, int]
 """A stored entry: shard, offset, tensor row, slice spec, entry name, size, crc, order."""
-
-
-def _placement(r: _Row) -> tuple[int, int, int]:
-    return r[0], r[1], r[7]
-
-
-_shard_of = operator.itemgetter(0)
 
 
 def _stored(entry: Any, key: str, dtype: str, shape: tuple[int, ...], spec: str, name: str,

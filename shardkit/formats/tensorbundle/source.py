@@ -20,10 +20,18 @@ class BundleData(RawShard):
     """One ``<prefix>.data-0000i-of-0000n`` file; `entries` from the ``.index`` (offsets from
     the start of the file: there is no header)."""
 
-    def __init__(self, path: str, info: ShardInfo, entries: dict[str, EntryLayout], *,
+    def __init__(self, path: str, info: ShardInfo,
+                 layout: tuple[list[str], list[str], list[tuple[int, ...]], list[int]], *,
                  mmap: bool, file: Any) -> None:
+        """`layout`: the file's entries from the index (names, dtype names, shapes, begins),
+        their EntryLayouts built on first use: the index is this file's only description, so
+        the source matches it by construction."""
         super().__init__(path, info, mmap=mmap and file.size > 0, file=file,
-                         header=(entries, {}, 0))
+                         header=({}, {}, 0))
+        names, dtypes, shapes, begins = layout
+        self._entries = None
+        self._expected = names, dtypes, shapes
+        self.begins = begins
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
         if entry.begin % _align(entry.dtype_name):
