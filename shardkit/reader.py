@@ -339,7 +339,8 @@ class CheckpointReader:
         strings = self._strings
         if strings is not None:  # the string tensors apart, then in the order asked
             wanted = list(dict.fromkeys(self.keys() if keys is None else keys))
-            texts = {k: self._get_string(k) for k in wanted if k in strings}
+            stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
+            texts = {k: self._get_string(k) for k in wanted if k in stored}
             if texts:
                 rest = self._get_tensors(None if keys is None else
                                          [k for k in wanted if k not in texts])

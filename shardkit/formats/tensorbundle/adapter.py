@@ -285,10 +285,10 @@ def decode_bundle(data: bytes, path: str, prefix: str,
         check_shard_file_name(file, path)
         f = directory.open_shard(file, path)
         try:
-            size = f.size
+            file_size = f.size
         finally:
             f.close()
-        shards.append(ShardInfo(file, 0, "raw", size))
+        shards.append(ShardInfo(file, 0, "raw", file_size))
     shard, offset, row, size, crc, order = rows.columns
     place = np.lexsort((order, offset, shard))  # by shard, then offset, then index order
     shard, offset, row, size, crc = shard[place], offset[place], row[place], size[place], crc[
@@ -356,24 +356,25 @@ def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: s
     try:
         all_keys = [k.decode("utf-8") for k in raw_keys]
     except UnicodeDecodeError:
-        bad = next(k for k in raw_keys if not _is_utf8(k))
-        raise CorruptIndexError(f"{path}: key {_shown(bad)} is not valid UTF-8") from None
+        raw = next(k for k in raw_keys if not _is_utf8(k))
+        raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
+    parsed = list(parsed)  # one wrapper object per entry, reused by every column below
     encoded = [f.shape for f in parsed]
-    shape_of: dict[bytes, tuple[int, ...]] = {}
-    for i, e in enumerate(encoded):
-        if e not in shape_of:
-            shape_of[e] = _dims(e, raw_keys[i], body[i][1], all_keys[i], path)
+    shape_of = _shapes_at_once(list(dict.fromkeys(encoded)))
+    if shape_of is None:  # one is bad: find it in order, for the wording
+        shape_of = {}
+        for i, e in enumerate(encoded):
+            if e not in shape_of:
+                shape_of[e] = _dims(e, raw_keys[i], body[i][1], all_keys[i], path)
     all_shapes = list(map(shape_of.__getitem__, encoded))
     codes = [f.dtype for f in parsed]
-    names = list(map(DTYPE_OF.get, codes))
-    if None in names:
-        i = names.index(None)
+    names = [DTYPE_OF.get(c, "") for c in codes]
+    if "" in names:
+        i = names.index("")
         _dtype(_entry(raw_keys[i], body[i][1], path), all_keys[i], path)
     count = len(parsed)
-    shard = np.fromiter([f.shard_id for f in parsed], np.int64, count)
-    offset = np.fromiter([f.offset for f in parsed], np.int64, count)
-    size = np.fromiter([f.size for f in parsed], np.int64, count)
-    crc = np.fromiter([f.crc32c for f in parsed], np.int64, count)
+    shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
+                                for name in ("shard_id", "offset", "size", "crc32c"))
     texts: list[_Text] = []
     if STRING in names:
         keep = [i for i, d in enumerate(names) if d != STRING]
@@ -384,11 +385,11 @@ def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: s
         at = np.array(keep, np.int64)
         shard, offset, size, crc = shard[at], offset[at], size[at], crc[at]
         keys = [all_keys[i] for i in keep]
-        dtypes = [names[i] for i in keep]  # type: ignore[misc]
+        dtypes = [names[i] for i in keep]
         shapes = [all_shapes[i] for i in keep]
         entries = [parsed[i] for i in keep]
     else:
-        keys, dtypes, shapes, entries = all_keys, names, all_shapes, parsed  # type: ignore
+        keys, dtypes, shapes, entries = all_keys, names, all_shapes, parsed
     counts = {s: math.prod(s) for s in shape_of.values()}
     sizes = {d: itemsize(d) for d in set(dtypes)}
     expected = np.fromiter(map(operator.mul, map(counts.__getitem__, shapes),
@@ -399,6 +400,25 @@ def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: s
         _stored(entries[i], keys[i], dtypes[i], shapes[i], WHOLE, keys[i], i, n, path, i)
     order = np.arange(len(keys), dtype=np.int64)
     return keys, dtypes, shapes, _Rows((shard, offset, order, size, crc, order), []), texts
+
+
+def _shapes_at_once(distinct: list[bytes]) -> dict[bytes, tuple[int, ...]] | None:
+    """The dims of each encoded TensorShapeProto, decoded by one protobuf call; None if any
+    does not decode or is not a shape shardkit reads (unknown rank, a negative or too large
+    dimension)."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import parse_shapes
+
+    try:
+        messages = parse_shapes(distinct)
+    except DecodeError:
+        return None
+    dims = [tuple([d.size for d in m.dim]) for m in messages]
+    if any(m.unknown_rank for m in messages) or any(
+            (d and min(d) < 0) or math.prod(d) >= 1 << 62 for d in dims):
+        return None
+    return dict(zip(distinct, dims))
 
 
 def _is_utf8(b: bytes) -> bool:

@@ -111,13 +111,15 @@ def _build() -> dict[str, Any]:
                         _field("size", 5, I64), _field("crc32c", 6, FX32),
                         _field("slices", 7, _F.TYPE_BYTES)]),
                   _msg("BundleEntries",
-                       [_field("entry", 1, MSG, _REP, ".tensorflow.BundleEntryColumns")])]),
+                       [_field("entry", 1, MSG, _REP, ".tensorflow.BundleEntryColumns")]),
+                  _msg("TensorShapes",
+                       [_field("shape", 1, MSG, _REP, ".tensorflow.TensorShapeProto")])]),
     ]
     pool = descriptor_pool.DescriptorPool()
     for f in files:
         pool.Add(f)
     names = ["BundleHeaderProto", "BundleEntryProto", "TensorShapeProto", "TensorSliceProto",
-             "VersionDef", "CheckpointState", "BundleEntries"]
+             "VersionDef", "CheckpointState", "BundleEntries", "TensorShapes"]
     return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{n}"))
             for n in names}
 
@@ -130,13 +132,12 @@ TensorSliceProto: Final[Any] = _CLASSES["TensorSliceProto"]
 VersionDef: Final[Any] = _CLASSES["VersionDef"]
 CheckpointState: Final[Any] = _CLASSES["CheckpointState"]
 BundleEntries: Final[Any] = _CLASSES["BundleEntries"]
+TensorShapes: Final[Any] = _CLASSES["TensorShapes"]
 
 
-def parse_entries(values: list[bytes]) -> Any:
-    """The BundleEntryProtos whose encodings are `values`, decoded by one protobuf call: the
-    values are framed as field 1 of a BundleEntries message (tag, length, bytes each; what
-    protobuf's encoder writes for a repeated message field). DecodeError if any is malformed:
-    decode them one by one then to find which."""
+def _framed(values: list[bytes]) -> bytes:
+    """`values` framed as field 1 of a message (tag, length, bytes each: what protobuf's
+    encoder writes for a repeated message field)."""
     framed = bytearray()
     for v in values:
         n = len(v)
@@ -146,8 +147,22 @@ def parse_entries(values: list[bytes]) -> Any:
             n >>= 7
         framed.append(n)
         framed += v
-    return BundleEntries.FromString(bytes(framed)).entry
+    return bytes(framed)
+
+
+def parse_entries(values: list[bytes]) -> Any:
+    """The BundleEntryProtos whose encodings are `values`, decoded by one protobuf call (as
+    the repeated field of a BundleEntries message, shapes and slices left encoded).
+    DecodeError if any is malformed: decode them one by one then to find which."""
+    return BundleEntries.FromString(_framed(values)).entry
+
+
+def parse_shapes(values: list[bytes]) -> Any:
+    """The TensorShapeProtos whose encodings are `values`, decoded by one protobuf call (as
+    the repeated field of a TensorShapes message). DecodeError if any is malformed."""
+    return TensorShapes.FromString(_framed(values)).shape
+
 
 __all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "BundleEntries", "BundleEntryProto",
-           "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorSliceProto",
-           "VersionDef", "parse_entries"]
+           "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorShapes",
+           "TensorSliceProto", "VersionDef", "parse_entries", "parse_shapes"]

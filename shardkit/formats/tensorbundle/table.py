@@ -27,6 +27,7 @@ import struct
 from collections.abc import Iterable
 from typing import Final
 
+from ..._kernels import _sstable
 from ...errors import CorruptIndexError
 from .crc import crc32c, mask
 
@@ -229,37 +230,11 @@ def _entries(block: memoryview, path: str, what: str) -> list[tuple[bytes, bytes
     if restarts[0] != 0 or any(r >= max(limit, 1) for r in restarts[1:]) or list(
             restarts) != sorted(restarts):
         raise CorruptIndexError(f"{path}: {what} has bad restart points {list(restarts)[:8]}")
-    out: list[tuple[bytes, bytes]] = []
-    append = out.append
-    blk = bytes(block)  # slices of bytes are bytes: one copy of the block, none per entry
-    pos = 0
-    last = b""
-    restart_at = set(restarts)
-    while pos < limit:  # limit is at least 4 bytes before the end: 3 bytes are readable
-        at = pos
-        shared, unshared, length = blk[pos], blk[pos + 1], blk[pos + 2]
-        if shared < 0x80 and unshared < 0x80 and length < 0x80:  # one byte each: the usual
-            pos += 3
-        else:
-            try:
-                shared, pos = get_varint(blk, pos, limit, 32)
-                unshared, pos = get_varint(blk, pos, limit, 32)
-                length, pos = get_varint(blk, pos, limit, 32)
-            except ValueError as e:
-                raise CorruptIndexError(f"{path}: {what}: bad entry at byte {at} ({e})") from None
-        if shared and (shared > len(last) or at in restart_at):
-            raise CorruptIndexError(
-                f"{path}: {what}: entry at byte {at} shares {shared} bytes with the previous "
-                f"key of {len(last)} bytes" + (" at a restart point" if at in restart_at else ""))
-        end = pos + unshared
-        stop = end + length
-        if stop > limit:
-            raise CorruptIndexError(f"{path}: {what}: entry at byte {at} runs past the block")
-        key = last[:shared] + blk[pos:end] if shared else blk[pos:end]
-        append((key, blk[end:stop]))
-        pos = stop
-        last = key
-    return out
+    try:
+        keys, values = _sstable.block_entries(block, limit, restarts)
+    except ValueError as e:
+        raise CorruptIndexError(f"{path}: {what}: {e}") from None
+    return list(zip(keys, values))
 
 
 def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
