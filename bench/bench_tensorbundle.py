@@ -11,7 +11,9 @@ Per workload (bench/_workloads.py, flattened to checkpoint keys), in one process
 - write: the same arrays written by ``tf.train.Checkpoint.write`` (from the variables) and by
   ``shardkit.save(..., format="tensorflow", durable=False)`` (TensorFlow does not fsync either).
 
-Rounds alternate between the contenders, page cache warm; medians are printed with ratios.
+Rounds alternate between the contenders, in an order rotated each round (the writes' new
+files can push the checkpoint out of the page cache, and whoever reads first pays for it);
+medians are printed with ratios.
 ``--check`` exits 1 unless shardkit.load reads the many-small checkpoint at least 3x as fast as
 load_checkpoint + get_tensor (the issue's target).
 """
@@ -92,9 +94,10 @@ def run(name: str, quick: bool, rounds: int, work: Path) -> dict[str, float]:
            "tf_write": tf_write, "sk_write": sk_write}
     for fn in fns.values():  # warm up: imports, first-touch of memory, page cache
         fn()
-    for _ in range(rounds):
-        for n, fn in fns.items():
-            _median_time(fn, times[n])
+    order = list(fns)
+    for r in range(rounds):  # rotated: no step always runs first after the writes (whose
+        for n in order[r % len(order):] + order[: r % len(order)]:  # files evict the cache)
+            _median_time(fns[n], times[n])
     med = {n: statistics.median(v) for n, v in times.items()}
     got = shardkit.load(tf_prefix)
     reader = tf.train.load_checkpoint(tf_prefix)
