@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from . import _kernels  # noqa: F401  (fails loudly here if the native build is missing)
 from .api import DefaultShardingPolicy, SaveInfo, load, open, restore_into, save
-from .callback import Shard, ShardingCallback, shard_tensors, validate_shards
+from .callback import (
+    Shard,
+    ShardingCallback,
+    as_tensorflow_callback,
+    shard_tensors,
+    validate_shards,
+)
 from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
 from .devices import DeviceSpec
 from .errors import (
@@ -135,6 +141,7 @@ __all__ = [
     "UnsupportedVersionError",
     "VerifyReport",
     "__version__",
+    "as_tensorflow_callback",
     "check_tiling",
     "format_slice_spec",
     "get_policy",

@@ -95,6 +95,10 @@ class HostBufferPool:
                 out[key] = self._stage_cuda(key, value)
                 device_copies = True
                 continue
+            copied = _string_copy(value)
+            if copied is not None:  # string tensors: a plain copy, no pooling
+                out[key] = copied
+                continue
             host, _ = to_host(value, key)
             dst = self.buffer(key, host.nbytes).view(host.dtype).reshape(host.shape)
             np.copyto(dst, host, casting="no")
@@ -118,6 +122,18 @@ class HostBufferPool:
         # A zero-copy host view with the stored dtype (bfloat16 / float8 as ml_dtypes).
         dtype = torch_numpy_dtype(t.dtype)
         return buf.view(dtype).reshape(tuple(t.shape))
+
+
+def _string_copy(value: Any) -> Any:
+    """A copy of a string tensor (numpy bytes / str / object array, tf.string), else None."""
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "OSU":
+        return np.array(value, copy=True)
+    if "tensorflow" in sys.modules:
+        from .frameworks import tensorflow as tfw
+
+        if tfw.is_tf_value(value) and tfw.tf_is_string(value):
+            return tfw.string_to_host(value)[0]
+    return None
 
 
 def _is_cuda_tensor(value: Any) -> bool:

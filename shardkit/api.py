@@ -40,7 +40,14 @@ from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
 from .slices import WHOLE
-from .tensors import ShardableTensor, _gc_paused, host_columns, shardable_tensors
+from .strings import StringColumns
+from .tensors import (
+    ShardableTensor,
+    _gc_paused,
+    expand_objects,
+    host_columns,
+    shardable_tensors,
+)
 from .writer import (
     SavedTensors,
     ShardColumns,
@@ -181,6 +188,7 @@ def save(
     shuffle: bool = True,
     chunk_size: int | str = "4MiB",
     options: CheckpointOptions | None = None,
+    format: str = "shardkit",
     process_group: Any = None,
     timeout: float | None = None,
 ) -> SaveInfo:
@@ -217,6 +225,13 @@ def save(
     where in `state` the key came from, before anything is written. Bad arguments raise
     InvalidArgumentError / InvalidArgumentTypeError (ValueError / TypeError subclasses).
 
+    - `format`: ``"shardkit"`` (the default: the directory described above) or
+      ``"tensorflow"``: TensorFlow's TensorBundle checkpoint, `path` then being a prefix as
+      TensorFlow's (``<path>.index`` and one ``<path>.data-0000i-of-0000n`` per shard the
+      callback made; see `shardkit.formats.tensorbundle`), which ``tf.train.load_checkpoint``
+      and ``tf.train.Checkpoint.restore`` read. Its entries always carry TensorFlow's crc32c;
+      `compression`, `metadata` and `progress` are refused with it.
+
     Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
     and no temp directory behind.
 
@@ -248,14 +263,24 @@ def save(
         if not isinstance(value, bool):
             raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
     user_metadata = _check_metadata(metadata)
+    state = expand_objects(state)  # TensorFlow objects: TensorFlow's keys
     if not isinstance(state, Mapping):
         raise InvalidArgumentTypeError(
             f"state must be a mapping (e.g. a dict of arrays), got {type(state).__name__}"
         )
+    if format not in ("shardkit", "tensorflow"):
+        raise InvalidArgumentError(f"format must be 'shardkit' or 'tensorflow', got {format!r}")
     coord = _coordinator(state, process_group, timeout)
     if coord is not None:
+        if format == "tensorflow":
+            raise InvalidArgumentError(
+                "format='tensorflow' is written by one process: a collective save (DTensors "
+                "or process_group=) writes shardkit's format; convert it afterwards with "
+                "`shardkit convert`")
         return _collective_save(coord, path, state, opts, user_metadata, overwrite, progress,
                                 started)
+    if format == "tensorflow":
+        return _save_tensorbundle(path, state, opts, user_metadata, overwrite, progress, started)
     commit.check_target(path, overwrite)  # fail fast, before the callback runs
     with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
         info, split = _save(path, state, opts, user_metadata, overwrite, progress, started)
@@ -336,15 +361,8 @@ def _save(
     """The save, and the keys of the tensors the callback split (none for the default)."""
     callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
     description = callback_description(callback)
-    planned = _default_shards(callback, state) if type(callback) is DefaultShardingPolicy else None
-    if planned is None:
-        tensors = shardable_tensors(state)
-        shards = shard_columns(shard_tensors(callback, tensors))
-        saved = SavedTensors.of(tensors)
-        split = _split_keys(shards)
-    else:
-        shards, saved = planned
-        split = []
+    strings = StringColumns()  # string tensors: their own file, not the callback's
+    shards, saved, split = _plan(callback, state, strings)
 
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
         index, index_chunks = write_shards(
@@ -361,24 +379,65 @@ def _save(
             level=opts.level,
             shuffle=opts.shuffle,
             chunk_size=opts.chunk_size,
+            strings=strings,
         )
         staging.commit(index_chunks)
     target = str(staging.target)
     opts.run_write_callbacks(target)
-    files = (*(s.file for s in index.shards), fmt.MANIFEST_FILE)
-    total = sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
+    extra = () if index.strings is None else (index.strings.file,)
+    files = (*(s.file for s in index.shards), *extra, fmt.MANIFEST_FILE)
+    total = (sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
+             + (0 if index.strings is None else index.strings.size))
     info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
     return info, split
 
 
+def _plan(callback: ShardingCallback, state: Mapping[str, Any], strings: StringColumns
+          ) -> tuple[list[ShardColumns], SavedTensors, list[str]]:
+    """The validated shards of `state`, the saved tensors, and the keys the callback split;
+    string tensors go to `strings` instead."""
+    planned = (_default_shards(callback, state, strings)
+               if type(callback) is DefaultShardingPolicy else None)
+    if planned is None:
+        tensors = shardable_tensors(state, strings=strings)
+        shards = shard_columns(shard_tensors(callback, tensors))
+        return shards, SavedTensors.of(tensors), _split_keys(shards)
+    return *planned, []
+
+
+def _save_tensorbundle(path: str | os.PathLike[str], state: Mapping[str, Any],
+                       opts: CheckpointOptions, user_metadata: dict[str, Any], overwrite: bool,
+                       progress: bool, started: float) -> SaveInfo:
+    """``save(..., format="tensorflow")``: plan as any save, write a TensorBundle."""
+    from .formats.tensorbundle.writer import check_prefix, write_bundle
+
+    for name, bad in (("compression", opts.compression is not None),
+                      ("metadata", bool(user_metadata)), ("progress", progress)):
+        if bad:
+            raise InvalidArgumentError(
+                f"save(..., format='tensorflow') cannot honour {name}: a TensorFlow checkpoint "
+                "stores raw tensors and no user metadata")
+    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
+    prefix = os.fspath(path)
+    check_prefix(prefix, overwrite)  # fail fast, before the callback runs
+    strings = StringColumns()
+    with _gc_paused():
+        shards, _saved, _split = _plan(callback, state, strings)
+        files, total = write_bundle(prefix, shards, strings, threads=opts.threads
+                                    or default_threads(), durable=opts.durable,
+                                    overwrite=overwrite)
+    opts.run_write_callbacks(prefix)
+    return SaveInfo(prefix, tuple(files), total, time.perf_counter() - started, None)
+
+
 def _default_shards(
-    policy: DefaultShardingPolicy, state: Mapping[str, Any]
+    policy: DefaultShardingPolicy, state: Mapping[str, Any], strings: StringColumns | None = None
 ) -> tuple[list[ShardColumns], SavedTensors]:
     """The default policy's shards, planned on columns without building a ShardableTensor per
     tensor. Its output is valid by construction (every input once, as given, on its own
     task), which is what `shard_tensors` would check; `host_columns` has checked the keys
     (unique, among other rules: shardkit.keys)."""
-    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state)
+    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state, None, strings)
     tasks = {d.task or 0 for d in distinct}
     groups: dict[int, range | list[int]]
     if len(tasks) <= 1:  # one task (always, for numpy arrays)

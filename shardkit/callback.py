@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import operator
+import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from itertools import accumulate, chain, repeat
 from typing import Any, cast
@@ -57,9 +58,28 @@ def _hashable(value: Any) -> Any:
 TaskShard = tuple[int, dict[str, dict[str, Any]]]
 
 
+# TensorFlow's wording of each rule (its sharding_util.validate_shards), so that a test written
+# against TensorFlow's messages matches shardkit's too
+_TF_WORDING: dict[str, str] = {
+    "no tensor duplicated": "multiple tensors with the same checkpoint key and slice spec were "
+                            "found",
+    "no tensor added": "a tensor not originally in the object graph was found in the "
+                       "checkpoint shards",
+    "no shape change": "a tensor was found with an altered shape",
+    "no dtype change": "a tensor was found with an altered dtype",
+    "no task change": "a tensor was found with an altered task",
+    "all tensors of a shard from one task": "tensors with different tasks were found in the "
+                                            "same shard",
+    "no tensor removed": "tensors in the object graph were not found in the checkpoint shards",
+}
+
+
 def _fail(rule: str, description: str, key: str, spec: str, expected: str, found: str) -> None:
+    tf_words = _TF_WORDING.get(rule)
+    said = ("" if tf_words is None else
+            f" (After executing the checkpoint sharding callback, {tf_words})")
     raise ShardingValidationError(
-        f"sharding callback broke the rule {rule!r}.\n"
+        f"sharding callback broke the rule {rule!r}{said}.\n"
         f"  callback: {description}\n"
         f"  key: {key!r}, slice spec: {spec!r}\n"
         f"  expected: {expected}\n"
@@ -350,9 +370,10 @@ def shard_tensors(
     for t in shardable_tensors:
         groups.setdefault(t.device.task or 0, []).append(t)
     description = callback_description(callback)
+    run = _runner(callback)
     out: list[TaskShard] = []
     for task, group in groups.items():
-        shards = callback(group)
+        shards = run(group)
         if isinstance(shards, Mapping) or not isinstance(shards, Sequence):
             raise ShardingValidationError(
                 f"sharding callback broke the rule 'returns a sequence of shards'.\n"
@@ -374,6 +395,37 @@ def shard_tensors(
                     for key, slices in shard.items()
                 }))
     return out
+
+
+def is_sharding_callback(callback: Any) -> bool:
+    """Whether `callback` honours the contract: a shardkit `ShardingCallback`, a TensorFlow
+    ``tf.train.experimental.ShardingCallback``, or any object with a `description` and
+    ``__call__(shardable_tensors)``."""
+    if isinstance(callback, ShardingCallback):
+        return True
+    return (callable(callback) and not isinstance(callback, type)
+            and (hasattr(type(callback), "description") or hasattr(callback, "description")))
+
+
+def _runner(callback: Any) -> Any:
+    """How to call `callback` on shardkit's ShardableTensors: directly, or, for TensorFlow's
+    callbacks, on TensorFlow's own ShardableTensors with the result brought back to the host
+    (`frameworks.tf_sharding`)."""
+    if "tensorflow" in sys.modules and not isinstance(callback, ShardingCallback):
+        from .frameworks import tf_sharding
+
+        if tf_sharding.is_tensorflow_callback(callback):
+            return lambda group: tf_sharding.run_tensorflow_callback(callback, group)
+    return callback
+
+
+def as_tensorflow_callback(callback: ShardingCallback) -> Any:
+    """`callback` as a ``tf.train.experimental.ShardingCallback`` for TensorFlow's own saver:
+    ``tf.train.CheckpointOptions(experimental_sharding_callback=as_tensorflow_callback(p))``.
+    Imports TensorFlow."""
+    from .frameworks import tf_sharding
+
+    return tf_sharding.as_tensorflow_callback(callback)
 
 
 def callback_description(callback: ShardingCallback) -> str:

@@ -52,7 +52,7 @@ from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
 from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
-from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
+from .tensors import SEPARATOR, _is_tf, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
 METADATA_KEY = "shardkit.checkpoint"
@@ -71,7 +71,20 @@ def _is_tensor(x: Any) -> bool:
     if torch is not None and isinstance(x, torch.Tensor):
         return True
     jax = sys.modules.get("jax")
-    return jax is not None and isinstance(x, jax.Array)
+    if jax is not None and isinstance(x, jax.Array):
+        return True
+    return _is_tf(x) or _tf_variable(x)
+
+
+def _tf_variable(x: Any) -> bool:
+    """A TensorFlow (or Keras) variable: restored in place with ``assign``."""
+    return "tensorflow" in sys.modules and _tfw().is_variable(x)
+
+
+def _tfw() -> Any:
+    from .frameworks import tensorflow
+
+    return tensorflow
 
 
 def _tensor_kind(x: Any) -> str:
@@ -82,12 +95,16 @@ def _tensor_kind(x: Any) -> str:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return "torch"
+    if _is_tf(x) or _tf_variable(x):
+        return "tensorflow"
     return "jax"
 
 
 def _object_kind(name: str, obj: Any) -> str:
     if _is_tensor(obj):
         return "array"
+    if "tensorflow" in sys.modules and _tfw().is_trackable(obj):
+        return "tensorflow"  # tf.Module, Keras model / optimizer: TensorFlow's keys
     torch = sys.modules.get("torch")
     if torch is not None:
         if isinstance(obj, torch.optim.Optimizer):
@@ -187,8 +204,11 @@ def _dtype_of(x: Any) -> np.dtype:
     if isinstance(x, (np.ndarray, np.generic)):
         dt = x.dtype
         return dt.newbyteorder("<") if dt.byteorder == ">" else dt
-    if _tensor_kind(x) == "torch":
+    kind = _tensor_kind(x)
+    if kind == "torch":
         return torch_numpy_dtype(x.dtype)
+    if kind == "tensorflow":
+        return _tfw().numpy_dtype(_tfw().tf.as_dtype(x.dtype))
     return np.dtype(x.dtype)
 
 
@@ -211,6 +231,8 @@ def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:
         return t if device is None or device.type == "cpu" else t.to(device)
     if kind == "scalar":
         return array[()]
+    if kind == "tensorflow":
+        return _tfw().tf.convert_to_tensor(np.array(array))
     if kind == "jax":
         jax = importlib.import_module("jax")  # optional; present if the state held JAX arrays
         sharding = getattr(like, "sharding", None)
@@ -233,6 +255,9 @@ def _empty_like_dtensor(like: Any, dtype: np.dtype) -> Any:
 def _copy_into(target: Any, stored: np.ndarray) -> None:
     if isinstance(target, np.ndarray):
         np.copyto(target, stored, casting="equiv")
+        return
+    if _tf_variable(target):
+        target.assign(stored)  # in place: the variable keeps its identity
         return
     if target.device.type == "cpu" and not (target.is_conj() or target.is_neg()):
         np.copyto(to_host(target)[0], stored, casting="no")  # a view of the tensor's memory
@@ -360,7 +385,8 @@ class _Restorer:
             copy_into_dtensor(self.reader, src, current, self.dry)
             return current
         kind = _tensor_kind(current)
-        if kind in ("scalar", "jax"):  # immutable: replaced by a new value of the same kind
+        if kind in ("scalar", "jax") or (kind == "tensorflow" and not _tf_variable(current)):
+            # immutable: replaced by a new value of the same kind
             self.changed = True
             return current if self.dry else _new_value(self.reader.get(src), kind, current)
         if kind == "numpy" and not current.flags.writeable:
@@ -508,7 +534,10 @@ class Checkpoint:
 
     def _current(self, name: str) -> Any:
         obj = self._objects[name]
-        return obj if self._kinds[name] in ("array", "tree") else obj.state_dict()
+        kind = self._kinds[name]
+        if kind == "tensorflow":
+            return _tfw().object_variables(obj)  # {TensorFlow's key: variable}
+        return obj if kind in ("array", "tree") else obj.state_dict()
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         col = _Collector()
@@ -603,6 +632,8 @@ class Checkpoint:
             return
         if kind == "module" and not changed:
             return  # every tensor was copied into the module's own memory
+        if kind == "tensorflow":
+            return  # every variable was assigned in place
         try:
             obj.load_state_dict(new)
         except (KeyError, ValueError, RuntimeError, TypeError) as e:

@@ -9,10 +9,12 @@ OSError) for failures; `main` turns those into a one-line message and exit code 
     shardkit plan FILE.safetensors|FILE.npz|CHECKPOINT [--plot sizes.png]
     shardkit inspect CHECKPOINT
     shardkit verify CHECKPOINT
+    shardkit convert SRC DST [--to tensorflow|shardkit] [--overwrite]
 
 CHECKPOINT is anything the reader opens: a shardkit checkpoint, a HuggingFace sharded
-directory (model.safetensors.index.json) or unsharded one (model.safetensors), or a
-.safetensors file.
+directory (model.safetensors.index.json) or unsharded one (model.safetensors), a
+.safetensors file, or a TensorFlow checkpoint (its prefix, its .index file, or a directory
+with TensorFlow's checkpoint state file).
     shardkit --version
 """
 
@@ -35,7 +37,8 @@ from .profiling import format_table, human_size, plot_shard_sizes, profile
 from .tensors import shardable_tensors
 
 __all__ = [
-    "build_parser", "cmd_demo", "cmd_inspect", "cmd_plan", "cmd_verify", "main", "make_policy",
+    "build_parser", "cmd_convert", "cmd_demo", "cmd_inspect", "cmd_plan", "cmd_verify", "main",
+    "make_policy",
 ]
 
 PROG = "shardkit"
@@ -153,7 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         source = f"model {args.model} ({dtype})"
     elif args.dtype is not None:
         args.parser.error("--dtype applies to built-in models (--model) only")
-    elif os.path.isdir(args.file) or args.file.endswith(".safetensors"):
+    elif (os.path.isdir(args.file) or args.file.endswith((".safetensors", ".index"))
+          or os.path.isfile(args.file + ".index")):  # a checkpoint; a TensorFlow prefix
         state = _stored_shapes(args.file)
         source = args.file
     else:
@@ -320,7 +324,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print(f"{args.path}: {reader.layout.description}, {len(reader)} tensors, "
                   f"{len(index.shards)} shards, {human_size(total)}")
-            print("checksums: none stored (the format has none)")
+            kinds = sorted(set(index.slice_checksum_kind or ())) if reader.layout.checksums else []
+            print(f"checksums: {', '.join(kinds)}" if kinds
+                  else "checksums: none stored (the format has none)")
         if index.user_metadata:
             print(f"metadata: {index.user_metadata}")
         print("\nshards:")
@@ -409,11 +415,50 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- convert
+
+
+def _add_convert_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert between shardkit and TensorFlow (TensorBundle) checkpoints",
+        description=(
+            "Read the checkpoint SRC (anything the reader opens) and write it as DST: a\n"
+            "TensorFlow checkpoint (DST is a prefix: DST.index + DST.data-*) or a shardkit\n"
+            "checkpoint directory. --to defaults to shardkit for a TensorFlow SRC, else\n"
+            "tensorflow. Tensors are memory-mapped and written one by one from the maps, so\n"
+            "memory stays bounded by the page cache, not by the checkpoint's size. Sliced\n"
+            "tensors are written whole."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="checkpoint to read")
+    p.add_argument("dst", metavar="DST", help="checkpoint to write (a prefix for tensorflow)")
+    p.add_argument("--to", choices=("tensorflow", "shardkit"), default=None,
+                   help="format of DST (default: the other one)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .api import save
+    from .reader import load, open_checkpoint
+
+    with open_checkpoint(args.src) as reader:
+        to = args.to or ("shardkit" if reader.format == "tensorbundle" else "tensorflow")
+        count = len(reader)
+    state = load(args.src)  # views of the source's maps: read as they are written
+    info = save(args.dst, state, format=to, overwrite=args.overwrite)
+    print(f"{args.src} -> {info.path} ({to}): {count} tensors, {human_size(info.bytes)}")
+    return 0
+
+
 _SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_demo_parser,
     _add_plan_parser,
     _add_inspect_parser,
     _add_verify_parser,
+    _add_convert_parser,
 ]
 
 

@@ -59,16 +59,22 @@ def open_directory(path: str) -> int:
 
 
 def locate(path: str) -> tuple[str, str | None]:
-    """(directory, file name) of what a reader opens at `path`: a ``.safetensors`` file is
-    read through its parent directory's handle as that one name; anything else is a checkpoint
-    directory (file name None)."""
-    if path.endswith(SAFETENSORS_SUFFIX) and os.path.isfile(path):
+    """(directory, file name) of what a reader opens at `path`: a ``.safetensors`` file, or a
+    TensorFlow ``<prefix>.index`` (also given as the prefix itself, when no such path exists),
+    is read through its parent directory's handle as that one name; anything else is a
+    checkpoint directory (file name None)."""
+    if path.endswith((SAFETENSORS_SUFFIX, BUNDLE_INDEX_SUFFIX)) and os.path.isfile(path):
         directory, name = os.path.split(path)
+        return directory or os.curdir, name
+    if not os.path.exists(path) and os.path.isfile(path + BUNDLE_INDEX_SUFFIX):
+        # a TensorFlow checkpoint prefix: read as its .index file
+        directory, name = os.path.split(path + BUNDLE_INDEX_SUFFIX)
         return directory or os.curdir, name
     return path, None
 
 
 SAFETENSORS_SUFFIX = ".safetensors"
+BUNDLE_INDEX_SUFFIX = ".index"  # a TensorFlow TensorBundle's index file: <prefix>.index
 
 
 def directory_identity(dir_fd: int) -> tuple[int, int]:

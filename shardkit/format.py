@@ -824,6 +824,10 @@ class CheckpointIndex:
     user_metadata: dict[str, Any] = field(default_factory=dict)
     version: str = FORMAT_VERSION
     generation: str | None = None  # shardkit.generation (format 2.1); every shard records it
+    strings: Any = None  # the string tensors (a strings.StringTensors, format 2.3), or None
+    # per stored slice, the algorithm of its `slice_xxh3` value (docs/FORMAT.md, "Checksum
+    # kinds"); None: all "xxh3" (shardkit's own format)
+    slice_checksum_kind: list[str] | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __eq__(self, other: object) -> bool:
@@ -1035,7 +1039,9 @@ def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]
         b',"shape":', shapes, b',"device":', dumps(device_ids),
         b'},"slices":{"tensor":', dumps(index.slice_tensor), b',"spec":', dumps(index.slice_spec),
         b',"shard":', dumps(index.slice_shard), b',"xxh3":',
-    ], [b'},"user_metadata":', user_metadata, b"}}\n"]
+    ], [b'}', *((b',"strings":', dumps(index.strings.section()))
+                 if index.strings is not None else ()),
+        b',"user_metadata":', user_metadata, b"}}\n"]
 
 
 def _dumps(value: Any) -> str:
@@ -1184,10 +1190,22 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
             f"must be 16 "
             f"lowercase hex digits or null, found {_shown(bad_hash)}"
         )
+    strings = None
+    if "strings" in sk:  # format 2.3: string tensors (shardkit.strings)
+        from .strings import decode_section
+
+        strings = decode_section(sk["strings"], path, generation)
+        both = set(strings.keys).intersection(keys)
+        if both:
+            raise CorruptIndexError(f"{path}: key {_shown(min(both))} is both a tensor and a "
+                                    "string tensor")
+        if strings.file in {s.file for s in shards}:
+            raise CorruptIndexError(f"{path}: file {_shown(strings.file)} is listed as a shard "
+                                    "and as the string file")
     index = CheckpointIndex(
         callback, shards, keys, dtypes, list(map(tuple, shapes)),
         list(map(device_names.__getitem__, device_ids)), slice_tensor, slice_spec, slice_shard,
-        slice_xxh3, user_metadata, version, generation,
+        slice_xxh3, user_metadata, version, generation, strings,
     )
     _check_slices(index, path)
     return index

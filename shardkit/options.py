@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .callback import ShardingCallback
+from .callback import ShardingCallback, is_sharding_callback
 from .devices import DeviceSpec
 from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
@@ -66,10 +66,12 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         cb = self.experimental_sharding_callback
-        if cb is not None and not isinstance(cb, ShardingCallback):
+        if cb is not None and not is_sharding_callback(cb):
             raise InvalidArgumentTypeError(
-                "experimental_sharding_callback must be a shardkit.ShardingCallback (subclass it "
-                f"and implement description and __call__), got {type(cb).__name__}"
+                "experimental_sharding_callback must be a sharding callback: a "
+                "shardkit.ShardingCallback, a tf.train.experimental.ShardingCallback, or any "
+                "object with a description property and __call__(shardable_tensors); got "
+                f"{type(cb).__name__}"
             )
         for name in ("enable_async", "durable", "checksum"):
             value = getattr(self, name)

@@ -84,6 +84,7 @@ from .sources import (
     _opener,
     _run_each,
 )
+from .strings import STRING_DTYPE, StringTensors, check_string_framework, kind_dtype
 from .tensors import _gc_paused
 
 MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
@@ -203,15 +204,17 @@ class CheckpointReader:
         # shard headers a foreign layout's adapter parsed already: used on first read when the
         # file is still the one parsed (same stamp), not parsed twice
         self._headers: dict[int, ParsedHeader] = {}
+        self._directory = CheckpointDirectory(self._dir_path, self._dir_fd, self._follow,
+                                              self._files)
         try:
-            self.layout, self._manifest, self.index = _read_index(
-                CheckpointDirectory(self._dir_path, self._dir_fd, self._follow, self._files),
-                single, self._headers)
+            self.layout, self._manifest, self.index = _read_index(self._directory, single,
+                                                                  self._headers)
         except BaseException:
             self._dir_closer()
             raise
         self._manifest_path = os.path.join(self._dir_path, self._manifest)
         self._shard_paths = [os.path.join(self._dir_path, s.file) for s in self.index.shards]
+        self._strings: StringTensors | None = self.index.strings  # string tensors, or None
         self._sources: dict[int, ShardSource] = {}
         self._specs: dict[str, list[SliceSpec]] = {}
         self._lock = threading.Lock()
@@ -230,7 +233,8 @@ class CheckpointReader:
 
     @property
     def format(self) -> str:
-        """The layout read: "shardkit", "huggingface" or "safetensors" (`shardkit.formats`)."""
+        """The layout read: "shardkit", "huggingface", "safetensors" or "tensorbundle"
+        (`shardkit.formats`)."""
         return self.layout.name
 
     @property
@@ -245,21 +249,27 @@ class CheckpointReader:
         return self.index.user_metadata
 
     def keys(self) -> list[str]:
-        """Checkpoint keys in the order they were saved."""
+        """Checkpoint keys in the order they were saved (string tensors last)."""
+        if self._strings is not None:
+            return [*self.index.keys, *self._strings.keys]
         return list(self.index.keys)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.index.keys)
+        return iter(self.keys()) if self._strings is not None else iter(self.index.keys)
 
     def __len__(self) -> int:
-        return len(self.index.keys)
+        return len(self.index.keys) + (0 if self._strings is None else len(self._strings.keys))
 
     def __contains__(self, key: object) -> bool:
         try:
             self.index.row(key)  # type: ignore[arg-type]
         except (KeyError, TypeError):
-            return False
+            return self._is_string(key)
         return True
+
+    def _is_string(self, key: object) -> bool:
+        """Whether `key` is a string tensor (`shardkit.strings`)."""
+        return self._strings is not None and key in self._strings
 
     def __getitem__(self, key: str) -> np.ndarray:
         return self.get(key)
@@ -275,7 +285,12 @@ class CheckpointReader:
         return f"CheckpointReader({self.path!r}, {state})"
 
     def info(self, key: str) -> KeyInfo:
-        """dtype, full shape, device and stored slices (with shard file names) of `key`."""
+        """dtype, full shape, device and stored slices (with shard file names) of `key`.
+
+        A string tensor reports dtype name ``"STRING"``, the numpy dtype of its kind (object for
+        bytes / str), the bytes of its block and one placement, in the string file."""
+        if self._is_string(key):
+            return self._string_info(key)
         t = self._tensor(key)
         shards = self.index.shards
         return KeyInfo(
@@ -302,7 +317,11 @@ class CheckpointReader:
         conv = converter(framework, device)  # checked before anything is read
         self._begin_read()
         try:
-            array = self._get(key)
+            if self._is_string(key):
+                check_string_framework(framework, key)
+                array = self._get_string(key)
+            else:
+                array = self._get(key)
         finally:
             self._end_read()
         return array if conv is None else conv(array, key)
@@ -319,6 +338,18 @@ class CheckpointReader:
             self._end_read()
 
     def _get_many_unlocked(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+        strings = self._strings
+        if strings is not None:  # the string tensors apart, then in the order asked
+            wanted = list(dict.fromkeys(self.keys() if keys is None else keys))
+            stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
+            texts = {k: self._get_string(k) for k in wanted if k in stored}
+            if texts:
+                rest = self._get_tensors(None if keys is None else
+                                         [k for k in wanted if k not in texts])
+                return {k: texts[k] if k in texts else rest[k] for k in wanted}
+        return self._get_tensors(keys)
+
+    def _get_tensors(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
         index = self.index
         if keys is None:
             everything = self._get_everything()
@@ -489,7 +520,13 @@ class CheckpointReader:
         conv = converter(framework, device)  # checked before anything is read
         self._begin_read()
         try:
-            array = self._get_slice(key, index)
+            if self._is_string(key):
+                check_string_framework(framework, key)
+                whole = self._get_string(key)
+                normalize_index(index, whole.shape, key)  # the same checks and errors
+                array = np.array(whole[index], dtype=whole.dtype)
+            else:
+                array = self._get_slice(key, index)
         finally:
             self._end_read()
         return array if conv is None else conv(array, key)
@@ -691,19 +728,33 @@ class CheckpointReader:
 
     def _verify(self, keys: Sequence[str] | None) -> VerifyReport:
         index = self.index
+        strings = self._strings
+        string_rows: list[int] = []
         if keys is None:
             slices: Sequence[int] = range(len(index.slice_tensor))
+            string_rows = [] if strings is None else list(range(len(strings.keys)))
         else:
+            if strings is not None:
+                string_rows = [strings.row(k) for k in keys if k in strings]
+                keys = [k for k in keys if k not in strings]
             for k in keys:
                 self._tensor(k)  # KeyNotFoundError, with a hint
             wanted = {index.row(k) for k in keys}
             slices = [j for j, t in enumerate(index.slice_tensor) if t in wanted]
         opened: list[ShardSource] = []
         try:
-            return self._verify_slices(keys is None, slices, opened)
+            report = self._verify_slices(keys is None, slices, opened)
         finally:
             for src in opened:
                 src.close()
+        if not string_rows:
+            return report
+        assert strings is not None
+        checked, found = strings.verify(self._directory, string_rows)
+        problems = [*report.problems, *(Problem(p.file, p.key, p.what, p.expected, p.found,
+                                                p.error) for p in found)]
+        return VerifyReport(report.checked + checked, problems,
+                            report.checksums_stored or checked > 0)
 
     def _verify_slices(self, everything: bool, slices: Sequence[int],
                        opened: list[ShardSource]) -> VerifyReport:
@@ -717,6 +768,7 @@ class CheckpointReader:
         shapes = index.slice_shapes()
         index_path = self._manifest_path
         manifest = self._manifest
+        kinds = index.slice_checksum_kind
         for i, js in sorted(by_shard.items()):
             src = self._sources.get(i) or self._verify_source(i, index_path, problems, opened)
             if src is None:
@@ -760,14 +812,17 @@ class CheckpointReader:
                     if found is None:  # in a corrupt frame: reported once, as the frame
                         continue
                 else:
-                    found = _xxh3_of(src, entry)
+                    kind = kinds[j] if kinds is not None else "xxh3"
+                    found = (_xxh3_of(src, entry) if kind == "xxh3"
+                             else self.layout.checksum(kind, src, entry))
                 checked += 1
                 if found != recorded:
                     spec = index.slice_spec[j]
                     what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
                             else f"checksum of entry {entry.name!r}")
                     problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
-                                     f"xxh3 {recorded} ({manifest})", found,
+                                     f"{kinds[j] if kinds is not None else 'xxh3'} "
+                                     f"{recorded} ({manifest})", found,
                                      ChecksumError)] = None
         return VerifyReport(checked, list(problems),
                             any(x is not None for x in index.slice_xxh3))
@@ -798,7 +853,9 @@ class CheckpointReader:
             return None
         size = file.size
         try:
-            src = opener(path, dataclasses.replace(info, bytes=size), mmap=self._mmap, file=file)
+            sized = dataclasses.replace(info, bytes=size)
+            src = (self.layout.open_source(self.index, i, path, sized, mmap=self._mmap, file=file)
+                   or opener(path, sized, mmap=self._mmap, file=file))
         except CheckpointFormatError as e:
             file.close()
             if size != info.bytes:
@@ -852,6 +909,35 @@ class CheckpointReader:
         if self._closed:
             raise ReaderClosedError(f"checkpoint reader for {self.path} is closed")
 
+    def _get_string(self, key: str) -> np.ndarray:
+        """String tensor `key`, a new array of its kind (`shardkit.strings`)."""
+        self._check_open()
+        strings = self._strings
+        assert strings is not None
+        try:
+            return strings.read(self._directory, strings.row(key))
+        except MissingShardError:
+            if self._replaced():
+                raise CheckpointReplacedError(
+                    f"{self._dir_path}: the string file is gone: the checkpoint at {self.path} "
+                    "was replaced while this reader had it open; open it again to read the "
+                    "new one") from None
+            raise
+
+    def _string_info(self, key: str) -> KeyInfo:
+        self._check_open()
+        strings = self._strings
+        assert strings is not None
+        row = strings.row(key)
+        return KeyInfo(key, kind_dtype(strings.kinds[row]), STRING_DTYPE, strings.shapes[row],
+                       strings.devices[row], strings.nbytes(row),
+                       (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
+
+    def _check_key(self, key: str) -> None:
+        """KeyNotFoundError (with a hint) unless `key` is a tensor or a string tensor."""
+        if not self._is_string(key):
+            self._tensor(key)
+
     def _tensor(self, key: str) -> TensorInfo:
         self._check_open()
         try:
@@ -897,7 +983,12 @@ class CheckpointReader:
                 opener = _opener(info.codec, path)
                 file = self._open_shard(i)
                 try:
-                    if opener is RawShard:
+                    # a layout whose index places the entries (TensorBundle) opens its own
+                    src = self.layout.open_source(self.index, i, path, info, mmap=self._mmap,
+                                                  file=file)
+                    if src is not None:
+                        pass
+                    elif opener is RawShard:
                         # a foreign layout's headers are in any order: no writer's header to
                         # recognise, parse it
                         expected = self._expected(i) if self.layout is SHARDKIT else None
@@ -925,9 +1016,15 @@ class CheckpointReader:
         """Open (and map) every shard holding `keys` (default: all) now rather than on first
         read, so a concurrent overwrite has only this short window to delete them."""
         index = self.index
+        strings = self._strings
+        if strings is not None and strings.keys and (
+                keys is None or any(k in strings for k in keys)):
+            self._get_string(strings.keys[0])  # reads (and keeps) the string file now
         if keys is None:
             shards: Iterable[int] = range(len(index.shards))
         else:
+            if strings is not None:
+                keys = [k for k in keys if k not in strings]
             rows = index.rows()
             slices = index.slices_of()
             shards = sorted({index.slice_shard[j] for k in keys for j in slices[rows[k]]})
@@ -1171,7 +1268,11 @@ def load(
             with CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks) as reader:
                 if keys is not None:
                     for key in keys:
-                        reader._tensor(key)  # fail on a missing key before reading anything
+                        reader._check_key(key)  # fail on a missing key before reading anything
+                if reader._strings is not None:
+                    for key in reader._strings.keys if keys is None else keys:
+                        if reader._is_string(key):
+                            check_string_framework(framework, key)
                 reader._open_shards(keys)  # right after the index: the window for a replace
                 if verify:
                     reader.verify(keys)

@@ -19,7 +19,7 @@ from .errors import (
     UnsupportedDTypeError,
 )
 from .reader import CheckpointReader
-from .tensors import flatten, to_host
+from .tensors import OBJECT_GRAPH_KEY, expand_targets, flatten, to_host
 
 _LARGE = 1 << 20  # whole tensors from this size on are copied in parallel pieces
 
@@ -38,9 +38,12 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     are symlinks (refused by default)."""
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
-    leaves = flatten(state)
+    targets = expand_targets(state)  # TensorFlow objects: their variables, TensorFlow's keys
+    leaves = flatten(targets)
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
         wanted = {key for key, _ in leaves}
+        if targets is not state:  # the object graph is TensorFlow's bookkeeping, not a value
+            wanted.add(OBJECT_GRAPH_KEY)
         missing = [key for key, _ in leaves if key not in reader]
         unexpected = [key for key in reader.keys() if key not in wanted]
         if not partial:
@@ -51,7 +54,11 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
         plans = []
         boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
         boxes_seen: dict[Any, Any] = {}  # the box per global shape, mesh and placements
+        texts = []  # string tensors: (key, numpy target, the leaf to assign to when not numpy)
         for key, leaf in leaves:
+            if reader._is_string(key):
+                texts.append(_string_target(reader, key, leaf))
+                continue
             t = reader._tensor(key)
             box = None
             if is_dtensor(leaf):  # restored: the box of the global tensor this rank holds
@@ -85,9 +92,16 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
         if verify:
             sliced = {key for key, _, _ in boxes}
             whole = [key for key, *_ in plans if key not in sliced]
+            whole += [key for key, _, _ in texts]
             if whole:
                 reader.verify(whole)
             reader._verify_boxes(boxes)
+        for key, target, assign in texts:
+            stored = reader._get_string(key)
+            if assign is not None:
+                assign(stored)
+            else:
+                target[...] = stored
         # DTensors, and whole targets of a split or a large stored tensor, are read as boxes:
         # one copy from the map (or one read) per stored slice, in parallel, straight into the
         # target, never through a new array (small whole ones: the map view, copied)
@@ -104,9 +118,44 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                 else:
                     np.copyto(target, stored, casting="no")
             if writeback is not None:
-                _torch_copy_back(writeback, target)
-    return CheckpointLoadStatus(str(reader.path), [key for key, *_ in plans], missing,
-                                unexpected)
+                _copy_back(writeback, target)
+    restored = {key for key, *_ in plans} | {key for key, _, _ in texts}
+    return CheckpointLoadStatus(str(reader.path), [k for k, _ in leaves if k in restored],
+                                missing, unexpected)
+
+
+def _string_target(reader: CheckpointReader, key: str, leaf: Any) -> tuple[str, Any, Any]:
+    """(key, numpy array to fill, None) or (key, None, assign) for string tensor `key`;
+    RestoreMismatchError unless `leaf` can take it in place (same kind and shape)."""
+    info = reader.info(key)
+    tf_assign = _tf_string_assign(leaf)
+    if tf_assign is not None:
+        shape, kind_ok = tuple(leaf.shape), True  # any string kind fits tf.string
+        label = "tf.string"
+    elif isinstance(leaf, np.ndarray):
+        shape, kind_ok, label = leaf.shape, leaf.dtype == info.dtype, str(leaf.dtype)
+        if kind_ok and not leaf.flags.writeable:
+            raise RestoreMismatchError(f"cannot restore key {key!r}: the target array is "
+                                       "read-only")
+    else:
+        raise RestoreMismatchError(
+            f"cannot restore string tensor {key!r} in place into a {type(leaf).__name__}: "
+            "only numpy arrays of its dtype and tf.string variables take it (use load())")
+    if tuple(shape) != info.shape or not kind_ok:
+        raise RestoreMismatchError(
+            f"cannot restore key {key!r} from {reader.path}: the checkpoint has string tensor "
+            f"shape {list(info.shape)} dtype {info.dtype}, the target has shape "
+            f"{list(shape)} dtype {label}")
+    return key, (None if tf_assign is not None else leaf), tf_assign
+
+
+def _tf_string_assign(leaf: Any) -> Any:
+    """`leaf.assign` for a tf.string variable, else None (TensorFlow is never imported)."""
+    if "tensorflow" not in sys.modules:
+        return None
+    from .frameworks import tensorflow as tfw
+
+    return tfw.string_assign(leaf)
 
 
 def is_dtensor(value: Any) -> bool:
@@ -132,7 +181,7 @@ def copy_into_dtensor(reader: CheckpointReader, key: str, value: Any, dry: bool 
     target, writeback = _restore_target(local, key)
     reader._read_boxes_into([(key, offset, target)])
     if writeback is not None:
-        _torch_copy_back(writeback, target)
+        _copy_back(writeback, target)
 
 
 def _dtype_label(dt: np.dtype) -> str:
@@ -147,6 +196,12 @@ def _restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any]:
     the leaf does not live in host memory (else None)."""
     if isinstance(leaf, np.ndarray):
         return leaf, None
+    if "tensorflow" in sys.modules:
+        from .frameworks import tensorflow as tfw
+
+        got = tfw.assign_target(leaf, key)
+        if got is not None:
+            return got
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(leaf, torch.Tensor):
         if leaf.device.type == "cpu" and not (leaf.is_conj() or leaf.is_neg()):
@@ -158,6 +213,14 @@ def _restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any]:
         f"cannot restore key {key!r} in place into a {type(leaf).__name__}: only numpy arrays "
         "and torch tensors can be restored in place (use load() for a new dict)"
     )
+
+
+def _copy_back(target: Any, host: np.ndarray) -> None:
+    """Copy the restored `host` array into the leaf: a TensorFlow assign, or a torch copy."""
+    if callable(target):  # a TensorFlow variable's assign (frameworks.tensorflow)
+        target(host)
+    else:
+        _torch_copy_back(target, host)
 
 
 def _torch_copy_back(tensor: Any, host: np.ndarray) -> None:

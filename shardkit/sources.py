@@ -34,6 +34,7 @@ from .format import (
 
 READ_CHUNK = 8 * 1024 * 1024  # bytes per pread job; big enough that syscall cost vanishes
 _PARALLEL_MIN = 2 * READ_CHUNK
+_ADVISE_MIN = 64 * 1024 * 1024  # bytes of a whole-array read from which readahead is asked for
 _PARALLEL_MIN_ENTRY = 256 * 1024  # mean entry size from which whole-entry reads go in parallel
 
 
@@ -157,7 +158,10 @@ class RawShard(ShardSource):
         ends = starts + nbytes[order]
         cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # a run ends where a gap begins
         reads = []
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]):
+        runs = list(zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]))
+        self._will_need([(self.data_start + int(starts[lo]), int(ends[hi - 1] - starts[lo]))
+                         for lo, hi in runs])
+        for lo, hi in runs:
             run_arrays = [arrays[j] for j in order[lo:hi].tolist()]
             for bufs, at, want in _read_pieces(run_arrays, self.data_start + int(starts[lo]),
                                                READ_CHUNK):
@@ -167,6 +171,21 @@ class RawShard(ShardSource):
             run = _run_each
         run(reads)
         return arrays
+
+    def _will_need(self, ranges: list[tuple[int, int]]) -> None:
+        """Tell the kernel that the byte ranges (offset, length) are read next, so that it
+        reads them ahead in large requests. Without it, a file not in the page cache is read
+        at the pace of the default readahead window, which chunks read by two threads in turn
+        keep small: a cold 1.5 GB TensorBundle read took 4-6 s here against 1.5-2.5 s with the
+        advice (TensorFlow's one sequential reader: 1.9-2.7 s). About 0.1 ms when cached."""
+        if not hasattr(os, "posix_fadvise") or sum(n for _, n in ranges) < _ADVISE_MIN:
+            return
+        with self._file as fd:
+            for at, n in ranges:
+                try:
+                    os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED)
+                except OSError:  # advice only (some file systems refuse it)
+                    return
 
     def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
         with self._file as fd:

@@ -34,6 +34,8 @@ from .keys import check_keys, key_problem
 from .slices import WHOLE
 
 SEPARATOR = "/"
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+"""Where TensorFlow (and shardkit, for TensorFlow objects) stores the object graph proto."""
 DEFAULT_DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
@@ -81,15 +83,18 @@ class ShardableTensor:
 DeviceArg = str | DeviceSpec | Callable[[str], "str | DeviceSpec"] | None
 
 
-def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None) -> list[ShardableTensor]:
+def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None,
+                      strings: Any = None) -> list[ShardableTensor]:
     """Flatten `state` (nested dicts / lists of arrays) into ShardableTensors, one per leaf.
 
     Keys are joined with ``/``. `device` overrides the device of every tensor: a device string,
     a DeviceSpec, or a callable from checkpoint key to either. By default a tensor keeps the
-    device it lives on (task 0, CPU for numpy).
+    device it lives on (task 0, CPU for numpy). `strings`: a `strings.StringColumns` that
+    takes the string tensors (numpy bytes / str / object arrays, tf.string) out of the
+    result; without it they are refused.
     """
     with _gc_paused():
-        c = host_columns(state, device)
+        c = host_columns(state, device, strings)
         return list(map(_new_shardable, c.arrays, c.dtypes, c.devices, c.keys, c.shapes,
                         repeat(WHOLE), c.keys))
 
@@ -108,9 +113,10 @@ class HostColumns(NamedTuple):
     distinct_devices: list[DeviceSpec]
 
 
-def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColumns:
+def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
+                 strings: Any = None) -> HostColumns:
     """`shardable_tensors` column-wise, without building a ShardableTensor each (the default
-    policy does not need them)."""
+    policy does not need them); `strings` as there."""
     default = DeviceSpec.from_string(DEFAULT_DEVICE)
     fixed = None if device is None or callable(device) else _as_device(device)
     keys, arrays = flatten_columns(state)
@@ -119,12 +125,37 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColu
     described = _table.describe_arrays(arrays, STORABLE)  # one pass over plain numpy leaves
     if described is None:  # framework tensors, other types or byte orders: convert those
         ndarray, storable = np.ndarray, STORABLE
+        taken: list[int] = []
+        tf_rows: list[int] = []  # TensorFlow values: converted in one batch
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in storable):
+                if _is_tf(value):  # strings among them too: sorted out in the batch
+                    tf_rows.append(i)
+                    continue
+                if strings is not None and _string_leaf(value, key, strings, device):
+                    taken.append(i)
+                    continue
                 arrays[i], dev = to_host(value, key)
                 if dev is not None:
                     devices[i] = dev
                     moved = True
+        if tf_rows:
+            hosts = _tf().host_arrays([arrays[i] for i in tf_rows], [keys[i] for i in tf_rows],
+                                      strings=strings is not None)
+            for i, got in zip(tf_rows, hosts):
+                if got is None:  # a tf.string value
+                    _string_leaf(arrays[i], keys[i], strings, device)
+                    taken.append(i)
+                else:
+                    arrays[i], devices[i] = got
+            taken.sort()
+            moved = True
+        if taken:  # string tensors went to `strings`: the columns without them
+            gone = set(taken)
+            keep = [i for i in range(len(keys)) if i not in gone]
+            keys = [keys[i] for i in keep]
+            arrays = [arrays[i] for i in keep]
+            devices = [devices[i] for i in keep]
         described = _table.describe_arrays(arrays, STORABLE) or (
             list(map(_dtype_of, arrays)), _table.array_nbytes(arrays),
             list(map(_shape_of, arrays)))
@@ -141,6 +172,24 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None) -> HostColu
 
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
+
+
+def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:
+    """Put `value` in `strings` if it is a string tensor; whether it was one."""
+    from .strings import is_string_array
+
+    array, dev = value, None
+    if _is_tf(value):
+        if not _tf().tf_is_string(value):
+            return False
+        array, dev = _tf().string_to_host(value)
+    elif not is_string_array(value):
+        return False
+    if device is not None:
+        dev = _as_device(device(key) if callable(device) else device)
+    strings.add(key, np.asarray(array), (dev.to_string() if dev is not None
+                                         else DEFAULT_DEVICE))
+    return True
 
 
 def _fast_constructor(cls: type) -> Callable[..., Any]:
@@ -321,10 +370,11 @@ def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
     """A host numpy array for `value` and the device it came from (None for host memory)."""
     if type(value) is np.ndarray:
         array, dev = value, None
-    elif _is_torch(value) or _is_jax(value):
-        framework = "torch" if _is_torch(value) else "jax"
+    elif _is_torch(value) or _is_jax(value) or _is_tf(value):
+        framework = "torch" if _is_torch(value) else "jax" if _is_jax(value) else "tensorflow"
         try:
-            array, dev = (_torch_to_host if framework == "torch" else _jax_to_host)(value)
+            array, dev = (_torch_to_host if framework == "torch" else _jax_to_host
+                          if framework == "jax" else _tf().to_host)(value)
         except Exception as e:  # sparse or meta tensors, deleted or unaddressable arrays...
             raise UnsupportedDTypeError(
                 f"{key!r}: cannot copy this {framework} {type(value).__name__} to a host array: "
@@ -374,6 +424,47 @@ def _is_torch(value: Any) -> bool:
 def _is_jax(value: Any) -> bool:
     jax = sys.modules.get("jax")
     return jax is not None and isinstance(value, jax.Array)
+
+
+_TF_TYPES: dict[type, bool] = {}  # type -> whether its instances are tf.Tensor / tf.Variable
+
+
+def _is_tf(value: Any) -> bool:
+    """A tf.Tensor or tf.Variable (TensorFlow is imported already if one exists); decided
+    once per type (isinstance against TensorFlow's abstract classes is slow)."""
+    known = _TF_TYPES.get(type(value))
+    if known is not None:
+        return known
+    if "tensorflow" not in sys.modules:
+        return False
+    got = _TF_TYPES[type(value)] = bool(_tf().is_tf_value(value))
+    return got
+
+
+def expand_objects(state: Any) -> Any:
+    """`state` with TensorFlow objects (tf.Module, Keras models and optimizers...) flattened to
+    TensorFlow's checkpoint keys (`frameworks.tensorflow.expand`); anything else unchanged."""
+    if "tensorflow" not in sys.modules:
+        return state
+    return _tf().expand(state)
+
+
+def expand_targets(state: Any) -> Any:
+    """`expand_objects` for restore targets: TensorFlow objects' variables under their keys."""
+    if "tensorflow" not in sys.modules:
+        return state
+    return _tf().expand_targets(state)
+
+
+_TF_MODULE: list[Any] = []
+
+
+def _tf() -> Any:
+    if not _TF_MODULE:
+        from .frameworks import tensorflow
+
+        _TF_MODULE.append(tensorflow)
+    return _TF_MODULE[0]
 
 
 @lru_cache(maxsize=1)

@@ -38,6 +38,7 @@ from .callback import TaskShard
 from .dtypes import safetensors_name
 from .errors import InvalidArgumentError, ShardkitError
 from .slices import parse_slice_spec
+from .strings import STRING_FILE, STRINGS_VERSION, StringColumns, StringFile, write_string_file
 from .tensors import ShardableTensor
 
 _T = TypeVar("_T")
@@ -159,6 +160,7 @@ def write_shards(
     generation: str | None = None,
     first_shard: int = 0,
     shard_count: int | None = None,
+    strings: StringColumns | None = None,
 ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
     """Write `shards` (validated callback output) into `directory` as shard files.
 
@@ -170,7 +172,9 @@ def write_shards(
     `generation`: the checkpoint's unique id, recorded in the index and in every shard header
     (default: a fresh `format.new_generation`). `first_shard` / `shard_count`: the number of
     the first of these shards among `shard_count` in the whole checkpoint, for file names (a
-    rank of a collective save writes some of them; default: these are all).
+    rank of a collective save writes some of them; default: these are all). `strings`: string
+    tensors, written to their own file (`shardkit.strings`; the manifest then records format
+    2.3).
     """
     if compression not in (None, "zstd"):
         raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
@@ -182,8 +186,14 @@ def write_shards(
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
     bar = _progress_bar(total, progress)
 
+    string_file = (_write_strings(Path(directory), strings, generation, checksum, durable)
+                   if strings is not None and strings.keys else None)
+
     def describe() -> tuple[fmt.CheckpointIndex, tuple[list[bytes], list[bytes]]]:
         index = _index(plans, saved, description, user_metadata or {}, codec, generation)
+        if string_file is not None:
+            index.strings = string_file
+            index.version = STRINGS_VERSION
         return index, fmt.encode_index_parts(index)
 
     try:
@@ -199,6 +209,24 @@ def write_shards(
             bar.close()
     index.set_checksums(_checksums(plans, checksum))
     return index, fmt.index_chunks(index, parts)
+
+
+def _write_strings(directory: Path, strings: StringColumns, generation: str, checksum: bool,
+                   durable: bool) -> StringFile:
+    path = directory / STRING_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    except OSError as e:
+        raise _io_error(e, "creating", path) from e
+    try:
+        made = write_string_file(fd, strings, generation, checksum)
+        if durable:
+            os.fsync(fd)
+    except OSError as e:
+        raise _io_error(e, "writing", path) from e
+    finally:
+        os.close(fd)
+    return made
 
 
 def _plan(directory: Path, shards: Sequence[ShardColumns], codec: str, generation: str,

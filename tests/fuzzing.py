@@ -57,7 +57,19 @@ def seed_state() -> dict[str, np.ndarray]:
         "step": np.array(1234, np.int64),
         "lr": np.array(0.125, np.float64),
         "empty": np.zeros((0, 3), np.uint16),
+        **seed_strings(),
     }
+
+
+def seed_strings() -> dict[str, np.ndarray]:
+    """String tensors of every kind (docs/FORMAT.md section 2.3), in the seeds' string file."""
+    vocab = np.empty(4, object)
+    vocab[:] = [b"alpha", b"", b"\x00\xff\x00", b"z" * 40]
+    word = np.empty((), object)
+    word[()] = "h\u00e9llo"
+    return {"text/vocab": vocab, "text/word": word,
+            "text/names": np.array([["ab", "c"], ["", "d\u00e9f"]]),
+            "text/tags": np.array([b"x", b"yz", b""], "S3")}
 
 
 def make_seeds(root: Path) -> dict[str, Path]:
@@ -69,7 +81,7 @@ def make_seeds(root: Path) -> dict[str, Path]:
     state = seed_state()
     root.mkdir(parents=True, exist_ok=True)
     np.savez(root / "original.npz", **{k.replace("/", "|"): _storable(v) for k, v in
-                                        state.items()})
+                                        state.items() if v.dtype.kind not in "OSU"})
     seeds = {"raw": root / "raw", "zstd": root / "zstd"}
     policy = shardkit.MaxShardSizePolicy(max_shard_size=1024)
     # the seeds hold tensors stored as slices on purpose: each save warns that HuggingFace
@@ -80,7 +92,124 @@ def make_seeds(root: Path) -> dict[str, Path]:
         shardkit.save(seeds["zstd"], state, sharding_callback=shardkit.MaxShardSizePolicy(4096),
                       compression="zstd", chunk_size=256, durable=False)
     assert [w.category for w in caught] == [shardkit.SplitTensorsWarning] * 2
+    # a TensorFlow TensorBundle (the same state, split into slices over several data files),
+    # with TensorFlow's checkpoint state file, so that the directory opens as the checkpoint
+    seeds["tb"] = root / "tb"
+    shardkit.save(seeds["tb"] / TB_PREFIX, state, sharding_callback=shardkit.MaxShardSizePolicy(
+        max_shard_size=1024), format="tensorflow", durable=False)
+    (seeds["tb"] / "checkpoint").write_text(f'model_checkpoint_path: "{TB_PREFIX}"\n')
     return seeds
+
+
+TB_PREFIX = "ckpt-1"
+
+
+def is_tensorbundle(path: str | Path) -> bool:
+    """Whether a mutant is of the TensorBundle seed (the directory has TensorFlow's state
+    file)."""
+    return os.path.lexists(os.path.join(path, "checkpoint"))
+
+
+def as_tensorbundle_reads(original: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`original` as a TensorBundle gives it back: string tensors as object arrays of bytes
+    (str as UTF-8), TensorFlow's form."""
+    out = {}
+    for k, v in original.items():
+        if v.dtype.kind in "OSU":
+            items = [x.encode("utf-8") if isinstance(x, str) else bytes(x)
+                     for x in v.reshape(-1).tolist()]
+            a = np.empty(len(items), object)
+            a[:] = items
+            v = a.reshape(v.shape)
+        out[k] = v
+    return out
+
+
+def table_entries(data: bytes) -> list[tuple[bytes, bytes]]:
+    from shardkit.formats.tensorbundle.table import read_table
+
+    return read_table(data, "mutant.index")
+
+
+def table_bytes(items: list[tuple[bytes, bytes]]) -> bytes:
+    """A table of `items` with every block checksum sealed (keys sorted, as a table needs)."""
+    from shardkit.formats.tensorbundle.table import build_table
+
+    return build_table(sorted(dict(items).items()))
+
+
+def table_blocks(data: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of every block of a table: data blocks, metaindex, index."""
+    from shardkit.formats.tensorbundle import table as t
+
+    footer = data[-t.FOOTER_SIZE:]
+    meta_off, pos = t.get_varint(footer, 0, 40)
+    meta_size, pos = t.get_varint(footer, pos, 40)
+    off, pos = t.get_varint(footer, pos, 40)
+    size, _ = t.get_varint(footer, pos, 40)
+    blocks = []
+    for _, handle in t._entries(memoryview(data)[off : off + size], "x", "index"):
+        b_off, p = t.get_varint(handle, 0, len(handle))
+        blocks.append((b_off, t.get_varint(handle, p, len(handle))[0]))
+    return [*blocks, (meta_off, meta_size), (off, size)]
+
+
+def reseal_block(data: bytes, offset: int, size: int) -> bytes:
+    """Recompute one block's trailer checksum, so a mutation inside reaches the parser."""
+    from shardkit.formats.tensorbundle.crc import crc32c, mask
+
+    crc = struct.pack("<I", mask(crc32c(data[offset : offset + size + 1])))
+    return data[: offset + size + 1] + crc + data[offset + size + 5 :]
+
+
+def edit_proto(value: bytes, header: bool, rnd: random.Random) -> bytes:
+    """One field of a BundleEntryProto (or the BundleHeaderProto) changed to a hostile value."""
+    from shardkit.formats.tensorbundle import protos
+
+    if header:
+        h = protos.BundleHeaderProto.FromString(value)
+        field = rnd.choice(["num_shards", "endianness", "producer", "min_consumer", "bad"])
+        if field == "num_shards":
+            h.num_shards = rnd.choice([0, -1, h.num_shards + 1, h.num_shards - 1, 2**31 - 1])
+        elif field == "endianness":
+            h.endianness = 1
+        elif field == "producer":
+            h.version.producer = rnd.choice([-1, 0, 2, 2**31 - 1])
+        elif field == "min_consumer":
+            h.version.min_consumer = rnd.choice([1, 2, -1])
+        else:
+            h.version.bad_consumers.append(rnd.choice([0, 1]))
+        return bytes(h.SerializeToString())
+    e = protos.BundleEntryProto.FromString(value)
+    hostile = [0, 1, -1, 2**31 - 1, 2**40, -(2**62), 7]
+    field = rnd.choice(["dtype", "shard_id", "offset", "size", "crc32c", "dim", "rank",
+                        "slice", "slices_drop", "unknown_rank"])
+    if field == "dtype":
+        e.dtype = rnd.choice([0, 1, 2, 3, 7, 8, 14, 19, 20, 21, 23, 29, 101, 999])
+    elif field in ("shard_id",):
+        e.shard_id = rnd.choice([-1, 1, 2, 2**31 - 1, e.shard_id + 1])
+    elif field in ("offset", "size"):
+        setattr(e, field, rnd.choice([*hostile, getattr(e, field) + rnd.choice((-1, 1, 4))]))
+    elif field == "crc32c":
+        e.crc32c ^= 1 << rnd.randrange(32)
+    elif field == "dim" and len(e.shape.dim):
+        d = rnd.choice(e.shape.dim)
+        d.size = rnd.choice([*hostile, d.size + 1, d.size - 1])
+    elif field == "rank":
+        e.shape.dim.add(size=rnd.choice([0, 1, 2]))
+    elif field == "slice" and len(e.slices):
+        ext = rnd.choice(rnd.choice(e.slices).extent)
+        if rnd.random() < 0.3:
+            ext.ClearField("length")
+        else:
+            setattr(ext, rnd.choice(["start", "length"]), rnd.choice(hostile))
+    elif field == "slices_drop" and len(e.slices):
+        del e.slices[rnd.randrange(len(e.slices))]
+    elif field == "unknown_rank":
+        e.shape.unknown_rank = True
+    else:
+        e.slices.add().extent.add(start=0, length=1)
+    return bytes(e.SerializeToString())
 
 
 def _storable(a: np.ndarray) -> np.ndarray:
@@ -93,6 +222,7 @@ def load_original(root: Path) -> dict[str, np.ndarray]:
     with np.load(root / "original.npz") as z:
         out = {k.replace("|", "/"): z[k] for k in z.files}
     out["model/embed"] = out["model/embed"].view(ml_dtypes.bfloat16)
+    out.update(seed_strings())  # not in the npz (object arrays need pickle): rebuilt
     return out
 
 
@@ -274,6 +404,13 @@ def set_recorded_size(index: bytes, name: str, size: int) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def set_string_file_size(index: bytes, size: int) -> bytes:
+    """The manifest `index` with the string file's recorded byte count set to `size`."""
+    doc = json.loads(index)
+    doc["shardkit"]["strings"]["bytes"] = size
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def copy_checkpoint(seed: Path, dest: Path) -> None:
     shutil.copytree(seed, dest)
 
@@ -290,12 +427,17 @@ def _index_forms(shape: tuple[int, ...]) -> list[Any]:
     return forms
 
 
+def _content(a: np.ndarray) -> Any:
+    """What makes two arrays equal: their bytes, or their elements for object arrays."""
+    return a.tolist() if a.dtype.kind == "O" else a.tobytes()
+
+
 def _same(got: dict[str, np.ndarray], original: dict[str, np.ndarray]) -> bool:
     if list(got) != list(original) and set(got) != set(original):
         return False
     for k, a in original.items():
         b = np.asarray(got[k])
-        if b.dtype != a.dtype or b.shape != a.shape or b.tobytes() != a.tobytes():
+        if b.dtype != a.dtype or b.shape != a.shape or _content(b) != _content(a):
             return False
     return True
 
@@ -342,9 +484,11 @@ def run_entry_points(path: str, original: dict[str, np.ndarray]) -> dict[str, st
                 info = r.info(k)
                 for form in _index_forms(info.shape):
                     part = np.array(r.get_slice(k, form))
-                    if k in original:
-                        want = original[k][form]
-                        if part.shape != want.shape or part.tobytes() != want.tobytes():
+                    if k in original and info.shape != original[k].shape:
+                        got[k] = part  # another shape (a resealed index edit): wrong data
+                    elif k in original:
+                        want = np.array(original[k][form], dtype=original[k].dtype)
+                        if part.shape != want.shape or _content(part) != _content(want):
                             got[k] = part  # a wrong slice: report it as wrong data
         return got
 
@@ -398,8 +542,9 @@ def serve(seeds: Path) -> None:
     import shardkit  # noqa: F401  (imported once, before any fork)
 
     original = load_original(seeds)
-    for seed in ("raw", "zstd"):  # warm up: every lazy import and first-use cost, paid once
-        run_entry_points(str(seeds / seed), original)
+    tb_original = as_tensorbundle_reads(original)
+    for seed in ("raw", "zstd", "tb"):  # warm up: every lazy import and first-use cost, once
+        run_entry_points(str(seeds / seed), tb_original if seed == "tb" else original)
     for line in sys.stdin:
         path = line.strip()
         r, w = os.pipe()
@@ -412,7 +557,7 @@ def serve(seeds: Path) -> None:
                     os.kill(os.getpid(), signal.SIGSEGV)
                 if path == "!sleep":
                     time.sleep(TIMEOUT + 5)
-                _child(path, original, w)
+                _child(path, tb_original if is_tensorbundle(path) else original, w)
             except BaseException:
                 code = 3
             os._exit(code)

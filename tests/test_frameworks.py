@@ -111,7 +111,7 @@ def test_numpy_is_the_identity(every_dtype):
     assert to_framework(a) is a
     got = shardkit.load(path, framework="numpy", device="cpu")
     assert all(type(v) is np.ndarray and bits(v) == bits(state[k]) for k, v in got.items())
-    assert FRAMEWORKS == ("numpy", "torch", "jax")
+    assert FRAMEWORKS == ("numpy", "torch", "jax", "tensorflow")
     assert convert_all({"a": a}, None)["a"] is a
 
 
@@ -382,9 +382,9 @@ def test_unknown_framework_names_the_options(tmp_path, call):
                "get": lambda **kw: r.get("a", **kw),
                "get_slice": lambda **kw: r.get_slice("a", 0, **kw)}[call]
         with pytest.raises(InvalidArgumentError,
-                           match=r"unknown framework 'tensorflow'; choose 'numpy' \(the "
-                                 r"default\), 'torch' or 'jax'"):
-            run(framework="tensorflow")
+                           match=r"unknown framework 'tf'; choose 'numpy' \(the "
+                                 r"default\), 'torch', 'jax' or 'tensorflow'"):
+            run(framework="tf")
         with pytest.raises(InvalidArgumentTypeError, match="framework must be a str"):
             run(framework=torch)
         with pytest.raises(InvalidArgumentError, match="numpy arrays live in host memory"):

@@ -143,11 +143,12 @@ def test_release_build_is_parallel_without_debug_info():
     assert setup["nthreads"] == (cpus if cpus > 1 else 0)
     assert setup["force"] is False and setup["boundscheck"] is False
     exts = setup["exts"]
-    assert set(exts) == {"_gather", "_mmap", "_packing", "_shuffle", "_sizes", "_table", "_views"}
+    assert set(exts) == {"_gather", "_mmap", "_packing", "_shuffle", "_sizes", "_sstable",
+                         "_table", "_views"}
     for name, (sources, flags, macros) in exts.items():
         assert flags[0] == "-g0", name  # after Python's own -g: no debug info
-        assert flags[1] == ("-O3" if name in {"_gather", "_packing", "_shuffle", "_table"}
-                            else "-O2"), name
+        hot = {"_gather", "_packing", "_shuffle", "_sstable", "_table"}
+        assert flags[1] == ("-O3" if name in hot else "-O2"), name
         # The xxHash dispatcher is compiled once, into the one kernel that hashes.
         dispatch = [s for s in sources if "xxh_x86dispatch" in s]
         x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")

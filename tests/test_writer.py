@@ -539,7 +539,7 @@ def test_options_and_conflicts(tmp_path, rng):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"experimental_sharding_callback": "by-task"}, TypeError, "must be a shardkit"),
+        ({"experimental_sharding_callback": "by-task"}, TypeError, "must be a sharding callback"),
         ({"durable": 1}, TypeError, "durable must be True or False, got 1"),
         ({"threads": 0}, ValueError, "threads must be at least 1, got 0"),
         ({"threads": True}, TypeError, "threads must be a positive int or None"),
@@ -705,7 +705,8 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
     device = (None if tasks == 1 else
               (lambda key: f"/job:worker/task:{len(key) % 2}/device:CPU:0"))
     columns = tensors_module.host_columns
-    monkeypatch.setattr(api, "host_columns", lambda state: columns(state, device))
+    monkeypatch.setattr(api, "host_columns",
+                        lambda state, _device=None, strings=None: columns(state, device, strings))
     monkeypatch.setattr(api, "SINGLE_SHARD_BELOW", 0)  # several shards per task
     policy = api.DefaultShardingPolicy(threads=3)
 
@@ -722,7 +723,8 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
     api.save(tmp_path / "fast", flat, sharding_callback=policy, durable=False)
     assert seen  # the column path ran
     general = api.shardable_tensors
-    monkeypatch.setattr(api, "shardable_tensors", lambda state: general(state, device))
+    monkeypatch.setattr(api, "shardable_tensors",
+                        lambda state, strings=None: general(state, device, strings))
     api.save(tmp_path / "slow", flat, sharding_callback=Wrapped(), durable=False)
     fast, slow = sorted((tmp_path / "fast").iterdir()), sorted((tmp_path / "slow").iterdir())
     assert [f.name for f in fast] == [f.name for f in slow] and len(fast) > 2

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 
 if os.environ.get("SHARDKIT_PUREPYTHON", "") == "1":
-    from .._reference import _gather, _mmap, _packing, _shuffle, _sizes, _table, _views
+    from .._reference import _gather, _mmap, _packing, _shuffle, _sizes, _sstable, _table, _views
 
     PURE_PYTHON = True
 else:
     try:
-        from . import _gather, _mmap, _packing, _shuffle, _sizes, _table, _views  # type: ignore[no-redef]
+        from . import _gather, _mmap, _packing, _shuffle, _sizes, _sstable, _table, _views  # type: ignore[no-redef]
     except ImportError as e:
         raise ImportError(
             f"shardkit's compiled kernels are missing or broken ({e}). shardkit does not run "
@@ -26,4 +26,5 @@ else:
         ) from e
     PURE_PYTHON = False
 
-__all__ = ["PURE_PYTHON", "_gather", "_mmap", "_packing", "_shuffle", "_sizes", "_table", "_views"]
+__all__ = ["PURE_PYTHON", "_gather", "_mmap", "_packing", "_shuffle", "_sizes", "_sstable",
+           "_table", "_views"]

@@ -15,7 +15,10 @@ asked) and name every file they open with `format.check_shard_file_name` first.
 - a directory whose manifest (``model.safetensors.index.json``, else ``index.json``) has
   shardkit's section: `SHARDKIT`; ``index.json`` is always shardkit's;
 - ``model.safetensors.index.json`` without it: `HUGGINGFACE` (``metadata`` + ``weight_map``);
-- no manifest but a ``model.safetensors`` (an unsharded ``save_pretrained``): `SAFETENSORS`.
+- no manifest but a ``model.safetensors`` (an unsharded ``save_pretrained``): `SAFETENSORS`;
+- a TensorFlow ``<prefix>.index`` file (or the prefix: `files.locate`), or a directory with
+  TensorFlow's ``checkpoint`` state file (its ``model_checkpoint_path``, the latest):
+  `TENSORBUNDLE` (`shardkit.formats.tensorbundle`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Final
 import orjson
 
 from ..errors import CheckpointNotFoundError, CheckpointReplacedError
-from ..files import CheckpointDirectory
+from ..files import BUNDLE_INDEX_SUFFIX, CheckpointDirectory
 from ..format import (
     LEGACY_MANIFEST_FILE,
     MANIFEST_FILE,
@@ -38,6 +41,8 @@ from ..format import (
 from .base import FormatAdapter, ParsedHeader
 from .huggingface import HUGGINGFACE, SAFETENSORS
 from .shardkit import SHARDKIT
+from .tensorbundle.adapter import TENSORBUNDLE, state_target
+from .tensorbundle.names import STATE_FILE as TF_STATE_FILE
 
 HF_INDEX_FILE: Final = MANIFEST_FILE
 """HuggingFace's sharded-checkpoint manifest (transformers' SAFE_WEIGHTS_INDEX_NAME), which is
@@ -61,6 +66,8 @@ class Detected:
 def detect(directory: CheckpointDirectory, single: str | None = None) -> Detected:
     """The layout of the checkpoint in `directory` (opened), or of its file `single`."""
     if single is not None:
+        if single.endswith(BUNDLE_INDEX_SUFFIX):
+            return Detected(TENSORBUNDLE, single, None)
         return Detected(SAFETENSORS, single, None)
     for name in MANIFEST_NAMES:
         data = directory.read_manifest(name, MAX_INDEX_BYTES)
@@ -71,14 +78,19 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
         return Detected(HUGGINGFACE, name, data)
     if directory.has(HF_SINGLE_FILE):
         return Detected(SAFETENSORS, HF_SINGLE_FILE, None)
+    if directory.has(TF_STATE_FILE):  # tf.train.CheckpointManager's directory: its latest
+        latest = state_target(directory)
+        if latest is not None:
+            return Detected(TENSORBUNDLE, latest, None)
     if os.fstat(directory.dir_fd).st_nlink == 0:  # replaced and deleted since it was opened
         raise CheckpointReplacedError(
             f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
             "again to read the new one")
     raise CheckpointNotFoundError(
         f"no checkpoint at {directory.path}: {MANIFEST_FILE} is missing (nor is there an "
-        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, or a {HF_SINGLE_FILE}; an unfinished save "
-        "leaves no manifest; the directory is not a complete shardkit checkpoint)"
+        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, or a {HF_SINGLE_FILE}, or TensorFlow's "
+        f"{TF_STATE_FILE} state file; an unfinished save leaves no manifest; the directory is "
+        "not a complete shardkit checkpoint)"
     )
 
 
@@ -106,5 +118,5 @@ def _is_shardkit(data: bytes) -> bool:
 
 __all__ = [
     "HF_INDEX_FILE", "HF_SINGLE_FILE", "HUGGINGFACE", "MANIFEST_NAMES", "SAFETENSORS",
-    "SHARDKIT", "Detected", "FormatAdapter", "ParsedHeader", "detect", "read_index",
+    "SHARDKIT", "TENSORBUNDLE", "Detected", "FormatAdapter", "ParsedHeader", "detect", "read_index",
 ]

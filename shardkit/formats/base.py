@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..files import CheckpointDirectory
-from ..format import CheckpointIndex, EntryLayout
+from ..format import CheckpointIndex, EntryLayout, ShardInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,17 @@ class FormatAdapter:
     def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
                    headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:
         raise NotImplementedError
+
+    def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
+                    mmap: bool, file: Any) -> Any:
+        """The shard source of shard `i` when the layout's index, not a shard header, says
+        where its entries are (TensorBundle); None: the codec's source reads the header."""
+        return None
+
+    def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
+        """The checksum of kind `kind` (an `index.slice_checksum_kind` other than "xxh3") of
+        `entry` of source `src`, as the index records it."""
+        raise NotImplementedError(f"{self.name} records no checksums of kind {kind!r}")
 
     def __repr__(self) -> str:
         return f"<format adapter {self.name}>"

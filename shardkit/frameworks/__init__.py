@@ -21,13 +21,13 @@ import numpy as np
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
 from ..tensors import _gc_paused
 
-FRAMEWORKS: tuple[str, ...] = ("numpy", "torch", "jax")
-"""The values of ``framework=``: "numpy" (the default), "torch", "jax"."""
+FRAMEWORKS: tuple[str, ...] = ("numpy", "torch", "jax", "tensorflow")
+"""The values of ``framework=``: "numpy" (the default), "torch", "jax", "tensorflow"."""
 
 Converter = Callable[[np.ndarray, str], Any]
 """Converts one stored array (and names its key in errors) to a framework tensor."""
 
-_OPTIONS = "'numpy' (the default), 'torch' or 'jax'"
+_OPTIONS = "'numpy' (the default), 'torch', 'jax' or 'tensorflow'"
 
 
 def converter(framework: str = "numpy", device: Any = None) -> Converter | None:

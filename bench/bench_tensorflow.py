@@ -1,0 +1,145 @@
+"""TensorFlow variables: tf.train.Checkpoint against shardkit, in one run, alternating.
+
+    python bench/bench_tensorflow.py                  # both workloads, full size
+    python bench/bench_tensorflow.py --quick --check  # smaller states; exit 1 on a missed target
+
+The llm-like and many-small states of `_workloads` become tf.Variables (one per tensor, flat
+names). Each round, in this order: ``tf.train.Checkpoint(**variables).write(prefix)``,
+``shardkit.save(path, variables)``, ``Checkpoint.read(prefix)``, ``shardkit.restore_into(path,
+variables)`` (in place), and, when shardkit reads TensorBundle checkpoints,
+``tf.train.load_checkpoint(prefix)`` + ``get_tensor`` per key against ``shardkit.load(prefix)``.
+Medians over the rounds are reported, with the time shardkit spends turning the variables into
+host arrays. Neither side fsyncs (TensorFlow's writer does not; shardkit runs with
+``durable=False`` for the comparison, and ``durable=True`` is reported too).
+
+Targets (--check): save at least 2x TensorFlow's write (llm-like) and 20x (many-small);
+reading a TensorFlow checkpoint at least 3x load_checkpoint + get_tensor (many-small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _workloads
+
+import shardkit
+from shardkit.tensors import flatten, host_columns
+
+TARGETS = {("llm", "save"): 2.0, ("many-small", "save"): 20.0,
+           ("many-small", "read_tf_checkpoint"): 3.0}
+
+
+def _variables(tf, name: str, quick: bool) -> tuple[dict, int]:
+    make, kwargs = (_workloads.QUICK if quick else _workloads.WORKLOADS)[name]
+    flat = dict(flatten(make(**kwargs)))
+    nbytes = _workloads.nbytes(flat)
+    variables = {}
+    for key in list(flat):
+        variables[key.replace("/", "_")] = tf.Variable(flat.pop(key))  # numpy freed as we go
+    return variables, nbytes
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
+    import tensorflow as tf
+
+    variables, nbytes = _variables(tf, name, quick)
+    ckpt = tf.train.Checkpoint(**variables)
+    times: dict[str, list[float]] = {}
+    can_read_tf: bool | None = None
+
+    def add(what: str, seconds: float) -> None:
+        times.setdefault(what, []).append(seconds)
+
+    def one_round(prefix: str, sk: Path) -> None:
+        nonlocal can_read_tf
+        add("tf_write", _timed(lambda: ckpt.write(prefix)))
+        add("sk_save", _timed(lambda: shardkit.save(sk, variables, durable=False)))
+        add("sk_flatten", _timed(lambda: host_columns(variables)))
+        add("sk_save_durable", _timed(lambda: shardkit.save(sk, variables, overwrite=True)))
+        add("tf_read", _timed(lambda: ckpt.read(prefix).assert_consumed()))
+        add("sk_restore", _timed(lambda: shardkit.restore_into(sk, variables)))
+        if can_read_tf is None:
+            try:
+                with shardkit.open(prefix):
+                    can_read_tf = True
+            except shardkit.ShardkitError:
+                can_read_tf = False  # no TensorBundle reader in this shardkit
+        if can_read_tf:
+            def tf_get() -> None:
+                reader = tf.train.load_checkpoint(prefix)
+                for key in reader.get_variable_to_shape_map():
+                    reader.get_tensor(key)
+
+            add("tf_load_checkpoint", _timed(tf_get))
+            add("sk_load_tf_checkpoint", _timed(lambda: shardkit.load(prefix)))
+
+    for r in range(rounds):
+        one_round(str(root / f"tf{r}" / "ckpt"), root / f"sk{r}")
+        shutil.rmtree(root / f"tf{r}", ignore_errors=True)
+        shutil.rmtree(root / f"sk{r}", ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gb = nbytes / 1e9
+    print(f"\n{name}: {len(variables)} variables, {nbytes / 1e6:.0f} MB, {rounds} rounds "
+          "(median seconds, GB/s)")
+    for k, v in med.items():
+        print(f"  {k:24s} {v:8.3f} s  {gb / v:7.2f} GB/s")
+    ratios = {"save": med["tf_write"] / med["sk_save"],
+              "restore": med["tf_read"] / med["sk_restore"]}
+    if "tf_load_checkpoint" in med:
+        ratios["read_tf_checkpoint"] = med["tf_load_checkpoint"] / med["sk_load_tf_checkpoint"]
+    print(f"  shardkit spends {med['sk_flatten']:.3f} s of its save turning the variables "
+          "into host arrays")
+    for k, v in ratios.items():
+        target = TARGETS.get((name, k))
+        note = "" if target is None else f"  (target >= {target:g}x: "
+        note += "" if target is None else ("met)" if v >= target else "MISSED)")
+        print(f"  speed-up {k:20s} {v:6.1f}x{note}")
+    if not can_read_tf:
+        print("  reading a TensorFlow checkpoint: not measured (shardkit.open cannot read "
+              "TensorBundle checkpoints in this build)")
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=["llm", "many-small", "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="the smaller states of _workloads")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    names = ["llm", "many-small"] if args.workload == "all" else [args.workload]
+    root = Path(tempfile.mkdtemp(prefix="bench-tf-", dir=args.dir))
+    missed = []
+    try:
+        for name in names:
+            ratios = run(name, args.rounds, args.quick, root)
+            missed += [f"{name} {k}: {v:.1f}x < {TARGETS[(name, k)]:g}x"
+                       for k, v in ratios.items()
+                       if (name, k) in TARGETS and v < TARGETS[(name, k)]]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if missed:
+        print("\nmissed: " + "; ".join(missed))
+    return 1 if (args.check and missed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

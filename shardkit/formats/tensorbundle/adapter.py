@@ -1,0 +1,549 @@
+"""The TensorBundle adapter: ``<prefix>.index`` + ``<prefix>.data-*`` -> the reader's table.
+
+The ``.index`` table (`table.read_table`) maps ``""`` to the BundleHeaderProto and every other
+key to a BundleEntryProto (`protos`). A whole tensor's entry names its data file (`shard_id`),
+`offset`, `size` and masked `crc32c`; a sliced tensor's entry lists `slices` instead, each
+stored as an entry of its own under TensorFlow's encoded slice key (`names.encode_slice_key`).
+The table built here lists the tensors in key order (TensorFlow's), each slice under shardkit's
+slice spec text, and keeps where each data file's entries begin (`TensorBundleIndex.begins`):
+TensorBundle data files have no header, the index says where every entry is. Checksums are
+TensorFlow's (`slice_checksum_kind` "crc32c", see `checksums`), checked by ``verify``.
+DT_STRING tensors are kept apart, as `CheckpointIndex.strings` (`strings.BundleStrings`),
+shardkit's one mechanism for string tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from ...dtypes import itemsize
+from ...errors import (
+    CheckpointNotFoundError,
+    CorruptIndexError,
+    UnsupportedDTypeError,
+    UnsupportedVersionError,
+)
+from ...files import CheckpointDirectory
+from ...format import (
+    MAX_INDEX_BYTES,
+    CheckpointIndex,
+    EntryLayout,
+    ShardInfo,
+    _check_slices,
+    _shown,
+    check_shard_file_name,
+    entries_at,
+)
+from ...keys import check_keys
+from ...slices import WHOLE, format_slice_spec
+from ...tensors import DEFAULT_DEVICE, _gc_paused
+from ..base import FormatAdapter, ParsedHeader
+from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
+from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
+from .table import read_table
+
+BUNDLE_VERSION: Final = 1  # kTensorBundleVersion: the producer version written, the consumer read
+BUNDLE_MIN_PRODUCER: Final = 0  # kTensorBundleMinProducer
+STRING: Final = "STRING"
+"""shardkit's dtype name for TensorFlow's DT_STRING (an object array of bytes when read)."""
+
+# DataType -> shardkit's dtype name
+DTYPE_OF: Final[dict[int, str]] = {
+    DATA_TYPES["DT_FLOAT"]: "F32", DATA_TYPES["DT_DOUBLE"]: "F64", DATA_TYPES["DT_HALF"]: "F16",
+    DATA_TYPES["DT_BFLOAT16"]: "BF16", DATA_TYPES["DT_FLOAT8_E4M3FN"]: "F8_E4M3",
+    DATA_TYPES["DT_FLOAT8_E5M2"]: "F8_E5M2", DATA_TYPES["DT_INT64"]: "I64",
+    DATA_TYPES["DT_INT32"]: "I32", DATA_TYPES["DT_INT16"]: "I16", DATA_TYPES["DT_INT8"]: "I8",
+    DATA_TYPES["DT_UINT64"]: "U64", DATA_TYPES["DT_UINT32"]: "U32",
+    DATA_TYPES["DT_UINT16"]: "U16", DATA_TYPES["DT_UINT8"]: "U8", DATA_TYPES["DT_BOOL"]: "BOOL",
+    DATA_TYPES["DT_STRING"]: STRING,
+}
+DATATYPE_OF: Final[dict[str, int]] = {v: k for k, v in DTYPE_OF.items()}
+CRC32C: Final = "crc32c"
+
+
+@dataclass(slots=True, eq=False)
+class TensorBundleIndex(CheckpointIndex):
+    """A CheckpointIndex that also says where each stored slice of each data file begins
+    (`begins`: per shard, offsets from the start of the file, in the order of the shard's
+    slices), and the header that was read."""
+
+    begins: list[list[int]] = field(default_factory=list)
+    num_shards: int = 0
+
+    def layout(self, shard: int) -> tuple[list[str], list[str], list[tuple[int, ...]],
+                                          list[int]]:
+        """The entries of data file `shard` column-wise: names, dtype names, shapes, begins."""
+        r = self.shard_range(shard)
+        rows = self.slice_tensor[r.start : r.stop]
+        return (self.entry_names()[r.start : r.stop], list(map(self.dtypes.__getitem__, rows)),
+                self.slice_shapes()[r.start : r.stop], self.begins[shard])
+
+    @property
+    def entries(self) -> list[dict[str, EntryLayout]]:
+        """Per data file, entry name -> EntryLayout (offsets from the start of the file)."""
+        return [entries_at(*self.layout(i)) for i in range(len(self.shards))]
+
+
+def prefix_of(index_name: str) -> str:
+    return index_name[: -len(INDEX_SUFFIX)]
+
+
+def state_target(directory: CheckpointDirectory) -> str | None:
+    """The ``.index`` file that the directory's ``checkpoint`` state file names as the latest
+    checkpoint, or None without a state file. CorruptIndexError for a state file that does not
+    parse or names a checkpoint outside the directory."""
+    data = directory.read_manifest(STATE_FILE, 1 << 20)
+    if data is None:
+        return None
+    from google.protobuf import text_format  # type: ignore[import-untyped]
+
+    from .protos import CheckpointState
+
+    path = directory.join(STATE_FILE)
+    state = CheckpointState()
+    try:
+        text_format.Parse(data.decode("utf-8"), state)
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise CorruptIndexError(
+            f"{path}: not a text-format CheckpointState (TensorFlow's checkpoint state file): "
+            f"{e}") from None
+    target = state.model_checkpoint_path
+    if not target:
+        raise CorruptIndexError(f"{path}: model_checkpoint_path is empty (no latest checkpoint)")
+    if os.path.isabs(target):
+        parent, name = os.path.split(target)
+        try:
+            same = os.path.samefile(parent, directory.path)
+        except OSError:
+            same = False
+        if not same:
+            raise CheckpointNotFoundError(
+                f"{path}: model_checkpoint_path {_shown(target)} is outside this directory; "
+                "open that prefix itself")
+        target = name
+    if "/" in target or target in (".", ".."):
+        raise CheckpointNotFoundError(
+            f"{path}: model_checkpoint_path {_shown(target)} is not in this directory; open "
+            "that prefix itself")
+    return target + INDEX_SUFFIX
+
+
+def _entry(key: bytes, value: bytes, path: str) -> Any:
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import BundleEntryProto
+
+    entry = BundleEntryProto()
+    try:
+        entry.ParseFromString(value)
+    except DecodeError as e:
+        raise CorruptIndexError(f"{path}: entry for key {_shown(key)} is not a parseable "
+                                f"BundleEntryProto ({e})") from None
+    return entry
+
+
+def _shape(entry: Any, key: str, path: str) -> tuple[int, ...]:
+    if entry.shape.unknown_rank:
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has an unknown rank")
+    dims = tuple(d.size for d in entry.shape.dim)
+    if any(d < 0 for d in dims):
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has a negative dimension in "
+                                f"shape {list(dims)}")
+    if math.prod(dims) >= 1 << 62:
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)}: shape {list(dims)} is too large")
+    return dims
+
+
+def _dims(encoded: bytes, raw_key: bytes, value: bytes, key: str, path: str
+          ) -> tuple[int, ...]:
+    """The dims of an encoded TensorShapeProto; any problem is worded by `_shape`."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import TensorShapeProto
+
+    try:
+        m = TensorShapeProto.FromString(encoded)
+    except DecodeError:
+        m = None
+    if m is not None:
+        dims = tuple([d.size for d in m.dim])
+        if not m.unknown_rank and (not dims or min(dims) >= 0) and math.prod(dims) < 1 << 62:
+            return dims
+    return _shape(_entry(raw_key, value, path), key, path)
+
+
+def _dtype(entry: Any, key: str, path: str) -> str:
+    name = DTYPE_OF.get(entry.dtype)
+    if name is None:
+        raise UnsupportedDTypeError(
+            f"{path}: tensor {_shown(key)} has TensorFlow dtype "
+            f"{DATA_TYPE_NAMES.get(entry.dtype, entry.dtype)}, which shardkit cannot store or "
+            f"read (it reads {', '.join(DATA_TYPE_NAMES[t] for t in DTYPE_OF)})")
+    return name
+
+
+class TensorBundle(FormatAdapter):
+    """TensorFlow's TensorBundle checkpoint (tf.train.Checkpoint.write / save, tf.saved_model
+    variables): ``<prefix>.index`` and ``<prefix>.data-0000i-of-0000n``."""
+
+    name = "tensorbundle"
+    description = "TensorFlow TensorBundle checkpoint"
+    checksums = True
+
+    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
+                   headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:
+        path = directory.join(name)
+        check_shard_file_name(name, path)
+        if data is None:
+            data = directory.read_manifest(name, MAX_INDEX_BYTES)
+            if data is None:
+                raise CheckpointNotFoundError(f"no TensorFlow checkpoint at {path}: the file "
+                                              "is missing")
+        with _gc_paused():  # one object per entry: no cyclic GC pass is needed meanwhile
+            return decode_bundle(data, path, prefix_of(name), directory)
+
+    def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
+                    mmap: bool, file: Any) -> Any:
+        from .source import BundleData
+
+        assert isinstance(index, TensorBundleIndex)
+        return BundleData(path, info, index.layout(i), mmap=mmap, file=file)
+
+    def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
+        from .checksums import entry_checksum
+
+        return entry_checksum(kind, src, entry)
+
+
+def _check_version(header: Any, path: str) -> None:
+    v = header.version
+    if header.endianness != 0:
+        raise UnsupportedVersionError(
+            f"{path}: the bundle is big-endian; shardkit reads little-endian bundles only")
+    if v.producer < BUNDLE_MIN_PRODUCER:
+        raise UnsupportedVersionError(f"{path}: bundle producer version {v.producer} is older "
+                                      f"than the oldest supported ({BUNDLE_MIN_PRODUCER})")
+    if v.min_consumer > BUNDLE_VERSION:
+        raise UnsupportedVersionError(
+            f"{path}: the bundle needs a reader of version {v.min_consumer} or newer; shardkit "
+            f"reads version {BUNDLE_VERSION} (written by a newer TensorFlow?)")
+    if BUNDLE_VERSION in v.bad_consumers:
+        raise UnsupportedVersionError(f"{path}: the bundle disallows readers of version "
+                                      f"{BUNDLE_VERSION} (bad_consumers)")
+
+
+def decode_bundle(data: bytes, path: str, prefix: str,
+                  directory: CheckpointDirectory) -> TensorBundleIndex:
+    """The table of the bundle whose ``.index`` bytes are `data` (file `path`); the data files
+    (`prefix` + ``.data-*``) are opened through `directory` for their sizes."""
+    items = read_table(data, path)
+    if not items or items[0][0] != b"":
+        raise CorruptIndexError(f"{path}: the table has no header entry (key \"\"); not a "
+                                "TensorBundle index")
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import BundleHeaderProto
+
+    header = BundleHeaderProto()
+    try:
+        header.ParseFromString(items[0][1])
+    except DecodeError as e:
+        raise CorruptIndexError(f"{path}: the header entry is not a parseable "
+                                f"BundleHeaderProto ({e})") from None
+    _check_version(header, path)
+    n = header.num_shards
+    if n < 0 or n > 99999:
+        raise CorruptIndexError(f"{path}: num_shards {n} is out of range [0, 99999]")
+    body = items[1:]
+    from .protos import parse_entries
+
+    try:
+        # one protobuf call for all entries, their shapes left encoded (`protos`)
+        parsed = parse_entries([v for _, v in body])
+    except DecodeError:
+        for k, v in body:
+            _entry(k, v, path)  # the first that does not parse raises, naming its key
+        raise
+    if any(map(operator.attrgetter("slices"), parsed)) or any(
+            k[:1] == b"\x00" for k, _ in body):
+        cols = _general_columns(body, parsed, n, path)
+    else:
+        cols = _whole_columns(body, parsed, n, path)
+    keys, dtypes, shapes, rows, texts = cols
+    text_keys = [t[4] for t in texts]
+    text_shapes = [t[5] for t in texts]
+    check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
+    files = [data_file(prefix, i, n) for i in range(n)]
+    shards = []
+    for file in files:
+        check_shard_file_name(file, path)
+        f = directory.open_shard(file, path)
+        try:
+            file_size = f.size
+        finally:
+            f.close()
+        shards.append(ShardInfo(file, 0, "raw", file_size))
+    shard, offset, row, size, crc, order = rows.columns
+    place = np.lexsort((order, offset, shard))  # by shard, then offset, then index order
+    shard, offset, row, size, crc = shard[place], offset[place], row[place], size[place], crc[
+        place]
+    specs = [rows.specs[i] for i in place.tolist()] if rows.specs else [WHOLE] * len(place)
+    limits = np.array([s.bytes for s in shards], np.int64)
+    past = np.flatnonzero(offset + size > limits[shard]) if len(place) else place
+    for t in texts:
+        if t[1] + t[3] > shards[t[0]].bytes:
+            raise CorruptIndexError(
+                f"{path}: tensor {_shown(t[4])}: bytes [{t[1]}, {t[1] + t[3]}) are past the "
+                f"end of {files[t[0]]} ({shards[t[0]].bytes} bytes)")
+    if len(past):
+        j = int(past[0])
+        a, b, s_ = int(offset[j]), int(offset[j] + size[j]), int(shard[j])
+        raise CorruptIndexError(
+            f"{path}: tensor {_shown(keys[int(row[j])])}: bytes [{a}, {b}) are past the end of "
+            f"{files[s_]} ({shards[s_].bytes} bytes)")
+    slice_tensor = row.tolist()
+    slice_shard = shard.tolist()
+    begins = offset.tolist()
+    hexed = crc.astype(">u4").tobytes().hex()
+    index = TensorBundleIndex(
+        callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
+        dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
+        slice_tensor=slice_tensor, slice_spec=specs, slice_shard=slice_shard,
+        slice_xxh3=[hexed[i : i + 8] for i in range(0, len(hexed), 8)],
+        user_metadata={}, version="", generation=None,
+        slice_checksum_kind=[CRC32C] * len(slice_tensor), num_shards=n)
+    index.begins = [[] for _ in files]
+    bounds = np.searchsorted(shard, np.arange(n + 1)).tolist()
+    for i in range(n):
+        index.begins[i] = begins[bounds[i] : bounds[i + 1]]
+    if texts:
+        from .strings import BundleStrings
+
+        index.strings = BundleStrings(
+            text_keys, ["bytes"] * len(texts), text_shapes, [DEFAULT_DEVICE] * len(texts),
+            files=[files[t[0]] for t in texts], offsets=[t[1] for t in texts],
+            sizes=[t[3] for t in texts], crcs=[t[2] for t in texts])
+    _check_slices(index, path)
+    return index
+
+
+@dataclass(slots=True)
+class _Rows:
+    """The stored (non-string) entries, column-wise: shard, offset, tensor row, size, crc32c,
+    position (int64 arrays), and their slice specs (empty: all whole)."""
+
+    columns: tuple[np.ndarray, ...]
+    specs: list[str]
+
+
+_Text = tuple[int, int, int, int, str, tuple[int, ...]]
+"""A string tensor's entry: shard, offset, crc32c, size, key, shape."""
+_Columns = tuple[list[str], list[str], list[tuple[int, ...]], _Rows, list[_Text]]
+
+
+def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
+                   ) -> _Columns:
+    """The columns of a bundle whose tensors are all stored whole (no slices): the fields of
+    the entries read field by field, checked in bulk; an entry failing a check is looked at
+    alone for the error's wording."""
+    raw_keys = [k for k, _ in body]
+    try:
+        all_keys = [k.decode("utf-8") for k in raw_keys]
+    except UnicodeDecodeError:
+        raw = next(k for k in raw_keys if not _is_utf8(k))
+        raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
+    parsed = list(parsed)  # one wrapper object per entry, reused by every column below
+    encoded = [f.shape for f in parsed]
+    shape_of = _shapes_at_once(list(dict.fromkeys(encoded)))
+    if shape_of is None:  # one is bad: find it in order, for the wording
+        shape_of = {}
+        for i, e in enumerate(encoded):
+            if e not in shape_of:
+                shape_of[e] = _dims(e, raw_keys[i], body[i][1], all_keys[i], path)
+    all_shapes = list(map(shape_of.__getitem__, encoded))
+    codes = [f.dtype for f in parsed]
+    names = [DTYPE_OF.get(c, "") for c in codes]
+    if "" in names:
+        i = names.index("")
+        _dtype(_entry(raw_keys[i], body[i][1], path), all_keys[i], path)
+    count = len(parsed)
+    shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
+                                for name in ("shard_id", "offset", "size", "crc32c"))
+    texts: list[_Text] = []
+    if STRING in names:
+        keep = [i for i, d in enumerate(names) if d != STRING]
+        for i in (i for i, d in enumerate(names) if d == STRING):
+            t = _stored(parsed[i], all_keys[i], STRING, all_shapes[i], WHOLE, all_keys[i], -1,
+                        n, path, 0)
+            texts.append((t[0], t[1], t[6], t[5], all_keys[i], all_shapes[i]))
+        at = np.array(keep, np.int64)
+        shard, offset, size, crc = shard[at], offset[at], size[at], crc[at]
+        keys = [all_keys[i] for i in keep]
+        dtypes = [names[i] for i in keep]
+        shapes = [all_shapes[i] for i in keep]
+        entries = [parsed[i] for i in keep]
+    else:
+        keys, dtypes, shapes, entries = all_keys, names, all_shapes, parsed
+    counts = {s: math.prod(s) for s in shape_of.values()}
+    sizes = {d: itemsize(d) for d in set(dtypes)}
+    expected = np.fromiter(map(operator.mul, map(counts.__getitem__, shapes),
+                               map(sizes.__getitem__, dtypes)), np.int64, len(keys))
+    bad = np.flatnonzero((size != expected) | (offset < 0) | (shard < 0) | (shard >= n))
+    if len(bad):
+        i = int(bad[0])
+        _stored(entries[i], keys[i], dtypes[i], shapes[i], WHOLE, keys[i], i, n, path, i)
+    order = np.arange(len(keys), dtype=np.int64)
+    return keys, dtypes, shapes, _Rows((shard, offset, order, size, crc, order), []), texts
+
+
+def _shapes_at_once(distinct: list[bytes]) -> dict[bytes, tuple[int, ...]] | None:
+    """The dims of each encoded TensorShapeProto, decoded by one protobuf call; None if any
+    does not decode or is not a shape shardkit reads (unknown rank, a negative or too large
+    dimension)."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import parse_shapes
+
+    try:
+        messages = parse_shapes(distinct)
+    except DecodeError:
+        return None
+    dims = [tuple([d.size for d in m.dim]) for m in messages]
+    if any(m.unknown_rank for m in messages) or any(
+            (d and min(d) < 0) or math.prod(d) >= 1 << 62 for d in dims):
+        return None
+    return dict(zip(distinct, dims))
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
+                     ) -> _Columns:
+    """The columns of any bundle, entry by entry: sliced tensors are reassembled from the
+    entries of their slices."""
+    position: dict[bytes, int] | None = None  # key -> position in body, built for slices
+    keys: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    rows: list[_Row] = []
+    texts: list[_Text] = []
+    itemsizes = {name: (0 if name == STRING else itemsize(name)) for name in DATATYPE_OF}
+    shape_of: dict[bytes, tuple[int, ...]] = {}  # encoded TensorShapeProto -> its dims
+    for (raw_key, value), flat in zip(body, parsed):
+        if raw_key[:1] == b"\x00":
+            continue  # a slice, read through its tensor's entry
+        try:
+            key = raw_key.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptIndexError(f"{path}: key {_shown(raw_key)} is not valid UTF-8") from None
+        encoded = flat.shape
+        shape = shape_of.get(encoded)  # type: ignore[assignment]
+        if shape is None:
+            shape = shape_of[encoded] = _dims(encoded, raw_key, value, key, path)
+        dtype = DTYPE_OF.get(flat.dtype) or _dtype(_entry(raw_key, value, path), key, path)
+        if dtype == STRING:  # string tensors: apart (`CheckpointIndex.strings`)
+            if flat.slices:
+                raise UnsupportedDTypeError(f"{path}: string tensor {_shown(key)} is stored "
+                                            "as slices, which shardkit does not read")
+            t = _stored(flat, key, dtype, shape, WHOLE, key, -1, n, path, 0)
+            texts.append((t[0], t[1], t[6], t[5], key, shape))
+            continue
+        row = len(keys)
+        keys.append(key)
+        dtypes.append(dtype)
+        shapes.append(shape)
+        if not flat.slices:
+            shard, offset, size = flat.shard_id, flat.offset, flat.size
+            if (size != math.prod(shape) * itemsizes[dtype] or offset < 0
+                    or not 0 <= shard < n):  # the checks of _stored, words and all
+                _stored(flat, key, dtype, shape, WHOLE, key, row, n, path, len(rows))
+            rows.append((shard, offset, row, WHOLE, key, size, flat.crc32c, len(rows)))
+            continue
+        entry = _entry(raw_key, value, path)  # sliced: decoded in full
+        if position is None:
+            position = {k: i for i, (k, _) in enumerate(body)}
+        for s in entry.slices:
+            if len(s.extent) != len(shape):
+                raise CorruptIndexError(
+                    f"{path}: tensor {_shown(key)}: a slice has {len(s.extent)} extents for a "
+                    f"tensor of rank {len(shape)}")
+            starts = [e.start for e in s.extent]
+            lengths = [e.length if e.HasField("length") else -1 for e in s.extent]
+            offsets = list(starts)
+            sizes = [d if ln == -1 else ln for ln, d in zip(lengths, shape)]
+            for d, (o, ln) in enumerate(zip(offsets, sizes)):
+                if o < 0 or ln < 0 or o + ln > shape[d]:
+                    raise CorruptIndexError(
+                        f"{path}: tensor {_shown(key)}: slice extent {d} (start {o}, length "
+                        f"{ln}) is outside dimension {shape[d]}")
+            slice_key = encode_slice_key(key, starts, lengths)
+            at = position.get(slice_key)
+            spec = format_slice_spec(shape, offsets, sizes)
+            if at is None:
+                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} has no "
+                                        "entry of its own (its encoded key is missing)")
+            slice_entry = _entry(slice_key, body[at][1], path)
+            if slice_entry.slices:
+                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: the entry of slice "
+                                        f"{spec!r} is itself sliced")
+            if slice_entry.dtype != entry.dtype:
+                raise CorruptIndexError(
+                    f"{path}: tensor {_shown(key)}: slice {spec!r} has dtype "
+                    f"{DATA_TYPE_NAMES.get(slice_entry.dtype, slice_entry.dtype)}, the tensor "
+                    f"{DATA_TYPE_NAMES.get(entry.dtype, entry.dtype)}")
+            got = _shape(slice_entry, key, path)
+            if got != tuple(sizes):
+                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} is "
+                                        f"stored with shape {list(got)}, expected {sizes}")
+            rows.append(_stored(slice_entry, key, dtype, tuple(sizes), spec, f"{key}:{spec}",
+                                row, n, path, len(rows)))
+    columns = tuple(np.array([r[i] for r in rows], np.int64).reshape(len(rows))
+                    for i in (0, 1, 2, 5, 6, 7))
+    return keys, dtypes, shapes, _Rows(columns, [r[3] for r in rows]), texts
+
+
+def _slice_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
+    if spec == WHOLE:
+        return shape
+    ranges = spec.split(" ")[-1].split(":")
+    return tuple(int(r.split(",")[1]) for r in ranges)
+
+
+_Row = tuple[int, int, int, str, str, int, int, int]
+"""A stored entry: shard, offset, tensor row, slice spec, entry name, size, crc, order."""
+
+
+def _stored(entry: Any, key: str, dtype: str, shape: tuple[int, ...], spec: str, name: str,
+            row: int, n: int, path: str, order: int) -> _Row:
+    where = f"tensor {_shown(key)}" + (f" slice {spec!r}" if spec else "")
+    if not 0 <= entry.shard_id < n:
+        raise CorruptIndexError(f"{path}: {where}: shard_id {entry.shard_id} is out of range "
+                                f"(the header records {n} data files)")
+    if entry.offset < 0 or entry.size < 0:
+        raise CorruptIndexError(f"{path}: {where}: negative offset {entry.offset} or size "
+                                f"{entry.size}")
+    count = math.prod(shape)
+    if dtype == STRING:
+        if entry.size < (count + 4 if count else 0):
+            raise CorruptIndexError(f"{path}: {where}: {entry.size} bytes cannot hold {count} "
+                                    "strings (a length each and the length checksum)")
+    elif entry.size != count * itemsize(dtype):
+        raise CorruptIndexError(f"{path}: {where}: stored size {entry.size} bytes, expected "
+                                f"{count * itemsize(dtype)} for {dtype} {list(shape)}")
+    return entry.shard_id, entry.offset, row, spec, name, entry.size, entry.crc32c, order
+
+TENSORBUNDLE: Final = TensorBundle()
+__all__ = ["STRING", "TENSORBUNDLE", "TensorBundle", "TensorBundleIndex", "decode_bundle",
+           "state_target"]

@@ -1,0 +1,168 @@
+"""The protocol buffer messages of TensorFlow's checkpoints, built without TensorFlow.
+
+The descriptors are those of TensorFlow's ``tensor_bundle.proto`` (BundleHeaderProto,
+BundleEntryProto), ``tensor_shape.proto``, ``tensor_slice.proto``, ``versions.proto``, the
+``types.proto`` DataType values shardkit stores, and ``checkpoint_state.proto``
+(CheckpointState, the text-format ``checkpoint`` file): same package, names, field numbers and
+types, so that messages encode and decode byte for byte as TensorFlow's do. They are built once,
+with the ``protobuf`` package (`descriptor_pb2` + `message_factory`), in a private descriptor
+pool, so they never clash with TensorFlow's own classes when both are imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from google.protobuf import (  # type: ignore[import-untyped]
+    descriptor_pb2,
+    descriptor_pool,
+    message_factory,
+)
+
+from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
+
+_F: Any = descriptor_pb2.FieldDescriptorProto
+_OPT, _REP = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
+
+
+
+def _field(name: str, number: int, kind: int, label: int = _OPT, type_name: str = "",
+           oneof: int | None = None) -> Any:
+    f = _F(name=name, number=number, label=label, type=kind)
+    if type_name:
+        f.type_name = type_name
+    if oneof is not None:
+        f.oneof_index = oneof
+    return f
+
+
+def _file(name: str, deps: list[str], messages: list[Any], enums: Sequence[Any] = ()) -> Any:
+    return descriptor_pb2.FileDescriptorProto(
+        name=name, package="tensorflow", syntax="proto3", dependency=deps,
+        message_type=messages, enum_type=list(enums))
+
+
+def _enum(name: str, values: dict[str, int]) -> Any:
+    return descriptor_pb2.EnumDescriptorProto(name=name, value=[
+        descriptor_pb2.EnumValueDescriptorProto(name=k, number=v) for k, v in values.items()])
+
+
+def _msg(name: str, fields: list[Any], nested: Sequence[Any] = (), enums: Sequence[Any] = (),
+         oneofs: Sequence[str] = ()) -> Any:
+    return descriptor_pb2.DescriptorProto(
+        name=name, field=fields, nested_type=list(nested), enum_type=list(enums),
+        oneof_decl=[descriptor_pb2.OneofDescriptorProto(name=o) for o in oneofs])
+
+
+def _build() -> dict[str, Any]:
+    I32, I64, STR, BOOL, ENUM, MSG, FX32, DBL = (
+        _F.TYPE_INT32, _F.TYPE_INT64, _F.TYPE_STRING, _F.TYPE_BOOL, _F.TYPE_ENUM,
+        _F.TYPE_MESSAGE, _F.TYPE_FIXED32, _F.TYPE_DOUBLE)
+    files = [
+        _file("tensorflow/core/framework/types.proto", [], [], [_enum("DataType", DATA_TYPES)]),
+        _file("tensorflow/core/framework/tensor_shape.proto", [], [_msg(
+            "TensorShapeProto",
+            [_field("dim", 2, MSG, _REP, ".tensorflow.TensorShapeProto.Dim"),
+             _field("unknown_rank", 3, BOOL)],
+            [_msg("Dim", [_field("size", 1, I64), _field("name", 2, STR)])])]),
+        _file("tensorflow/core/framework/tensor_slice.proto", [], [_msg(
+            "TensorSliceProto",
+            [_field("extent", 1, MSG, _REP, ".tensorflow.TensorSliceProto.Extent")],
+            [_msg("Extent", [_field("start", 1, I64), _field("length", 2, I64, oneof=0)],
+                  oneofs=["has_length_hack"])])]),
+        _file("tensorflow/core/framework/versions.proto", [], [_msg(
+            "VersionDef", [_field("producer", 1, I32), _field("min_consumer", 2, I32),
+                           _field("bad_consumers", 3, I32, _REP)])]),
+        _file("tensorflow/core/protobuf/tensor_bundle.proto", [
+            "tensorflow/core/framework/tensor_shape.proto",
+            "tensorflow/core/framework/tensor_slice.proto",
+            "tensorflow/core/framework/types.proto",
+            "tensorflow/core/framework/versions.proto"], [
+            _msg("BundleHeaderProto",
+                 [_field("num_shards", 1, I32),
+                  _field("endianness", 2, ENUM,
+                         type_name=".tensorflow.BundleHeaderProto.Endianness"),
+                  _field("version", 3, MSG, type_name=".tensorflow.VersionDef")],
+                 enums=[_enum("Endianness", {"LITTLE": 0, "BIG": 1})]),
+            _msg("BundleEntryProto",
+                 [_field("dtype", 1, ENUM, type_name=".tensorflow.DataType"),
+                  _field("shape", 2, MSG, type_name=".tensorflow.TensorShapeProto"),
+                  _field("shard_id", 3, I32), _field("offset", 4, I64),
+                  _field("size", 5, I64), _field("crc32c", 6, FX32),
+                  _field("slices", 7, MSG, _REP, ".tensorflow.TensorSliceProto")])]),
+        _file("tensorflow/python/training/checkpoint_state.proto", [], [_msg(
+            "CheckpointState",
+            [_field("model_checkpoint_path", 1, STR),
+             _field("all_model_checkpoint_paths", 2, STR, _REP),
+             _field("all_model_checkpoint_timestamps", 3, DBL, _REP),
+             _field("last_preserved_timestamp", 4, DBL)])]),
+        # shardkit's own: many entries in one message, so that protobuf decodes them in one
+        # call (their bytes framed as the repeated field; see `parse_entries`)
+        # A BundleEntryProto read with its shape and slices left as their encoded bytes (the
+        # same wire format: a message field is length-delimited bytes), so that one decode of
+        # each distinct shape serves every entry of that shape. `slices` is not repeated here:
+        # it only tells whether there are any (the entry is then decoded in full).
+        _file("shardkit/tensorbundle_entries.proto",
+              ["tensorflow/core/protobuf/tensor_bundle.proto"], [
+                  _msg("BundleEntryColumns",
+                       [_field("dtype", 1, I32), _field("shape", 2, _F.TYPE_BYTES),
+                        _field("shard_id", 3, I32), _field("offset", 4, I64),
+                        _field("size", 5, I64), _field("crc32c", 6, FX32),
+                        _field("slices", 7, _F.TYPE_BYTES)]),
+                  _msg("BundleEntries",
+                       [_field("entry", 1, MSG, _REP, ".tensorflow.BundleEntryColumns")]),
+                  _msg("TensorShapes",
+                       [_field("shape", 1, MSG, _REP, ".tensorflow.TensorShapeProto")])]),
+    ]
+    pool = descriptor_pool.DescriptorPool()
+    for f in files:
+        pool.Add(f)
+    names = ["BundleHeaderProto", "BundleEntryProto", "TensorShapeProto", "TensorSliceProto",
+             "VersionDef", "CheckpointState", "BundleEntries", "TensorShapes"]
+    return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{n}"))
+            for n in names}
+
+
+_CLASSES: Final = _build()
+BundleHeaderProto: Final[Any] = _CLASSES["BundleHeaderProto"]
+BundleEntryProto: Final[Any] = _CLASSES["BundleEntryProto"]
+TensorShapeProto: Final[Any] = _CLASSES["TensorShapeProto"]
+TensorSliceProto: Final[Any] = _CLASSES["TensorSliceProto"]
+VersionDef: Final[Any] = _CLASSES["VersionDef"]
+CheckpointState: Final[Any] = _CLASSES["CheckpointState"]
+BundleEntries: Final[Any] = _CLASSES["BundleEntries"]
+TensorShapes: Final[Any] = _CLASSES["TensorShapes"]
+
+
+def _framed(values: list[bytes]) -> bytes:
+    """`values` framed as field 1 of a message (tag, length, bytes each: what protobuf's
+    encoder writes for a repeated message field)."""
+    framed = bytearray()
+    for v in values:
+        n = len(v)
+        framed.append(0x0A)  # field 1, wire type 2 (length-delimited)
+        while n >= 0x80:
+            framed.append((n & 0x7F) | 0x80)
+            n >>= 7
+        framed.append(n)
+        framed += v
+    return bytes(framed)
+
+
+def parse_entries(values: list[bytes]) -> Any:
+    """The BundleEntryProtos whose encodings are `values`, decoded by one protobuf call (as
+    the repeated field of a BundleEntries message, shapes and slices left encoded).
+    DecodeError if any is malformed: decode them one by one then to find which."""
+    return BundleEntries.FromString(_framed(values)).entry
+
+
+def parse_shapes(values: list[bytes]) -> Any:
+    """The TensorShapeProtos whose encodings are `values`, decoded by one protobuf call (as
+    the repeated field of a TensorShapes message). DecodeError if any is malformed."""
+    return TensorShapes.FromString(_framed(values)).shape
+
+
+__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "BundleEntries", "BundleEntryProto",
+           "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorShapes",
+           "TensorSliceProto", "VersionDef", "parse_entries", "parse_shapes"]

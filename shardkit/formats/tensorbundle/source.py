@@ -1,0 +1,64 @@
+"""A TensorBundle data file as a shard source: the raw source over entries the index places.
+
+TensorFlow packs entries back to back (BundleWriter's data_alignment is 1), so an entry may
+start at an offset that is not a multiple of its item size: such an entry is copied out of the
+map into an aligned array; aligned entries are zero-copy views as for shardkit's shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...format import EntryLayout, ShardInfo
+from ...sources import RawShard
+
+
+class BundleData(RawShard):
+    """One ``<prefix>.data-0000i-of-0000n`` file; `entries` from the ``.index`` (offsets from
+    the start of the file: there is no header)."""
+
+    def __init__(self, path: str, info: ShardInfo,
+                 layout: tuple[list[str], list[str], list[tuple[int, ...]], list[int]], *,
+                 mmap: bool, file: Any) -> None:
+        """`layout`: the file's entries from the index (names, dtype names, shapes, begins),
+        their EntryLayouts built on first use: the index is this file's only description, so
+        the source matches it by construction."""
+        super().__init__(path, info, mmap=mmap and file.size > 0, file=file,
+                         header=({}, {}, 0))
+        names, dtypes, shapes, begins = layout
+        self._entries = None
+        self._expected = names, dtypes, shapes
+        self.begins = begins
+
+    def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
+        if entry.begin % _align(entry.dtype_name):
+            return None
+        return super().view(entry, begin, end)
+
+    def whole_arrays(self, begins: Sequence[int], dtypes: Sequence[np.dtype],
+                     shapes: Sequence[tuple[int, ...]],
+                     run: Callable[[Sequence[Callable[[], None]]], None] | None = None
+                     ) -> list[np.ndarray]:
+        if self._map is None or all(b % d.alignment == 0 for b, d in zip(begins, dtypes)):
+            return super().whole_arrays(begins, dtypes, shapes, run)
+        out: list[np.ndarray] = []
+        for b, d, s in zip(begins, dtypes, shapes):
+            if b % d.alignment == 0:
+                out.extend(super().whole_arrays([b], [d], [s]))
+                continue
+            a = np.empty(s, d)
+            n = a.nbytes
+            if n:
+                a.reshape(-1).view(np.uint8)[:] = np.frombuffer(self._map, np.uint8, n, b)
+            out.append(a)
+        return out
+
+
+def _align(dtype_name: str) -> int:
+    from ...dtypes import _BY_NAME
+
+    dt = _BY_NAME.get(dtype_name)
+    return dt.alignment if dt is not None else 1
