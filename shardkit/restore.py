@@ -87,6 +87,9 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                     _copy_back(writeback, target)
                 continue
             stored = reader.get(key)
+            if callable(writeback) and not target.flags.writeable:
+                writeback(stored)  # a TensorFlow variable: assigned from the stored array
+                continue
             if target.dtype.byteorder == ">":
                 np.copyto(target, stored, casting="equiv")
             else:

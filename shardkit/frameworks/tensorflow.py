@@ -302,19 +302,20 @@ def converter(device: Any = None) -> Any:
 
 
 def assign_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
-    """For a tf.Variable leaf: a host buffer of its shape and dtype to fill and the function
-    that assigns it back (in place, the variable keeps its identity); None for other leaves.
-    A tf.Tensor is immutable: RestoreMismatchError."""
+    """For a tf.Variable leaf: a read-only stand-in of its shape and dtype (no memory: the
+    restore checks it, then assigns the stored array straight into the variable, in place, the
+    variable keeping its identity) and that assign function; None for other leaves. A
+    tf.Tensor is immutable: RestoreMismatchError."""
     if is_variable(leaf):
         if tf.as_dtype(leaf.dtype) == tf.string:
             return None
         dtype = numpy_dtype(tf.as_dtype(leaf.dtype))
-        buf = np.empty(tuple(leaf.shape), dtype)
+        stand_in = np.broadcast_to(np.zeros((), dtype), tuple(leaf.shape))
 
         def assign(host: np.ndarray) -> None:
             leaf.assign(host)
 
-        return buf, assign
+        return stand_in, assign
     if isinstance(leaf, tf.Tensor):
         raise RestoreMismatchError(
             f"cannot restore key {key!r} in place into a tf.Tensor: tensors are immutable; "
