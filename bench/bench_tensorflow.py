@@ -9,8 +9,10 @@ names). Each round, in this order: ``tf.train.Checkpoint(**variables).write(pref
 variables)`` (in place), and, when shardkit reads TensorBundle checkpoints,
 ``tf.train.load_checkpoint(prefix)`` + ``get_tensor`` per key against ``shardkit.load(prefix)``.
 Medians over the rounds are reported, with the time shardkit spends turning the variables into
-host arrays. Neither side fsyncs (TensorFlow's writer does not; shardkit runs with
-``durable=False`` for the comparison, and ``durable=True`` is reported too).
+host arrays. The two writes swap places every round, and the dirty pages of one measurement
+are synced (untimed) before the next starts, so neither pays for the other's writeback.
+Neither side fsyncs (TensorFlow's writer does not; shardkit runs with ``durable=False`` for the
+comparison, and ``durable=True`` is reported too).
 
 Targets (--check): save at least 2x TensorFlow's write (llm-like) and 20x (many-small);
 reading a TensorFlow checkpoint at least 3x load_checkpoint + get_tensor (many-small).
@@ -50,6 +52,7 @@ def _variables(tf, name: str, quick: bool) -> tuple[dict, int]:
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    os.sync()  # untimed: every measurement starts without the previous one's dirty pages
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -66,10 +69,12 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
     def add(what: str, seconds: float) -> None:
         times.setdefault(what, []).append(seconds)
 
-    def one_round(prefix: str, sk: Path) -> None:
+    def one_round(prefix: str, sk: Path, tf_first: bool) -> None:
         nonlocal can_read_tf
-        add("tf_write", _timed(lambda: ckpt.write(prefix)))
-        add("sk_save", _timed(lambda: shardkit.save(sk, variables, durable=False)))
+        writes = [("tf_write", lambda: ckpt.write(prefix)),
+                  ("sk_save", lambda: shardkit.save(sk, variables, durable=False))]
+        for what, fn in writes if tf_first else writes[::-1]:
+            add(what, _timed(fn))
         add("sk_flatten", _timed(lambda: host_columns(variables)))
         add("sk_save_durable", _timed(lambda: shardkit.save(sk, variables, overwrite=True)))
         add("tf_read", _timed(lambda: ckpt.read(prefix).assert_consumed()))
@@ -90,7 +95,7 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
             add("sk_load_tf_checkpoint", _timed(lambda: shardkit.load(prefix)))
 
     for r in range(rounds):
-        one_round(str(root / f"tf{r}" / "ckpt"), root / f"sk{r}")
+        one_round(str(root / f"tf{r}" / "ckpt"), root / f"sk{r}", tf_first=r % 2 == 0)
         shutil.rmtree(root / f"tf{r}", ignore_errors=True)
         shutil.rmtree(root / f"sk{r}", ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -98,7 +103,8 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
     print(f"\n{name}: {len(variables)} variables, {nbytes / 1e6:.0f} MB, {rounds} rounds "
           "(median seconds, GB/s)")
     for k, v in med.items():
-        print(f"  {k:24s} {v:8.3f} s  {gb / v:7.2f} GB/s")
+        print(f"  {k:24s} {v:8.3f} s  {gb / v:7.2f} GB/s   (rounds {min(times[k]):.3f} - "
+              f"{max(times[k]):.3f} s)")
     ratios = {"save": med["tf_write"] / med["sk_save"],
               "restore": med["tf_read"] / med["sk_restore"]}
     if "tf_load_checkpoint" in med:

@@ -143,6 +143,8 @@ def _identity(x: Any) -> tuple[Any, ...] | None:
             "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
             tuple(x.shape), x.stride(), x.dtype,
         )
+    if _tf_variable(x):  # one variable reached from two objects (a model and its optimizer)
+        return ("tensorflow", id(x))
     return None
 
 

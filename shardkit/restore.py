@@ -85,7 +85,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                 raise RestoreMismatchError(
                     f"cannot restore key {key!r}: the target array is read-only"
                 )
-            if box is None and target.dtype.byteorder != ">" and (
+            if box is None and target.dtype.byteorder != ">" and target.flags.writeable and (
                     target.nbytes >= _LARGE or len(t.slices) > 1):
                 box = (0,) * target.ndim  # read as the box of the whole tensor
             plans.append((key, target, writeback, box))
@@ -113,6 +113,9 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
         for key, target, writeback, _ in plans:
             if key not in done:
                 stored = reader.get(key)
+                if callable(writeback) and not target.flags.writeable:
+                    writeback(stored)  # a TensorFlow variable: assigned from the stored array
+                    continue
                 if target.dtype.byteorder == ">":
                     np.copyto(target, stored, casting="equiv")
                 else:

@@ -87,8 +87,11 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
     """`to_host` of many tensors and variables (`keys` name them in errors); None for a
     tf.string value when `strings` (the caller stores it apart), else it is refused. Resource
     variables are read in batches, by device and dtype, with TensorFlow's ``_ReadVariablesOp``
-    (one op for up to READ_BATCH variables: 3-10 us a variable instead of 10-30 us for one
-    ReadVariableOp each); should that op fail, each is read alone."""
+    (one op for up to READ_BATCH variables: 50,000 small variables in 0.3-0.4 s against
+    1.2-1.9 s for one ReadVariableOp each, measured on a loaded 2-core machine); should that
+    op fail, each is read alone. TensorFlow builds the op's kernel once per set of variable
+    shapes (about 100 us a variable, the first save in a process; single reads of fresh
+    variables cost about 65 us each then too)."""
     out: list[Any] = [None] * len(values)
     groups: dict[tuple[str, Any], list[int]] = {}
     base = resource_variable_ops.BaseResourceVariable
@@ -302,19 +305,20 @@ def converter(device: Any = None) -> Any:
 
 
 def assign_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
-    """For a tf.Variable leaf: a host buffer of its shape and dtype to fill and the function
-    that assigns it back (in place, the variable keeps its identity); None for other leaves.
-    A tf.Tensor is immutable: RestoreMismatchError."""
+    """For a tf.Variable leaf: a read-only stand-in of its shape and dtype (no memory: the
+    restore checks it, then assigns the stored array straight into the variable, in place, the
+    variable keeping its identity) and that assign function; None for other leaves. A
+    tf.Tensor is immutable: RestoreMismatchError."""
     if is_variable(leaf):
         if tf.as_dtype(leaf.dtype) == tf.string:
             return None
         dtype = numpy_dtype(tf.as_dtype(leaf.dtype))
-        buf = np.empty(tuple(leaf.shape), dtype)
+        stand_in = np.broadcast_to(np.zeros((), dtype), tuple(leaf.shape))
 
         def assign(host: np.ndarray) -> None:
             leaf.assign(host)
 
-        return buf, assign
+        return stand_in, assign
     if isinstance(leaf, tf.Tensor):
         raise RestoreMismatchError(
             f"cannot restore key {key!r} in place into a tf.Tensor: tensors are immutable; "
