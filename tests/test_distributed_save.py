@@ -535,3 +535,14 @@ def test_manager_numbering_retention_and_async_save_agree_on_every_rank(tmp_path
     assert weights.shape == (6, 4) and (weights == 10).all()  # the snapshot, both halves
     loaded3 = shardkit.load(os.path.join(directory, "ckpt-3"))
     assert all((v == 3).all() for k, v in loaded3.items() if "save_counter" not in k)
+
+
+def test_string_tensors_are_refused_by_a_collective_save_naming_the_key():
+    from shardkit.distributed.save import held
+
+    state = {"w": np.zeros(3, np.float32), "s": np.array([b"a", b"bc"], object)}
+    with pytest.raises(shardkit.DistributedStateError, match="'s' is a string tensor"):
+        held(state, 0)
+    with pytest.raises(shardkit.DistributedStateError, match="'u' is a string tensor"):
+        held({"u": np.array(["x"])}, 1)
+    assert held({"w": state["w"]}, 0).keys == ["w"]

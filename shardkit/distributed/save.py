@@ -84,6 +84,17 @@ class LocalShard:
     offset: tuple[int, ...]
 
 
+def _is_string(value: Any) -> bool:
+    from ..strings import is_string_array
+    from ..tensors import _is_tf
+
+    if _is_tf(value):
+        from ..frameworks.tensorflow import tf_is_string
+
+        return bool(tf_is_string(value))
+    return bool(is_string_array(value))
+
+
 def held(state: Any, rank: int) -> Held:
     """Flatten `state` into this rank's pieces: a DTensor as its local slice of the global
     tensor (none when the local shard is empty), anything else whole."""
@@ -103,6 +114,12 @@ def held(state: Any, rank: int) -> Held:
             spec = WHOLE if array.shape == shape else format_slice_spec(shape, offset,
                                                                         array.shape)
         else:
+            if _is_string(value):
+                raise DistributedStateError(
+                    f"{key!r} is a string tensor: a collective save stores numeric tensors "
+                    "only (string tensors live in one file of the checkpoint, docs/FORMAT.md "
+                    "section 2.3, written by a single process); save strings from one rank "
+                    "with a save of their own, or put them in metadata=")
             array, dev = to_host(value, key)
             shape = tuple(array.shape)
             spec = WHOLE
