@@ -21,7 +21,8 @@ README = ROOT / "README.md"
 # what a `# needs:` line may name -> the module to import and the extra that installs it
 NEEDS = {"torch": ("torch", "torch"), "jax": ("jax", "jax"), "matplotlib": ("matplotlib", "plot"),
          "pytest-benchmark": ("pytest_benchmark", "pytest"),
-         "transformers": ("transformers", "huggingface")}
+         "transformers": ("transformers", "huggingface"),
+         "tensorflow": ("tensorflow", "tensorflow")}
 
 
 def python_blocks() -> list[tuple[int, str]]:
