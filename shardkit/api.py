@@ -40,6 +40,7 @@ from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
 from .slices import WHOLE
+from .storage import is_url
 from .tensors import ShardableTensor, _gc_paused, host_columns, shardable_tensors
 from .writer import (
     SavedTensors,
@@ -256,7 +257,8 @@ def save(
     if coord is not None:
         return _collective_save(coord, path, state, opts, user_metadata, overwrite, progress,
                                 started)
-    commit.check_target(path, overwrite)  # fail fast, before the callback runs
+    if not is_url(path):
+        commit.check_target(path, overwrite)  # fail fast, before the callback runs
     with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
         info, split = _save(path, state, opts, user_metadata, overwrite, progress, started)
     if split and _WARN_SPLIT.get():
@@ -346,6 +348,9 @@ def _save(
         shards, saved = planned
         split = []
 
+    if is_url(path):  # an object store: shardkit.storage.save, manifest last
+        return _save_to_storage(str(path), shards, saved, opts, description, user_metadata,
+                                overwrite, started), split
     with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
         index, index_chunks = write_shards(
             staging.path,
@@ -369,6 +374,21 @@ def _save(
     total = sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
     info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
     return info, split
+
+
+def _save_to_storage(url: str, shards: list[ShardColumns], saved: SavedTensors,
+                     opts: CheckpointOptions, description: str, user_metadata: dict[str, Any],
+                     overwrite: bool, started: float) -> SaveInfo:
+    from .storage.save import save_to_storage
+
+    index, chunks, files = save_to_storage(
+        url, shards, saved, description=description, threads=opts.threads,
+        checksum=opts.checksum, user_metadata=user_metadata, overwrite=overwrite,
+        compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
+        chunk_size=opts.chunk_size)
+    opts.run_write_callbacks(url)
+    total = sum(s.bytes for s in index.shards) + sum(map(len, chunks))
+    return SaveInfo(url, files, total, time.perf_counter() - started, index.generation)
 
 
 def _default_shards(

@@ -71,7 +71,7 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
         return Detected(HUGGINGFACE, name, data)
     if directory.has(HF_SINGLE_FILE):
         return Detected(SAFETENSORS, HF_SINGLE_FILE, None)
-    if os.fstat(directory.dir_fd).st_nlink == 0:  # replaced and deleted since it was opened
+    if directory.dir_fd is not None and os.fstat(directory.dir_fd).st_nlink == 0:  # replaced and deleted since it was opened
         raise CheckpointReplacedError(
             f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
             "again to read the new one")

@@ -1,0 +1,215 @@
+"""Saving to a store: shard objects first, the manifest last (docs/FORMAT.md, "Object storage").
+
+1. The manifest now at the URL is read (one GET, with its tag): an existing checkpoint needs
+   ``overwrite=True``, and only a shardkit checkpoint is ever replaced.
+2. The writer's plan (`writer._plan`: the same shard headers, entry order and names as a local
+   save) is uploaded under ``shards-<generation>/``: a raw shard straight from the arrays'
+   memory as a multipart upload (each entry hashed with xxh3-64 on the way), a ``.skz`` shard
+   compressed into a local temp file by the writer's zstd path, then uploaded; shards upload in
+   parallel.
+3. The manifest is published conditionally: ``If-None-Match: *`` when there was none,
+   ``If-Match: <tag>`` of the one read in step 1 otherwise. If another writer got there first
+   the save fails (CheckpointExistsError) and its own objects are deleted.
+4. Only then are the objects of every other generation deleted (older saves, crashed ones).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import format as fmt
+from .._threads import WorkerPool
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    InvalidArgumentError,
+    ShardkitError,
+)
+from ..writer import (
+    SavedTensors,
+    ShardColumns,
+    _as_bytes,
+    _checksums,
+    _index,
+    _plan,
+    _run_zstd,
+    default_threads,
+)
+from . import Storage, open_storage
+from .layout import SHARDS_PREFIX, generation_of, object_name
+
+
+def save_to_storage(
+    url: str,
+    shards: Sequence[ShardColumns],
+    saved: SavedTensors,
+    *,
+    description: str,
+    threads: int | None,
+    checksum: bool,
+    user_metadata: dict[str, Any],
+    overwrite: bool,
+    compression: str | None,
+    level: int | None,
+    shuffle: bool,
+    chunk_size: int | str,
+) -> tuple[fmt.CheckpointIndex, list[bytes], tuple[str, ...]]:
+    """Save `shards` to the store at `url`; returns the index, the manifest's pieces and the
+    object names written (shards, then the manifest)."""
+    if compression not in (None, "zstd"):
+        raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
+    store = open_storage(url)
+    old = store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
+    if old is not None:
+        if not overwrite:
+            raise CheckpointExistsError(f"{url}: a checkpoint exists; pass overwrite=True to "
+                                        "replace it")
+        _check_replaceable(store, old.data)
+    threads = threads or default_threads()
+    generation = fmt.new_generation()
+    codec = "raw" if compression is None else "zstd"
+    plans = _plan(Path("."), shards, codec, generation, 0, len(shards))
+    names = [object_name(p.file, generation) for p in plans]
+    try:
+        if codec == "raw":
+            _upload_raw(store, plans, names, threads, checksum)
+        else:
+            _upload_zstd(store, plans, names, threads, checksum,
+                         dict(level=level, shuffle=shuffle, chunk_size=chunk_size,
+                              metadata={fmt.GENERATION_KEY: generation}))
+        index = _index(plans, saved, description, user_metadata, codec, generation)
+        index.set_checksums(_checksums(plans, checksum))
+        chunks = fmt.index_chunks(index)
+        data = b"".join(chunks)
+        if not store.publish(fmt.MANIFEST_FILE, data, if_absent=old is None,
+                             if_tag=None if old is None else old.tag):
+            raise CheckpointExistsError(
+                f"{url}: another save published a checkpoint here first (the manifest changed "
+                "while this save uploaded); nothing of this save is visible")
+    except BaseException:
+        _delete_quietly(store, names)
+        raise
+    remove_other_generations(store, generation)
+    return index, chunks, (*names, fmt.MANIFEST_FILE)
+
+
+def _check_replaceable(store: Storage, data: bytes) -> None:
+    try:
+        fmt.decode_index(data, store.join(fmt.MANIFEST_FILE))
+    except CheckpointFormatError as e:
+        raise CheckpointExistsError(
+            f"{store.url}: holds a manifest that is not a readable shardkit checkpoint ({e}); "
+            "shardkit never replaces it") from None
+
+
+def _raw_buffers(p: Any, checksum: bool) -> Iterator[Any]:
+    """The bytes of raw shard `p` in order (header pieces, then each entry), hashing each entry
+    with xxh3-64 into ``p.digests`` as it leaves."""
+    import xxhash
+
+    yield from p.header
+    for i, a in enumerate(p.arrays):
+        b = _as_bytes(a)
+        if checksum:
+            p.digests[i] = xxhash.xxh3_64_intdigest(b)
+        yield b
+
+
+def _parallel(jobs: list[Any], threads: int) -> None:
+    if len(jobs) <= 1:
+        for j in jobs:
+            j()
+        return
+    pool = WorkerPool(min(threads, len(jobs)), "shardkit-save")
+    try:
+        futures = [pool.submit(j) for j in jobs]
+        for f in futures:
+            f.result()
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _upload_raw(store: Storage, plans: list[Any], names: list[str], threads: int,
+                checksum: bool) -> None:
+    def job(p: Any, name: str) -> None:
+        n = store.write_file(name, _raw_buffers(p, checksum))
+        if n != p.size:
+            raise ShardkitError(f"{store.join(name)}: wrote {n} bytes, planned {p.size}")
+
+    _parallel([lambda p=p, n=n: job(p, n) for p, n in zip(plans, names)], threads)
+
+
+def _upload_zstd(store: Storage, plans: list[Any], names: list[str], threads: int,
+                 checksum: bool, options: dict[str, Any]) -> None:
+    """Each .skz shard is compressed into a local temp file (the zstd writer seals its header
+    after the frames, so it needs a seekable file), uploaded, then removed: local disk holds
+    one compressed shard at a time."""
+    with tempfile.TemporaryDirectory(prefix="shardkit-upload-") as tmp:
+        for p, name in zip(plans, names):
+            p.path = Path(tmp) / p.file
+            _run_zstd([p], threads, False, checksum, None, **options)
+            store.upload_file(name, str(p.path))
+            os.unlink(p.path)
+
+
+def _delete_quietly(store: Storage, names: Sequence[str]) -> None:
+    try:
+        store.delete(list(names))
+    except Exception:  # noqa: BLE001 - the save's own error matters; gc finds the rest
+        pass
+
+
+def remove_other_generations(store: Storage, keep: str | None, *,
+                             older_than: float | None = None) -> list[str]:
+    """Delete the shard objects of every generation but `keep` (with `older_than`: only those
+    last modified that many seconds ago or more). Returns the names deleted."""
+    now = time.time()
+    doomed = [s.name for s in store.list(SHARDS_PREFIX)
+              if generation_of(s.name) not in (None, keep)
+              and (older_than is None or now - s.mtime >= older_than)]
+    store.delete(doomed)
+    return doomed
+
+
+def gc(url: str, *, older_than: float = 3600.0) -> list[str]:
+    """Remove the objects at `url` that no manifest names: shard objects of other generations
+    (a crashed or superseded save) last modified at least `older_than` seconds ago (so a save
+    in progress keeps its objects). Returns the names removed."""
+    store = open_storage(url)
+    found = store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
+    keep = None
+    if found is not None:
+        keep = fmt.decode_index(found.data, store.join(fmt.MANIFEST_FILE)).generation
+    removed = remove_other_generations(store, keep, older_than=older_than)
+    abort = getattr(store, "abort_uploads", None)
+    if abort is not None:
+        abort(older_than)
+    return removed
+
+
+def list_checkpoints(url: str) -> list[tuple[str, float]]:
+    """The committed checkpoints directly under the prefix `url`: (name, manifest mtime)."""
+    store = open_storage(url)
+    tail = "/" + fmt.MANIFEST_FILE
+    out = []
+    for s in store.list(""):
+        if s.name.endswith(tail) and s.name.count("/") == 1:
+            out.append((s.name[: -len(tail)], s.mtime))
+    return out
+
+
+def remove_checkpoint(url: str) -> None:
+    """Delete the checkpoint at `url`: the manifest first (it stops being a checkpoint at
+    once), then every object under it."""
+    store = open_storage(url)
+    store.delete([fmt.MANIFEST_FILE])
+    store.delete([s.name for s in store.list("")])
+
+
+__all__ = ["gc", "list_checkpoints", "remove_checkpoint", "remove_other_generations",
+           "save_to_storage"]
