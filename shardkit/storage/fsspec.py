@@ -11,6 +11,7 @@ is retried on transient errors (`base.with_retries`).
 
 from __future__ import annotations
 
+import io
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -98,16 +99,20 @@ class FsspecStorage(Storage):
         inflight: deque[Future[Any]] = deque()
         parts: list[dict[str, Any]] = []
         total = 0
-        part = bytearray(PART_SIZE)
-        filled = 0
+        part = io.BytesIO()  # a file object: aiohttp streams it (raw bytes would be one blob)
 
-        def send(number: int, data: bytearray | memoryview) -> dict[str, Any]:
+        def body(data: io.BytesIO) -> io.BytesIO:
+            data.seek(0)  # again on every attempt
+            return data
+
+        def send(number: int, data: io.BytesIO) -> dict[str, Any]:
             out = self._retry(lambda: self._s3("upload_part", Bucket=bucket, Key=key,
                                                UploadId=upload_id, PartNumber=number,
-                                               Body=data), f"uploading part {number} of", name)
+                                               Body=body(data)), f"uploading part {number} of",
+                              name)
             return {"PartNumber": number, "ETag": out["ETag"]}
 
-        def flush(data: bytearray) -> None:
+        def flush(data: io.BytesIO) -> None:
             nonlocal upload_id
             if upload_id is None:
                 upload_id = self._retry(lambda: self._s3(
@@ -123,20 +128,18 @@ class FsspecStorage(Storage):
                 pos, n = 0, len(view)
                 total += n
                 while pos < n:
-                    take = min(n - pos, PART_SIZE - filled)
-                    part[filled : filled + take] = view[pos : pos + take]
-                    filled += take
+                    take = min(n - pos, PART_SIZE - part.tell())
+                    part.write(view[pos : pos + take])
                     pos += take
-                    if filled == PART_SIZE:
+                    if part.tell() == PART_SIZE:
                         flush(part)
-                        part, filled = bytearray(PART_SIZE), 0
+                        part = io.BytesIO()
             if upload_id is None:  # small: one request
-                body = bytes(memoryview(part)[:filled])
-                self._retry(lambda: self._s3("put_object", Bucket=bucket, Key=key, Body=body),
-                            "uploading", name)
+                self._retry(lambda: self._s3("put_object", Bucket=bucket, Key=key,
+                                             Body=body(part)), "uploading", name)
                 return total
-            if filled:
-                flush(bytearray(memoryview(part)[:filled]))
+            if part.tell():
+                flush(part)
             while inflight:
                 parts.append(inflight.popleft().result())
             parts.sort(key=lambda p: p["PartNumber"])
@@ -178,8 +181,8 @@ class FsspecStorage(Storage):
             elif if_tag is not None:
                 cond["IfMatch"] = if_tag
             try:
-                self._retry(lambda: self._s3("put_object", Bucket=bucket, Key=key, Body=data,
-                                             **cond), "publishing", name)
+                self._retry(lambda: self._s3("put_object", Bucket=bucket, Key=key,
+                                             Body=io.BytesIO(data), **cond), "publishing", name)
             except StorageError as e:
                 if _precondition_failed(e.__cause__):
                     return False
@@ -301,6 +304,30 @@ class FsspecStorage(Storage):
             pass
         self.fs.invalidate_cache(self.root)
 
+
+
+    def abort_uploads(self, older_than: float = 0.0) -> list[str]:
+        """Abort the unfinished multipart uploads under this prefix started at least
+        `older_than` seconds ago (a killed save leaves them; S3 bills their parts). Returns
+        the object names they were for."""
+        if not self.s3:
+            return []
+        import time
+
+        bucket, key = self._bucket_key("")
+        listed = self._retry(lambda: self._s3("list_multipart_uploads", Bucket=bucket,
+                                              Prefix=key.rstrip("/") + "/"),
+                             "listing the unfinished uploads of", "")
+        out = []
+        for u in listed.get("Uploads", []):
+            started = u.get("Initiated")
+            age = time.time() - started.timestamp() if hasattr(started, "timestamp") else 1e18
+            if age >= older_than:
+                self._retry(lambda u=u: self._s3("abort_multipart_upload", Bucket=bucket,
+                                                 Key=u["Key"], UploadId=u["UploadId"]),
+                            "aborting an upload of", u["Key"])
+                out.append(u["Key"][len(key.rstrip("/")) + 1 :])
+        return out
 
 def _precondition_failed(e: BaseException | None) -> bool:
     """Whether a refused PutObject was refused for its condition (412, or S3's 409 for a

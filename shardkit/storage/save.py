@@ -41,7 +41,93 @@ from ..writer import (
     default_threads,
 )
 from . import Storage, open_storage
-from .layout import SHARDS_PREFIX, generation_of, object_name
+from .layout import SHARDS_PREFIX, generation_of, object_name, shards_dir
+
+
+class RemoteStaging:
+    """A save in progress at a URL, in the role `commit.Staging` has locally: `path` is where
+    the shards go (the URL; the objects carry `generation`), `commit` publishes the manifest
+    conditionally and then deletes every other generation, `abort` deletes this save's
+    objects."""
+
+    def __init__(self, url: str, *, overwrite: bool) -> None:
+        self.store = open_storage(url)
+        self.path = self.target = self.store.url
+        self.committed = False
+        self.generation = fmt.new_generation()
+        self._old = self.store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
+        if self._old is not None:
+            if not overwrite:
+                raise CheckpointExistsError(f"{url}: a checkpoint exists; pass overwrite=True "
+                                            "to replace it")
+            _check_replaceable(self.store, self._old.data)
+
+    def commit(self, chunks: Sequence[bytes]) -> None:
+        old = self._old
+        if not self.store.publish(fmt.MANIFEST_FILE, b"".join(chunks), if_absent=old is None,
+                                  if_tag=None if old is None else old.tag):
+            raise CheckpointExistsError(
+                f"{self.path}: another save published a checkpoint here first (the manifest "
+                "changed while this save uploaded); nothing of this save is visible")
+        self.committed = True
+        try:
+            remove_other_generations(self.store, self.generation)
+        except ShardkitError:  # the checkpoint is committed; `shardkit gc` removes the rest
+            pass
+
+    def abort(self) -> None:
+        if not self.committed:
+            try:
+                mine = shards_dir(self.generation)
+                self.store.delete([s.name for s in self.store.list(mine)])
+            except Exception:  # noqa: BLE001 - the save's own error matters; gc finds the rest
+                pass
+
+    def __enter__(self) -> RemoteStaging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.committed:
+            self.abort()
+
+
+def upload_shards(
+    url: str,
+    shards: Sequence[ShardColumns],
+    saved: SavedTensors,
+    *,
+    description: str,
+    generation: str,
+    threads: int | None = None,
+    checksum: bool = True,
+    user_metadata: dict[str, Any] | None = None,
+    compression: str | None = None,
+    level: int | None = None,
+    shuffle: bool = True,
+    chunk_size: int | str = "4MiB",
+    first_shard: int = 0,
+    shard_count: int | None = None,
+    **_: Any,
+) -> tuple[fmt.CheckpointIndex, list[bytes]]:
+    """`writer.write_shards` for a URL: the same shards (writer's plan, same bytes), uploaded
+    as objects of `generation`; returns the index and the manifest's pieces."""
+    if compression not in (None, "zstd"):
+        raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
+    store = open_storage(url)
+    threads = threads or default_threads()
+    codec = "raw" if compression is None else "zstd"
+    plans = _plan(Path("."), shards, codec, generation, first_shard,
+                  len(shards) if shard_count is None else shard_count)
+    names = [object_name(p.file, generation) for p in plans]
+    if codec == "raw":
+        _upload_raw(store, plans, names, threads, checksum)
+    else:
+        _upload_zstd(store, plans, names, threads, checksum,
+                     dict(level=level, shuffle=shuffle, chunk_size=chunk_size,
+                          metadata={fmt.GENERATION_KEY: generation}))
+    index = _index(plans, saved, description, user_metadata or {}, codec, generation)
+    index.set_checksums(_checksums(plans, checksum))
+    return index, fmt.index_chunks(index)
 
 
 def save_to_storage(
@@ -49,52 +135,16 @@ def save_to_storage(
     shards: Sequence[ShardColumns],
     saved: SavedTensors,
     *,
-    description: str,
-    threads: int | None,
-    checksum: bool,
-    user_metadata: dict[str, Any],
     overwrite: bool,
-    compression: str | None,
-    level: int | None,
-    shuffle: bool,
-    chunk_size: int | str,
+    **options: Any,
 ) -> tuple[fmt.CheckpointIndex, list[bytes], tuple[str, ...]]:
-    """Save `shards` to the store at `url`; returns the index, the manifest's pieces and the
-    object names written (shards, then the manifest)."""
-    if compression not in (None, "zstd"):
-        raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
-    store = open_storage(url)
-    old = store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
-    if old is not None:
-        if not overwrite:
-            raise CheckpointExistsError(f"{url}: a checkpoint exists; pass overwrite=True to "
-                                        "replace it")
-        _check_replaceable(store, old.data)
-    threads = threads or default_threads()
-    generation = fmt.new_generation()
-    codec = "raw" if compression is None else "zstd"
-    plans = _plan(Path("."), shards, codec, generation, 0, len(shards))
-    names = [object_name(p.file, generation) for p in plans]
-    try:
-        if codec == "raw":
-            _upload_raw(store, plans, names, threads, checksum)
-        else:
-            _upload_zstd(store, plans, names, threads, checksum,
-                         dict(level=level, shuffle=shuffle, chunk_size=chunk_size,
-                              metadata={fmt.GENERATION_KEY: generation}))
-        index = _index(plans, saved, description, user_metadata, codec, generation)
-        index.set_checksums(_checksums(plans, checksum))
-        chunks = fmt.index_chunks(index)
-        data = b"".join(chunks)
-        if not store.publish(fmt.MANIFEST_FILE, data, if_absent=old is None,
-                             if_tag=None if old is None else old.tag):
-            raise CheckpointExistsError(
-                f"{url}: another save published a checkpoint here first (the manifest changed "
-                "while this save uploaded); nothing of this save is visible")
-    except BaseException:
-        _delete_quietly(store, names)
-        raise
-    remove_other_generations(store, generation)
+    """Save `shards` to the store at `url` (module docstring); returns the index, the
+    manifest's pieces and the object names written (shards, then the manifest)."""
+    with RemoteStaging(url, overwrite=overwrite) as staging:
+        index, chunks = upload_shards(url, shards, saved, generation=staging.generation,
+                                      **options)
+        staging.commit(chunks)
+    names = tuple(object_name(s.file, staging.generation) for s in index.shards)
     return index, chunks, (*names, fmt.MANIFEST_FILE)
 
 
@@ -157,13 +207,6 @@ def _upload_zstd(store: Storage, plans: list[Any], names: list[str], threads: in
             os.unlink(p.path)
 
 
-def _delete_quietly(store: Storage, names: Sequence[str]) -> None:
-    try:
-        store.delete(list(names))
-    except Exception:  # noqa: BLE001 - the save's own error matters; gc finds the rest
-        pass
-
-
 def remove_other_generations(store: Storage, keep: str | None, *,
                              older_than: float | None = None) -> list[str]:
     """Delete the shard objects of every generation but `keep` (with `older_than`: only those
@@ -211,5 +254,5 @@ def remove_checkpoint(url: str) -> None:
     store.delete([s.name for s in store.list("")])
 
 
-__all__ = ["gc", "list_checkpoints", "remove_checkpoint", "remove_other_generations",
-           "save_to_storage"]
+__all__ = ["RemoteStaging", "gc", "list_checkpoints", "remove_checkpoint", "remove_other_generations",
+           "save_to_storage", "upload_shards"]
