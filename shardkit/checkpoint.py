@@ -39,7 +39,6 @@ import numpy as np
 from . import api
 from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
 from .commit import TMP_MARK, is_checkpoint
-from .storage import is_url
 from .errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -53,6 +52,7 @@ from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
 from .restore import CheckpointLoadStatus, check_complete
+from .storage import is_url
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"

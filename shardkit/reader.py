@@ -75,7 +75,6 @@ from .slicing import (
     refine,
     span_shape,
 )
-from .storage import is_url
 from .sources import (
     _PARALLEL_MIN,
     READ_CHUNK,
@@ -84,6 +83,7 @@ from .sources import (
     _opener,
     _run_each,
 )
+from .storage import is_url
 from .tensors import _gc_paused
 
 MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
@@ -203,7 +203,8 @@ class CheckpointReader:
         if is_url(self.path):
             from .storage.remote import RemoteDirectory
 
-            self._remote = directory = RemoteDirectory(self.path)
+            directory: Any = RemoteDirectory(self.path)
+            self._remote = directory
             self._dir_path, single, self._dir_fd = directory.path, None, -1
             self._dir_closer: Callable[[], Any] = _nothing
         else:

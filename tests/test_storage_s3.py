@@ -15,25 +15,21 @@ import time
 
 import numpy as np
 import pytest
+from s3server import S3Server
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto")
-
-import shardkit  # noqa: E402
-from shardkit import format as fmt  # noqa: E402
-from shardkit.cli import main as cli_main  # noqa: E402
-from shardkit.errors import (  # noqa: E402
+import shardkit
+from shardkit import format as fmt
+from shardkit.cli import main as cli_main
+from shardkit.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumError,
     StorageError,
 )
-from shardkit.storage import open_storage, set_storage_options  # noqa: E402
-from shardkit.storage import base as storage_base  # noqa: E402
-from shardkit.storage.layout import SHARDS_PREFIX  # noqa: E402
-from shardkit.storage.save import gc  # noqa: E402
-
-from s3server import S3Server  # noqa: E402
+from shardkit.storage import base as storage_base
+from shardkit.storage import open_storage, set_storage_options
+from shardkit.storage.layout import SHARDS_PREFIX
+from shardkit.storage.save import gc
 
 
 @pytest.fixture(scope="module")

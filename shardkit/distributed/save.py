@@ -43,8 +43,8 @@ from ..dtypes import itemsize, safetensors_name
 from ..errors import DistributedError, DistributedSaveError, DistributedStateError
 from ..options import CheckpointOptions
 from ..slices import WHOLE, format_slice_spec
-from ..tensors import ShardableTensor, flatten_columns, to_host
 from ..storage import is_url
+from ..tensors import ShardableTensor, flatten_columns, to_host
 from ..writer import SavedTensors, shard_columns, write_shards
 from .base import Coordinator
 

@@ -71,7 +71,8 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
         return Detected(HUGGINGFACE, name, data)
     if directory.has(HF_SINGLE_FILE):
         return Detected(SAFETENSORS, HF_SINGLE_FILE, None)
-    if directory.dir_fd is not None and os.fstat(directory.dir_fd).st_nlink == 0:  # replaced and deleted since it was opened
+    # replaced and deleted since it was opened (a store has no directory handle)
+    if directory.dir_fd is not None and os.fstat(directory.dir_fd).st_nlink == 0:
         raise CheckpointReplacedError(
             f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
             "again to read the new one")

@@ -156,7 +156,7 @@ def with_retries(call: Callable[[], _T], what: str, url: str, *, retries: int = 
             return call()
         except FileNotFoundError:
             raise
-        except Exception as e:  # noqa: BLE001 - classified below
+        except Exception as e:
             if is_transient(e) and attempt < retries:
                 sleep(delay * (1 + random.random() / 2))
                 delay = min(BACKOFF_MAX, delay * 2)

@@ -122,7 +122,7 @@ def open_raw(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile)
     return RemoteRawShard(path, info, file)
 
 
-def open_skz(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile) -> ShardSource:
+def open_skz(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile) -> Any:
     return RemoteSkzShard(path, info, file)
 
 
