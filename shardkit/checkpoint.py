@@ -121,6 +121,8 @@ def _identity(x: Any) -> tuple[Any, ...] | None:
     if torch is not None and isinstance(x, torch.Tensor):
         if x.numel() == 0:
             return None
+        if type(x).__name__ == "DTensor":  # a wrapper without storage: its local shard's
+            x = x.to_local()
         return (
             "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
             tuple(x.shape), x.stride(), x.dtype,
@@ -416,16 +418,27 @@ class Checkpoint:
     # -- writing
 
     def save(self, file_prefix: str | os.PathLike[str],
-             options: CheckpointOptions | None = None) -> SaveHandle:
-        """Increment `save_counter` and write ``<file_prefix>-<save_counter>``."""
+             options: CheckpointOptions | None = None, *, process_group: Any = None,
+             timeout: float | None = None) -> SaveHandle:
+        """Increment `save_counter` and write ``<file_prefix>-<save_counter>``.
+        `process_group` / `timeout`: as for `write`."""
         self._writer.wait()
         self._save_counter += 1
-        return self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", options)
+        return self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", options,
+                           process_group=process_group, timeout=timeout)
 
     def write(self, file_prefix: str | os.PathLike[str],
-              options: CheckpointOptions | None = None) -> SaveHandle:
-        """Write the checkpoint at exactly `file_prefix` (replacing one already there)."""
-        return self._write(os.fspath(file_prefix), options)
+              options: CheckpointOptions | None = None, *, process_group: Any = None,
+              timeout: float | None = None) -> SaveHandle:
+        """Write the checkpoint at exactly `file_prefix` (replacing one already there).
+
+        Collective, as `shardkit.save`, when the objects hold DTensors or `process_group` is
+        given: every rank calls it, each writes its own shards. An async collective save
+        snapshots each rank's local shards and commits from the background over a process
+        group of its own (created at the first such save), never interleaving with the
+        training loop's collectives."""
+        return self._write(os.fspath(file_prefix), options, process_group=process_group,
+                           timeout=timeout)
 
     def sync(self) -> None:
         """Wait for a pending async save; raise its error if it failed."""
@@ -434,26 +447,37 @@ class Checkpoint:
     wait_until_finished = sync
 
     def _write(self, path: str, options: CheckpointOptions | None,
-               after_commit: Callable[[str], None] | None = None) -> SaveHandle:
+               after_commit: Callable[[str], None] | None = None, *,
+               process_group: Any = None, timeout: float | None = None) -> SaveHandle:
         opts = _check_options(options)
         self._writer.wait()
         tensors, metadata = self._collect()
+        coord = api._coordinator(tensors, process_group, timeout)  # None: this process alone
         if not opts.enable_async:
             with api._no_split_warning():
-                info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True)
+                info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True,
+                                process_group=coord)
             if after_commit is not None:
                 after_commit(info.path)
             return SaveHandle(info.path)
         check_keys(list(tensors))  # here, not in the background write
+        where: dict[str, Any] = {}
+        if coord is not None:
+            from .distributed import as_local_shards, local_parts
+
+            tensors, where = local_parts(tensors)  # a rank snapshots its local shards only
+            coord = coord.background()
         snapshot = self._pool.snapshot(tensors.items())
         del tensors  # the write must not see later changes
+        if where:
+            snapshot = as_local_shards(snapshot, where)
         write_opts = dataclasses.replace(opts, enable_async=False)
         target = path if is_url(path) else os.path.abspath(path)
 
         def job() -> None:
             with api._no_split_warning():
                 info = api.save(target, snapshot, options=write_opts, metadata=metadata,
-                                overwrite=True)
+                                overwrite=True, process_group=coord)
             if after_commit is not None:
                 after_commit(info.path)
 
@@ -582,6 +606,12 @@ class CheckpointManager:
     ``keep_checkpoint_every_n_hours``: of the checkpoints older than the newest `max_to_keep`,
     the oldest is kept, and every one saved at least that many hours after the previous kept
     one (by the modification time of its manifest). Those are not in `checkpoints`.
+
+    In a distributed job pass ``process_group=`` (a torch.distributed process group, or a
+    `shardkit.distributed.Coordinator`) on every rank: saves are collective, rank 0 decides
+    the number and deletes old checkpoints, and `checkpoints`, `latest_checkpoint` and
+    `restore_or_initialize` see rank 0's listing (a broadcast: every rank must read them at
+    the same point). `timeout`: seconds each collective waits for the other ranks.
     """
 
     def __init__(
@@ -594,6 +624,9 @@ class CheckpointManager:
         step_counter: Any = None,
         checkpoint_interval: int | None = None,
         init_fn: Callable[[], Any] | None = None,
+        *,
+        process_group: Any = None,
+        timeout: float | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise InvalidArgumentTypeError(
@@ -641,6 +674,11 @@ class CheckpointManager:
         self._init_fn = init_fn
         self._last_step: int | None = None
         self._restore_status: CheckpointLoadStatus | None = None
+        self._coord: Any = None
+        if process_group is not None or timeout is not None:
+            from .distributed import coordinator_for
+
+            self._coord = coordinator_for({}, process_group, timeout)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -673,6 +711,14 @@ class CheckpointManager:
         return committed[-1][1] if committed else None
 
     def _committed(self) -> list[tuple[int, str]]:
+        """The committed checkpoints; in a distributed manager rank 0's listing, broadcast
+        (a collective: every rank asks at the same point)."""
+        if self._coord is None:
+            return self._listing()
+        found = self._listing() if self._coord.rank == 0 else None
+        return list(self._coord.broadcast(found, "checkpoint listing"))
+
+    def _listing(self) -> list[tuple[int, str]]:
         if is_url(self._directory):  # an object store: prefixes holding a manifest
             from .storage.save import list_checkpoints
 
@@ -724,8 +770,15 @@ class CheckpointManager:
         self._checkpoint._save_counter += 1
         if checkpoint_number is None:
             number = self._checkpoint.save_counter
+        sweep: Callable[[str], None] | None = self._sweep
+        if self._coord is not None:  # rank 0 numbers the checkpoint and deletes old ones
+            number, counter = self._coord.broadcast(
+                (number, self._checkpoint._save_counter), "checkpoint number")
+            self._checkpoint._save_counter = counter
+            sweep = self._sweep if self._coord.rank == 0 else None
         path = os.path.join(self._directory, f"{self._name}-{number}")
-        handle = self._checkpoint._write(path, options, after_commit=self._sweep)
+        handle = self._checkpoint._write(path, options, after_commit=sweep,
+                                         process_group=self._coord)
         if self._interval is not None:
             self._last_step = step
         return handle
@@ -758,7 +811,7 @@ class CheckpointManager:
         """Delete committed checkpoints older than the newest `max_to_keep` (not `new_path`)."""
         if self._max_to_keep is None:
             return
-        committed = self._committed()
+        committed = self._listing()
         newest = {p for _, p in committed[-self._max_to_keep :]}
         newest.add(new_path if is_url(new_path) else os.path.abspath(new_path))
         last_kept: float | None = None

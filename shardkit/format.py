@@ -974,64 +974,6 @@ class CheckpointIndex:
 _INDEX_FIELDS: Final = tuple(f for f in CheckpointIndex.__slots__ if f != "_cache")
 
 
-def merge_indexes(parts: Sequence[CheckpointIndex], *, callback: str,
-                  user_metadata: dict[str, Any] | None = None,
-                  generation: str | None = None) -> CheckpointIndex:
-    """One index from the indexes of several writers of one checkpoint (the ranks of a
-    collective save, in rank order), each over its own shards: shards are listed writer by
-    writer, a tensor that several hold (as slices) gets one row, in order of first appearance,
-    whose dtype, full shape and device come from its first writer. Column-wise: 100,000
-    tensors from 4 writers merge in milliseconds. The parts must agree on each tensor's dtype
-    and shape (the caller checked; ValueError otherwise)."""
-    rows: dict[str, int] = {}
-    keys: list[str] = []
-    dtypes: list[str] = []
-    shapes: list[tuple[int, ...]] = []
-    devices: list[str] = []
-    shards: list[ShardInfo] = []
-    slice_tensor: list[np.ndarray] = []
-    slice_spec: list[str] = []
-    slice_shard: list[np.ndarray] = []
-    slice_xxh3: list[str | None] = []
-    for part in parts:
-        before = len(rows)
-        if not rows:
-            new = part.keys
-        else:
-            known = rows.keys()
-            new = [k for k in part.keys if k not in known]
-        rows.update(zip(new, range(before, before + len(new))))
-        ids = np.fromiter(map(rows.__getitem__, part.keys), np.int64, len(part.keys))
-        if len(new) == len(part.keys):
-            keys += part.keys
-            dtypes += part.dtypes
-            shapes += part.shapes
-            devices += part.devices
-        else:
-            fresh = np.flatnonzero(ids >= before).tolist()
-            keys += new
-            dtypes += map(part.dtypes.__getitem__, fresh)
-            shapes += map(part.shapes.__getitem__, fresh)
-            devices += map(part.devices.__getitem__, fresh)
-            old = np.flatnonzero(ids < before)
-            for i in old[[dtypes[ids[j]] != part.dtypes[j] or shapes[ids[j]] != part.shapes[j]
-                          for j in old.tolist()]].tolist()[:1]:
-                raise ValueError(
-                    f"tensor {_shown(part.keys[i])} is {part.dtypes[i]} {list(part.shapes[i])} "
-                    f"in one part and {dtypes[ids[i]]} {list(shapes[ids[i]])} in an earlier one")
-        slice_tensor.append(ids[np.asarray(part.slice_tensor, np.int64)])
-        slice_spec += part.slice_spec
-        slice_shard.append(np.asarray(part.slice_shard, np.int64) + len(shards))
-        slice_xxh3 += part.slice_xxh3
-        shards += part.shards
-    return CheckpointIndex(
-        callback, shards, keys, dtypes, shapes, devices,
-        np.concatenate(slice_tensor).tolist() if slice_tensor else [], slice_spec,
-        np.concatenate(slice_shard).tolist() if slice_shard else [], slice_xxh3,
-        dict(user_metadata or {}), FORMAT_VERSION, generation,
-    )
-
-
 def encode_index(index: CheckpointIndex) -> bytes:
     """The manifest's bytes: compact UTF-8 JSON (as ``json.dumps(doc, separators=(",", ":"),
     ensure_ascii=False)``) and a newline. Column-wise, encoded by orjson (byte-identical to

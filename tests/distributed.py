@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, store_file: str | None, results: Any,
         if store_file is not None:
             init_group(rank, world, store_file)
         value: Any = fn(rank, world, *args)
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+    except BaseException as e:
         value = e
     try:
         payload = pickle.dumps(value)
@@ -142,7 +142,7 @@ def forked_rounds(rank: int, world: int, rounds: int, workdir: str,
                 init_group(rank, world, os.path.join(workdir, f"store-{i}"), timeout)
                 try:
                     value: Any = body(rank, world, i)
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     value = e
                 try:
                     data = pickle.dumps(value)

@@ -189,7 +189,9 @@ def _failures(rank: int, world: int, root: str) -> dict:
             out[name] = "saved"
         except Exception as e:
             out[name] = (type(e).__name__, getattr(e, "rank", None), str(e))
+        torch.distributed.barrier()  # every rank has returned: no temp directory is left
         out[name + "/tmp"] = sorted(e for e in os.listdir(root) if commit.TMP_MARK in e)
+        torch.distributed.barrier()  # before the next save makes one
 
     # shape and dtype must agree across ranks
     attempt("shape", {"x": torch.zeros(3 + rank)})
@@ -263,6 +265,25 @@ def _failures(rank: int, world: int, root: str) -> dict:
         counts.append(list(coord.calls))
     out["counts"] = counts
     out["final"] = shardkit.open(path).index.generation
+    # compressed shards, written by each rank the same way
+    shardkit.save(os.path.join(root, "zstd"), {"rep": torch.arange(64.0), f"own{rank}":
+                  torch.full((100,), float(rank))}, compression="zstd",
+                  process_group=torch.distributed.group.WORLD)
+    # without DTensors or a group, a save is this process's alone: rank 0 saves, rank 1 not
+    if rank == 0:
+        shardkit.save(os.path.join(root, "alone"), {"a": torch.ones(2)})
+    torch.distributed.barrier()
+    # last (the group is unusable afterwards): a rank that is late fails the others within
+    # the timeout, naming it, and never hangs them
+    if rank == 1:
+        time.sleep(3)
+    started = time.monotonic()
+    try:
+        shardkit.save(os.path.join(root, "late"), base,
+                      process_group=torch.distributed.group.WORLD, timeout=1)
+        out["late"] = "saved"
+    except DistributedTimeoutError as e:
+        out["late"] = (type(e).__name__, str(e), time.monotonic() - started)
     return out
 
 
@@ -294,6 +315,19 @@ def test_failures_on_one_rank_fail_every_rank_and_keep_the_earlier_checkpoint(tm
         assert r["counts"][0] == r["counts"][1] == r["counts"][2]
         assert r["counts"][0] == ["all_gather", "all_gather", "gather", "broadcast"]
     assert not os.path.exists(tmp_path / "p0") and not os.path.exists(tmp_path / "p1")
+    zstd = shardkit.load(str(tmp_path / "zstd"))
+    assert (zstd["rep"] == np.arange(64.0, dtype=np.float32)).all()
+    assert (zstd["own0"] == 0).all() and (zstd["own1"] == 1).all()
+    with shardkit.open(str(tmp_path / "zstd")) as reader:
+        assert {s.codec for s in reader.index.shards} == {"zstd"}
+        assert {s.task for s in reader.index.shards} == {0, 1}
+    with shardkit.open(str(tmp_path / "alone")) as reader:
+        assert list(reader.keys()) == ["a"] and reader.index.shards[0].task == 0
+    kind, message, elapsed = r0["late"]
+    assert kind == "DistributedTimeoutError" and "rank 1 did not answer" in message, message
+    assert "'plan'" in message and elapsed < 2.5, r0["late"]
+    assert r1["late"][0] == "DistributedTimeoutError"
+    assert not os.path.exists(tmp_path / "late")
     with shardkit.open(str(tmp_path / "count3000")) as reader:
         assert len(reader.keys()) == 3000 + 2 * 3000
 
@@ -414,18 +448,90 @@ def test_single_process_save_does_not_import_torch_distributed(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
+def _cols(keys, specs, dtypes, shapes, nbytes):
+    from shardkit.distributed.save import columns
+
+    return columns(keys, specs, dtypes, shapes, nbytes, ["/job:worker/task:0"] * len(keys))
+
+
 def test_assign_balances_and_checks_pieces():
-    from shardkit.distributed.save import assign
+    from shardkit.distributed.save import EXACT, assign, plan
 
     cols = [
-        (["a", "b", "c"], ["", "", ""], ["F32"] * 3, [(10,), (20,), (5,)], [40, 80, 20]),
-        (["a", "b", "d"], ["", "", ""], ["F32"] * 3, [(10,), (20,), (5,)], [40, 80, 20]),
+        _cols(["a", "b", "c"], ["", "", ""], ["F32"] * 3, [(10,), (20,), (5,)], [40, 80, 20]),
+        _cols(["a", "b", "d"], ["", "", ""], ["F32"] * 3, [(10,), (20,), (5,)], [40, 80, 20]),
     ]
-    mine = assign(cols)
     # c and d are single-held (20 bytes each); b (largest) goes to the least-loaded holder,
     # the lower rank on a tie, then a to the other
-    assert mine == [[1, 2], [0, 2]]
-    with pytest.raises(DistributedStateError, match="'a'.*rank 0.*rank 1"):
-        assign([(["a"], [""], ["F32"], [(10,)], [40]), (["a"], [""], ["F64"], [(10,)], [80])])
+    assert assign(cols) == [[1, 2], [0, 2]]
+    pieces = plan(cols)
+    assert [pieces.keys[i] for i in pieces.tensor_first] == ["a", "b", "c", "d"]
+    assert pieces.tensor_row.tolist() == [0, 1, 2, 0, 1, 3]
+    with pytest.raises(DistributedStateError, match=r"'a'.*rank 0.*F32.*rank 1.*F64"):
+        assign([_cols(["a"], [""], ["F32"], [(10,)], [40]),
+                _cols(["a"], [""], ["F64"], [(10,)], [80])])
+    with pytest.raises(DistributedStateError, match=r"'a'.*rank 0.*\[10\].*rank 1.*\[11\]"):
+        assign([_cols(["a"], [""], ["F32"], [(10,)], [40]),
+                _cols(["a"], [""], ["F32"], [(11,)], [44])])
     with pytest.raises(DistributedStateError, match="missing or two overlap"):
-        assign([(["a"], ["4 2 0,2:0,2"], ["F32"], [(4, 2)], [16]), ([], [], [], [], [])])
+        assign([_cols(["a"], ["4 2 0,2:0,2"], ["F32"], [(4, 2)], [16]), _cols([], [], [], [], [])])
+    with pytest.raises(DistributedStateError, match="missing or two overlap"):  # overlap
+        assign([_cols(["a", "a"], ["2 0,2", "2 1,1"], ["F32"] * 2, [(2,), (2,)], [8, 4])])
+    # beyond EXACT replicated pieces the small ones go round-robin: still every piece once,
+    # and 3 ranks within a few pieces of each other
+    n = EXACT + 3000
+    shared = _cols([f"k{i}" for i in range(n)], [""] * n, ["F32"] * n, [(1 + i % 7,)
+                   for i in range(n)], [4 * (1 + i % 7) for i in range(n)])
+    mine = assign([shared, shared, shared])
+    assert sorted(i for m in mine for i in m) == list(range(n))
+    loads = [sum(4 * (1 + i % 7) for i in m) for m in mine]
+    assert max(loads) - min(loads) <= 2 * 28, loads
+    assert assign([_cols([], [], [], [], [])] * 2) == [[], []]
+
+
+def _manager(rank: int, world: int, directory: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    weights = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+    state = {"w": weights, "bias": torch.zeros(3)}
+    ckpt = shardkit.Checkpoint(state=state)
+    if rank == 1:
+        ckpt._save_counter = 7  # rank 0 numbers the checkpoints, whatever the others count
+    manager = shardkit.CheckpointManager(ckpt, directory, max_to_keep=2,
+                                         process_group=torch.distributed.group.WORLD)
+    out: dict = {"saved": [], "listed": []}
+    for step in range(1, 4):
+        weights.to_local().fill_(step)
+        state["bias"].fill_(step)
+        out["saved"].append(os.path.basename(str(manager.save())))
+        out["listed"].append([os.path.basename(p) for p in manager.checkpoints])
+    # async: each rank snapshots its local shard; the commit runs in the background over a
+    # group of its own while this thread keeps using the default group
+    weights.to_local().fill_(10)
+    handle = manager.save(options=shardkit.CheckpointOptions(enable_async=True))
+    weights.to_local().fill_(-1)  # after the snapshot: not saved
+    torch.distributed.all_reduce(torch.ones(1))  # the training loop's own collective
+    manager.sync()
+    out["async"] = os.path.basename(str(handle))
+    out["latest"] = os.path.basename(manager.latest_checkpoint or "")
+    out["listed_end"] = [os.path.basename(p) for p in manager.checkpoints]
+    out["counter"] = ckpt.save_counter
+    return out
+
+
+def test_manager_numbering_retention_and_async_save_agree_on_every_rank(tmp_path):
+    directory = str(tmp_path / "run")
+    r0, r1 = harness.raise_any(harness.run_ranks(_manager, 2, directory))
+    assert r0 == r1
+    assert r0["saved"] == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert r0["listed"] == [["ckpt-1"], ["ckpt-1", "ckpt-2"], ["ckpt-2", "ckpt-3"]]
+    assert r0["async"] == r0["latest"] == "ckpt-4" and r0["counter"] == 4
+    assert r0["listed_end"] == ["ckpt-3", "ckpt-4"]
+    assert sorted(os.listdir(directory)) == ["ckpt-3", "ckpt-4"]  # retention by rank 0
+    loaded = shardkit.load(os.path.join(directory, "ckpt-4"))
+    weights = next(v for k, v in loaded.items() if k.endswith("w"))
+    assert weights.shape == (6, 4) and (weights == 10).all()  # the snapshot, both halves
+    loaded3 = shardkit.load(os.path.join(directory, "ckpt-3"))
+    assert all((v == 3).all() for k, v in loaded3.items() if "save_counter" not in k)

@@ -48,4 +48,33 @@ def coordinator_for(state: Any, process_group: Any = None,
     return TorchCoordinator(process_group, DEFAULT_TIMEOUT if timeout is None else timeout)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "CountingCoordinator", "coordinator_for"]
+def local_parts(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`tensors` with each DTensor replaced by its local tensor, and key -> (global shape,
+    offset) of those: what an async save snapshots (`as_local_shards` puts them back)."""
+    from .dtensor import dtensor_type, local_slice
+
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return tensors, {}
+    out, where = {}, {}
+    for key, value in tensors.items():
+        if isinstance(value, dtensor):
+            local, shape, offset = local_slice(value, key)
+            out[key] = local
+            where[key] = (shape, offset)
+        else:
+            out[key] = value
+    return out, where
+
+
+def as_local_shards(snapshot: dict[str, Any], where: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot of `local_parts`' tensors, the local ones as `save.LocalShard`s."""
+    if not where:
+        return snapshot
+    from .save import LocalShard
+
+    return {k: LocalShard(v, *where[k]) if k in where else v for k, v in snapshot.items()}
+
+
+__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "CountingCoordinator", "as_local_shards",
+           "coordinator_for", "local_parts"]

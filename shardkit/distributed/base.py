@@ -44,6 +44,12 @@ class Coordinator(abc.ABC):
     def barrier(self, op: str) -> None:
         """Return once every rank has called it."""
 
+    def background(self) -> Coordinator:
+        """A coordinator over the same ranks whose collectives never interleave with this
+        one's (for saves that commit from a background thread); made once, reused. Every
+        rank must ask for it at the same point. The base class has none."""
+        raise NotImplementedError(f"{type(self).__name__} has no background coordinator")
+
     def with_timeout(self, timeout: float | None) -> Coordinator:
         """This coordinator with collectives waiting `timeout` seconds (None: unchanged)."""
         if timeout is not None:
@@ -90,3 +96,9 @@ class CountingCoordinator(Coordinator):
     def barrier(self, op: str) -> None:
         self.calls.append("barrier")
         self.inner.barrier(op)
+
+    def background(self) -> Coordinator:
+        got = getattr(self, "_background", None)
+        if got is None:
+            got = self._background = CountingCoordinator(self.inner.background())
+        return got

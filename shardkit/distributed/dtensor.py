@@ -47,7 +47,7 @@ def mesh_group(values: list[Any]) -> Any:
 
     world = dist.get_world_size()
     meshes = {id(v.device_mesh): v.device_mesh for v in values}
-    groups = []
+    groups: list[Any] = []
     for mesh in meshes.values():
         if mesh.size() == world:
             groups.append(None)

@@ -27,10 +27,12 @@ the seam it talks through, `base.Coordinator`, sits low in the layers.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain, count
 from typing import Any
 
 import numpy as np
@@ -65,8 +67,22 @@ class Held:
     arrays: list[np.ndarray]
     devices: list[DeviceSpec]
 
-    def columns(self) -> tuple[list[str], list[str], list[str], list[tuple[int, ...]], list[int]]:
-        return self.keys, self.specs, self.dtypes, self.shapes, self.nbytes
+    def columns(self) -> Columns:
+        names: dict[int, str] = {}
+        devices = [names.get(id(d)) or names.setdefault(id(d), d.to_string())
+                   for d in self.devices]
+        return columns(self.keys, self.specs, self.dtypes, self.shapes, self.nbytes, devices)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """A rank's part of a distributed tensor, taken apart already: `local` (an array or
+    tensor) is the slice at `offset` of a tensor of global `shape`. An async save snapshots
+    `local` and saves this in the background."""
+
+    local: Any
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
 
 
 def held(state: Any, rank: int) -> Held:
@@ -76,10 +92,12 @@ def held(state: Any, rank: int) -> Held:
 
     keys, leaves = flatten_columns(state)
     dtensor = dtensor_type()
+    device = DeviceSpec("worker", 0, rank, "CPU", 0)
     out = Held([], [], [], [], [], [], [])
     for key, value in zip(keys, leaves):
-        if dtensor is not None and isinstance(value, dtensor):
-            local, shape, offset = local_slice(value, key)
+        if (dtensor is not None and isinstance(value, dtensor)) or isinstance(value, LocalShard):
+            local, shape, offset = (local_slice(value, key) if not isinstance(value, LocalShard)
+                                    else (value.local, value.shape, value.offset))
             array, dev = to_host(local, key)
             if array.size == 0 and math.prod(shape) != 0:
                 continue  # an empty shard of an uneven split: nothing to store
@@ -95,65 +113,176 @@ def held(state: Any, rank: int) -> Held:
         out.shapes.append(shape)
         out.nbytes.append(int(array.nbytes))
         out.arrays.append(array)
-        out.devices.append(DeviceSpec("worker", 0, rank, dev.device_type if dev else "CPU",
-                                      dev.device_index if dev else 0))
+        out.devices.append(device if dev is None or (dev.device_type == "CPU" and not
+                           dev.device_index) else
+                           DeviceSpec("worker", 0, rank, dev.device_type, dev.device_index))
     return out
 
 
-Columns = tuple[list[str], list[str], list[str], list[tuple[int, ...]], list[int]]
+# What the plan sends of a rank's pieces: keys, then slice specs, dtype names, global shapes
+# as Coded (the distinct values and an int32 code per piece, as bytes), the bytes of each
+# piece (int64 bytes), and the device strings, Coded.
+Columns = tuple[list[str], "Coded", "Coded", "Coded", bytes, "Coded"]
+
+
+@dataclass(frozen=True, slots=True)
+class Coded:
+    """A column as its distinct `values` and, per row, the int32 code of its value."""
+
+    values: list[Any]
+    codes: bytes
+
+    @classmethod
+    def of(cls, column: list[Any]) -> Coded:
+        first = _firsts(column)
+        distinct = np.flatnonzero(first == np.arange(len(column)))
+        compact = np.zeros(len(column), np.int32)
+        compact[distinct] = np.arange(len(distinct), dtype=np.int32)
+        return cls([column[i] for i in distinct.tolist()], compact[first].tobytes())
+
+
+def columns(keys: list[str], specs: list[str], dtypes: list[str],
+            shapes: list[tuple[int, ...]], nbytes: list[int], devices: list[str]) -> Columns:
+    """A rank's pieces as the ``plan`` collective sends them (`Columns`)."""
+    return (keys, Coded.of(specs), Coded.of(dtypes), Coded.of(shapes),
+            np.asarray(nbytes, np.int64).tobytes(), Coded.of(devices))
+
+
+class _Column:
+    """The ranks' Coded parts of one column, concatenated: `ids` (equal ids, equal values)
+    and `values` (the distinct values, by id)."""
+
+    def __init__(self, parts: Sequence[Coded]) -> None:
+        number: dict[Any, int] = {}
+        ids = []
+        for part in parts:
+            remap = np.fromiter((number.setdefault(v, len(number)) for v in part.values),
+                                np.int64, len(part.values))
+            ids.append(remap[np.frombuffer(part.codes, np.int32)] if len(remap) else
+                       np.zeros(0, np.int64))
+        self.ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        self.values = list(number)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.values[self.ids[i]]
+
+    def take(self, rows: np.ndarray) -> list[Any]:
+        """The values of `rows`."""
+        return list(map(self.values.__getitem__, self.ids[rows].tolist()))
+
+
+EXACT = 4096  # replicated pieces placed one by one (largest first); the rest round-robin
+
+
+@dataclass(slots=True)
+class Plan:
+    """The ranks' pieces, concatenated in rank order (rank r's at ``start[r]`` on), and who
+    writes what: `mine[r]`, the positions in rank r's `Held` of the pieces it writes;
+    `tensor_row`, each piece's tensor in the merged index, whose rows are the keys in order
+    of first appearance, `tensor_first` the first piece of each."""
+
+    keys: list[str]
+    specs: _Column
+    dtypes: _Column
+    shapes: _Column
+    devices: _Column
+    start: np.ndarray
+    tensor_row: np.ndarray
+    tensor_first: np.ndarray
+    mine: list[list[int]]
 
 
 def assign(columns: Sequence[Columns]) -> list[list[int]]:
-    """For each rank, the positions (in its `Held`) of the pieces it writes.
+    """For each rank, the positions (in its `Held`) of the pieces it writes (`plan`)."""
+    return plan(columns).mine
+
+
+def plan(columns: Sequence[Columns]) -> Plan:
+    """Who writes which piece, the same on every rank, from the same gathered columns.
 
     A (key, slice spec) held by one rank is written by it; one held by several is written
-    once, by the holder with the fewest bytes assigned so far (largest pieces first, ties to
-    the lowest rank). The same on every rank, from the same gathered columns. Raises
-    DistributedStateError when ranks disagree on a key's dtype or global shape, or when the
-    pieces of a key do not add up to its size (a missing or overlapping slice).
+    once: the largest `EXACT` such pieces each by the holder with the fewest bytes so far
+    (largest first, ties to the lowest rank), any further (smaller) ones round-robin over
+    their holders. Raises DistributedStateError when ranks disagree on a key's dtype or
+    global shape, or when the pieces of a key do not add up to its size (a missing or
+    overlapping slice). Column-wise: one dict pass per column, the rest numpy.
     """
-    info: dict[str, tuple[str, tuple[int, ...], int]] = {}  # key -> dtype, shape, first rank
-    holders: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    for r, (keys, specs, dtypes, shapes, _) in enumerate(columns):
-        get = info.get
-        for i, (key, spec, dtype, shape) in enumerate(zip(keys, specs, dtypes, shapes)):
-            known = get(key)
-            if known is None:
-                info[key] = (dtype, shape, r)
-            elif known[0] != dtype or known[1] != shape:
-                raise DistributedStateError(
-                    f"tensor {key!r} differs across ranks: rank {known[2]} holds {known[0]} "
-                    f"{list(known[1])}, rank {r} holds {dtype} {list(shape)} (global dtype and "
-                    "shape); every rank must hold the same tensor under one key")
-            holders.setdefault((key, spec), []).append((r, i))
-    load = [0] * len(columns)
-    mine: list[list[int]] = [[] for _ in columns]
-    shared: list[tuple[int, tuple[str, str]]] = []
-    covered: dict[str, int] = {}
-    for pair, where in holders.items():
-        r, i = where[0]
-        n = columns[r][4][i]
-        covered[pair[0]] = covered.get(pair[0], 0) + n
-        if len(where) == 1:
-            load[r] += n
-            mine[r].append(i)
-        else:
-            shared.append((n, pair))
-    shared.sort(key=lambda item: -item[0])  # stable: first appearance among equals
-    for n, pair in shared:
-        r, i = min(holders[pair], key=lambda h: (load[h[0]], h[0]))
-        load[r] += n
-        mine[r].append(i)
-    for key, n in covered.items():
-        dtype, shape, _ = info[key]
-        expected = math.prod(shape) * itemsize(dtype)
-        if n != expected:
-            raise DistributedStateError(
-                f"the ranks' slices of tensor {key!r} (global shape {list(shape)}, {dtype}) "
-                f"hold {n} bytes, the tensor has {expected}: a slice is missing or two overlap")
-    for m in mine:
-        m.sort()
-    return mine
+    world = len(columns)
+    counts = [len(c[0]) for c in columns]
+    total = sum(counts)
+    start = np.zeros(world + 1, np.int64)
+    np.cumsum(counts, out=start[1:])
+    keys = list(chain.from_iterable(c[0] for c in columns))
+    specs, dtypes, shapes, devices = (_Column([c[k] for c in columns])  # type: ignore[misc]
+                                      for k in (1, 2, 3, 5))
+    empty = np.zeros(0, np.int64)
+    if total == 0:
+        return Plan(keys, specs, dtypes, shapes, devices, start, empty, empty,
+                    [[] for _ in columns])
+    rank_of = np.repeat(np.arange(world, dtype=np.int64), counts)
+    pos = np.arange(total, dtype=np.int64) - start[rank_of]
+    of_key = _firsts(keys)  # the first piece of the same key
+    did, shid = dtypes.ids, shapes.ids
+    bad = np.flatnonzero((did != did[of_key]) | (shid != shid[of_key]))
+    if bad.size:
+        i = int(bad[0])
+        j = int(of_key[i])
+        raise DistributedStateError(
+            f"tensor {keys[i]!r} differs across ranks: rank {rank_of[j]} holds {dtypes[j]} "
+            f"{list(shapes[j])}, rank {rank_of[i]} holds {dtypes[i]} {list(shapes[i])} (global "
+            "dtype and shape); every rank must hold the same tensor under one key")
+    every = np.arange(total, dtype=np.int64)
+    tensor_first = np.flatnonzero(of_key == every)
+    row = np.empty(total, np.int64)
+    row[tensor_first] = np.arange(len(tensor_first), dtype=np.int64)
+    tensor_row = row[of_key]
+    pair = of_key * total + specs.ids
+    order = np.argsort(pair, kind="stable")  # within a piece: its holders in rank order
+    ordered = pair[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    holders = np.diff(np.append(starts, total))
+    firsts = order[starts]  # the first holder's element of each piece
+    nbytes = np.concatenate([np.frombuffer(c[4], np.int64) for c in columns])
+    covered = np.zeros(len(tensor_first), np.int64)
+    np.add.at(covered, tensor_row[firsts], nbytes[firsts])
+    sizes = np.fromiter(map(math.prod, shapes.values), np.int64, len(shapes.values))
+    items = np.fromiter(map(itemsize, dtypes.values), np.int64, len(dtypes.values))
+    expected = sizes[shid[tensor_first]] * items[did[tensor_first]]
+    wrong = np.flatnonzero(covered != expected)
+    if wrong.size:
+        k = int(wrong[0])
+        j = int(tensor_first[k])
+        raise DistributedStateError(
+            f"the ranks' slices of tensor {keys[j]!r} (global shape {list(shapes[j])}, "
+            f"{dtypes[j]}) hold {covered[k]} bytes, the tensor has {expected[k]}: a slice is "
+            "missing or two overlap")
+    chosen = firsts.copy()  # the element that writes each piece
+    single = holders == 1
+    load = np.bincount(rank_of[firsts[single]], weights=nbytes[firsts[single]],
+                       minlength=world).astype(np.int64)
+    shared = np.flatnonzero(~single)
+    if shared.size:
+        shared = shared[np.argsort(firsts[shared], kind="stable")]  # first appearance
+        shared = shared[np.argsort(-nbytes[firsts[shared]], kind="stable")]  # largest first
+        for g in shared[:EXACT].tolist():
+            members = order[starts[g] : starts[g] + holders[g]]
+            best = int(members[np.argmin(load[rank_of[members]])])
+            chosen[g] = best
+            load[rank_of[best]] += nbytes[best]
+        rest = shared[EXACT:]
+        if rest.size:
+            turn = np.arange(rest.size, dtype=np.int64) % holders[rest]
+            chosen[rest] = order[starts[rest] + turn]
+    by_rank = rank_of[chosen]
+    at = pos[chosen]
+    mine = [np.sort(at[by_rank == r]).tolist() for r in range(world)]
+    return Plan(keys, specs, dtypes, shapes, devices, start, tensor_row, tensor_first, mine)
+
+
+def _firsts(values: list[Any]) -> np.ndarray:
+    """For each value, the index of its first occurrence (one dict pass)."""
+    first: dict[Any, int] = {}
+    return np.fromiter(map(first.setdefault, values, count()), np.int64, len(values))
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,17 +360,19 @@ def collective_save(
         except Exception as e:
             local, failure = e, Failure.of(rank, e)
         target = shown.rstrip("/") if is_url(shown) else os.path.abspath(shown)
-        plan = coord.all_gather(
+        gathered = coord.all_gather(
             (None if mine is None else mine.columns(), failure, setup, target), "plan")
         try:
-            if len({p[3] for p in plan}) > 1:
+            if len({p[3] for p in gathered}) > 1:
                 raise DistributedStateError(
                     "the ranks of a collective save must name the same path; got "
-                    + ", ".join(f"rank {r}: {p[3]}" for r, p in enumerate(plan)))
-            _raise_first(shown, [p[1] for p in plan], rank, local)
+                    + ", ".join(f"rank {r}: {p[3]}" for r, p in enumerate(gathered)))
+            _raise_first(shown, [p[1] for p in gathered], rank, local)
             assert mine is not None
-            directory, generation = plan[0][2]
-            written = assign([p[0] for p in plan])[rank]
+            directory, generation = gathered[0][2]
+            pieces = plan([p[0] for p in gathered])
+            written = pieces.mine[rank]
+            del gathered
         except Exception:
             _abort_together(coord, staging)
             raise
@@ -278,9 +409,7 @@ def collective_save(
                 compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
                 chunk_size=opts.chunk_size, generation=generation, first_shard=first,
                 shard_count=max(total, 1))
-            part = (index.keys, index.dtypes, index.shapes, index.devices, index.slice_tensor,
-                    index.slice_spec, index.slice_shard, index.slice_xxh3,
-                    [(s.file, s.task, s.codec, s.bytes) for s in index.shards])
+            part = _part(index, written, mine.specs)
         except Exception as e:
             local, failure = e, Failure.of(rank, e)
         parts = coord.gather((part, failure), "index")
@@ -294,9 +423,8 @@ def collective_save(
                 result = failures
             else:
                 try:
-                    merged = fmt.merge_indexes(
-                        [_index_of(p[0], generation) for p in parts], callback=description,
-                        user_metadata=user_metadata, generation=generation)
+                    merged = merge(pieces, [p[0] for p in parts], description=description,
+                                   user_metadata=user_metadata, generation=generation)
                     chunks = fmt.index_chunks(merged)
                     staging.commit(chunks)
                     files = (*(s.file for s in merged.shards), fmt.MANIFEST_FILE)
@@ -338,8 +466,44 @@ def _abort_together(coord: Coordinator, staging: commit.Staging | None) -> None:
         pass
 
 
-def _index_of(part: tuple[Any, ...], generation: str) -> fmt.CheckpointIndex:
-    keys, dtypes, shapes, devices, tensor, spec, shard, xxh3, shards = part
+def _part(index: fmt.CheckpointIndex, written: list[int], specs: list[str]
+          ) -> tuple[Any, ...]:
+    """What the ``index`` collective sends of a rank's index: per stored slice (shard by
+    shard, in data-region order) the position of its piece in the rank's `Held` and its
+    shard, as int32 bytes; the slice specs only if the callback split a piece; the checksums;
+    the shards. Keys, dtypes and shapes rank 0 knows from the plan already."""
+    local = np.asarray(written, np.int64)[np.asarray(index.slice_tensor, np.int64)]
+    own = list(map(specs.__getitem__, local.tolist()))
+    split = None if own == index.slice_spec else index.slice_spec
+    return (local.astype(np.int32).tobytes(),
+            np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
+            [(s.file, s.task, s.codec, s.bytes) for s in index.shards])
+
+
+def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
+          user_metadata: dict[str, Any], generation: str) -> fmt.CheckpointIndex:
+    """The checkpoint's index from the ranks' `_part` columns (in rank order) and the plan:
+    tensors in order of first appearance over the ranks (rank 0's state order first), each
+    with the dtype, global shape and device of its first holder; slices and shards rank by
+    rank, each rank's shards numbered after the lower ranks'. Column-wise."""
+    rows: list[np.ndarray] = []
+    shard_of: list[np.ndarray] = []
+    specs: list[str] = []
+    xxh3: list[str | None] = []
+    shards: list[fmt.ShardInfo] = []
+    for r, (local, shard, split, digests, infos) in enumerate(parts):
+        element = np.frombuffer(local, np.int32).astype(np.int64) + pieces.start[r]
+        rows.append(pieces.tensor_row[element])
+        shard_of.append(np.frombuffer(shard, np.int32).astype(np.int64) + len(shards))
+        specs += split if split is not None else pieces.specs.take(element)
+        xxh3 += digests
+        shards += [fmt.ShardInfo(f, t, c, b, generation) for f, t, c, b in infos]
+    first = pieces.tensor_first
+    keys = (list(operator.itemgetter(*first.tolist())(pieces.keys)) if len(first) > 1
+            else [pieces.keys[i] for i in first.tolist()])
     return fmt.CheckpointIndex(
-        "", [fmt.ShardInfo(f, t, c, b, generation) for f, t, c, b in shards], keys, dtypes,
-        shapes, devices, tensor, spec, shard, xxh3, {}, fmt.FORMAT_VERSION, generation)
+        description, shards, keys, pieces.dtypes.take(first), pieces.shapes.take(first),
+        pieces.devices.take(first),
+        np.concatenate(rows).tolist() if rows else [], specs,
+        np.concatenate(shard_of).tolist() if shard_of else [], xxh3,
+        dict(user_metadata), fmt.FORMAT_VERSION, generation)

@@ -22,6 +22,8 @@ import numpy as np
 from ..errors import DistributedTimeoutError
 from .base import DEFAULT_TIMEOUT, Coordinator
 
+_SEQUENCE: dict[str, int] = {}  # process group name -> collectives made through shardkit
+
 
 class TorchCoordinator(Coordinator):
     """This process's rank in torch.distributed process `group` (None: the default group)."""
@@ -49,9 +51,18 @@ class TorchCoordinator(Coordinator):
         self._device = (torch.device("cuda", torch.cuda.current_device())
                         if "nccl" in backend else torch.device("cpu"))
         self.timeout = float(timeout)
-        self._seq = 0
         self._store = _group_store(dist, self.group)
         self._name = getattr(self.group, "group_name", "") or "default"
+
+    @property
+    def _seq(self) -> int:
+        """The number of this group's collectives made so far, in this process (shared by
+        every coordinator of the group, so that the ranks' numbers stay comparable)."""
+        return _SEQUENCE.get(self._name, 0)
+
+    @_seq.setter
+    def _seq(self, value: int) -> None:
+        _SEQUENCE[self._name] = value
 
     @property
     def rank(self) -> int:
@@ -64,7 +75,20 @@ class TorchCoordinator(Coordinator):
     def _global(self, group_rank: int) -> int:
         if self.group is self._dist.group.WORLD:
             return group_rank
-        return int(self._dist.get_global_rank(self.group, group_rank))
+        return int(self._dist.get_global_rank(self.group, group_rank))  # type: ignore[arg-type]
+
+    def background(self) -> TorchCoordinator:
+        """A coordinator over a process group of its own with the same ranks (created on
+        first use, with ``use_local_synchronization``: only these ranks take part)."""
+        got = getattr(self, "_background", None)
+        if got is None:
+            dist = self._dist
+            ranks = [self._global(r) for r in range(self._world)]
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout),
+                                   backend=dist.get_backend(self.group),
+                                   use_local_synchronization=True)
+            got = self._background = TorchCoordinator(group, self.timeout)
+        return got
 
     # -- the collectives
 
