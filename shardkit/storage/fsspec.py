@@ -1,7 +1,8 @@
 """Object stores and other file systems through fsspec (s3fs for ``s3://``).
 
-Writes go through `write_file`: on S3, a multipart upload whose parts (PART_SIZE bytes) leave
-at most PARTS_IN_FLIGHT at a time per file, so memory stays bounded however large the shard;
+Writes go through `write_file`: on S3, one PutObject up to 2 * PART_SIZE bytes, else a
+multipart upload whose parts (PART_SIZE bytes, the first twice that) leave at most
+PARTS_IN_FLIGHT at a time per file, so memory stays bounded however large the shard;
 elsewhere, fsspec's own buffered writer. Reads are ranged GETs (``cat_file``), several at once
 through ``cat_ranges`` (concurrent on fsspec's event loop for async stores). The manifest is
 published with a conditional PutObject on S3 (``If-None-Match: *`` for a new checkpoint,
@@ -22,9 +23,10 @@ from .._threads import WorkerPool
 from ..errors import MissingDependencyError, StorageError
 from .base import Fetched, Storage, Stored, coalesce, with_retries
 
-PART_SIZE = 16 * 1024 * 1024  # bytes per multipart part (S3's minimum is 5 MiB)
-PARTS_IN_FLIGHT = 2  # parts of one file uploading at once: memory <= this * PART_SIZE per file
-MAX_COALESCED = 16 * 1024 * 1024  # adjacent ranges merge into GETs of at most this many bytes
+PART_SIZE = 32 * 1024 * 1024  # bytes per multipart part (S3's minimum is 5 MiB); the first
+# part may be twice that, so objects up to 2 * PART_SIZE leave in one PutObject (as s3fs does)
+PARTS_IN_FLIGHT = 2  # parts of one file uploading at once: memory <= 3 * PART_SIZE per file
+MAX_COALESCED = 32 * 1024 * 1024  # adjacent ranges merge into GETs of at most this many bytes
 _pool_lock = threading.Lock()
 _pool: WorkerPool | None = None
 
@@ -128,10 +130,11 @@ class FsspecStorage(Storage):
                 pos, n = 0, len(view)
                 total += n
                 while pos < n:
-                    take = min(n - pos, PART_SIZE - part.tell())
+                    size = PART_SIZE if upload_id is not None else 2 * PART_SIZE
+                    take = min(n - pos, size - part.tell())
                     part.write(view[pos : pos + take])
                     pos += take
-                    if part.tell() == PART_SIZE:
+                    if part.tell() == size:
                         flush(part)
                         part = io.BytesIO()
             if upload_id is None:  # small: one request

@@ -37,8 +37,8 @@ from . import open_storage
 from .base import Storage, coalesce
 from .layout import object_name
 
-HEAD_GUESS = 64 * 1024  # bytes fetched first for a header (most fit: one request)
-PIECE = 8 * 1024 * 1024  # a large read is cut into GETs of this size
+HEAD_GUESS = 16 * 1024  # bytes fetched first for a header (most fit: one request)
+PIECE = 16 * 1024 * 1024  # a large read is cut into GETs of this size
 TASK_BYTES = 64 * 1024 * 1024  # GETs grouped into one task (run concurrently) up to this
 
 
