@@ -301,10 +301,14 @@ class FsspecStorage(Storage):
         if not names:
             return
         paths = [self._path(n) for n in names]
-        try:
+        if self.s3:  # DeleteObjects, 1,000 keys a request; missing keys are no error
             self._retry(lambda: self.fs.rm(paths), "deleting", names[0])
-        except FileNotFoundError:
-            pass
+        else:
+            for name, path in zip(names, paths):
+                try:
+                    self._retry(lambda path=path: self.fs.rm_file(path), "deleting", name)
+                except FileNotFoundError:
+                    pass
         self.fs.invalidate_cache(self.root)
 
 

@@ -26,6 +26,8 @@ from ..errors import (
     TruncatedShardError,
 )
 from ..format import (
+    MANIFEST_FILE,
+    MAX_INDEX_BYTES,
     EntryLayout,
     ShardInfo,
     check_generation,
@@ -102,8 +104,19 @@ class RemoteDirectory:
         return object_name(file, generation)
 
     def open_file(self, file: str, generation: str | None) -> RemoteFile:
+        """Shard `file` of `generation`; CheckpointReplacedError when it is gone because a
+        newer manifest replaced the one this reader read (its objects are deleted after)."""
         name = object_name(file, generation)
-        return RemoteFile(self.store, name, self.store.join(name))
+        try:
+            return RemoteFile(self.store, name, self.store.join(name))
+        except MissingShardError:
+            now = self.store.fetch(MANIFEST_FILE, MAX_INDEX_BYTES)
+            if now is not None and self.tag is not None and now.tag != self.tag:
+                raise CheckpointReplacedError(
+                    f"{self.store.join(name)}: shard object is gone: the checkpoint at "
+                    f"{self.path} was replaced while this reader had it open; open the "
+                    "checkpoint again to read the new one") from None
+            raise
 
 
 def opener(codec: str, path: str) -> Callable[..., ShardSource]:
