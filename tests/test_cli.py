@@ -276,7 +276,7 @@ def test_multi_line_errors_are_printed_on_one_line(capsys, monkeypatch):
 def test_python_dash_m_shardkit_without_command_is_a_usage_error():
     proc = _run()
     assert proc.returncode == 2
-    assert proc.stderr.startswith("usage: shardkit [-h] [--version] {demo,plan,inspect,verify}")
+    assert proc.stderr.startswith("usage: shardkit [-h] [--version] {demo,plan,inspect,verify,gc}")
     assert "the following arguments are required: command" in proc.stderr
 
 
