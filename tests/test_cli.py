@@ -285,13 +285,13 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"shardkit {shardkit.__version__}\n"
 
 
-@pytest.mark.parametrize("command", ["demo", "plan", "inspect", "verify"])
+@pytest.mark.parametrize("command", ["demo", "plan", "inspect", "verify", "gc"])
 def test_every_subcommand_help_has_a_description(capsys, command):
     from shardkit.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"demo", "plan", "inspect", "verify"}
+    assert set(sub.choices) == {"demo", "plan", "inspect", "verify", "gc"}
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     description = sub.choices[command].description

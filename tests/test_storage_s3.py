@@ -88,9 +88,11 @@ def test_round_trip_is_byte_for_byte_a_local_save(bucket, tmp_path, compression,
     state = _state()
     url = f"{bucket}/run/ckpt"
     monkeypatch.setattr(fmt, "new_generation", lambda: "5" * 32)  # the same id in both saves
-    info = shardkit.save(url, state, compression=compression, threads=2)
-    local = shardkit.save(tmp_path / "c", state, compression=compression, threads=2)
-    assert info.generation == local.generation
+    policy = shardkit.DefaultShardingPolicy(threads=2, max_shard_size=400_000)  # 2 shards
+    info = shardkit.save(url, state, compression=compression, sharding_callback=policy)
+    local = shardkit.save(tmp_path / "c", state, compression=compression,
+                          sharding_callback=policy)
+    assert info.generation == local.generation and len(local.files) == 3
     objects = _objects(url)
     files = _local_files(tmp_path / "c")
     # the manifest at the prefix, the shards under the generation's directory: same bytes

@@ -5,8 +5,8 @@
 2. The writer's plan (`writer._plan`: the same shard headers, entry order and names as a local
    save) is uploaded under ``shards-<generation>/``: a raw shard straight from the arrays'
    memory as a multipart upload (each entry hashed with xxh3-64 on the way), a ``.skz`` shard
-   compressed into a local temp file by the writer's zstd path, then uploaded; shards upload in
-   parallel.
+   compressed into a local temp file by the writer's zstd path and uploaded while the next is
+   compressed; raw shards upload in parallel.
 3. The manifest is published conditionally: ``If-None-Match: *`` when there was none,
    ``If-Match: <tag>`` of the one read in step 1 otherwise. If another writer got there first
    the save fails (CheckpointExistsError) and its own objects are deleted.
@@ -197,14 +197,29 @@ def _upload_raw(store: Storage, plans: list[Any], names: list[str], threads: int
 def _upload_zstd(store: Storage, plans: list[Any], names: list[str], threads: int,
                  checksum: bool, options: dict[str, Any]) -> None:
     """Each .skz shard is compressed into a local temp file (the zstd writer seals its header
-    after the frames, so it needs a seekable file), uploaded, then removed: local disk holds
-    one compressed shard at a time."""
+    after the frames, so it needs a seekable file) and uploaded while the next one is
+    compressed; a file is removed once uploaded: local disk holds at most two compressed
+    shards."""
+    def upload(path: Path, name: str) -> None:
+        try:
+            store.upload_file(name, str(path))
+        finally:
+            os.unlink(path)
+
     with tempfile.TemporaryDirectory(prefix="shardkit-upload-") as tmp:
-        for p, name in zip(plans, names):
-            p.path = Path(tmp) / p.file
-            _run_zstd([p], threads, False, checksum, None, **options)
-            store.upload_file(name, str(p.path))
-            os.unlink(p.path)
+        pool = WorkerPool(1, "shardkit-upload-skz")
+        pending: Any = None
+        try:
+            for p, name in zip(plans, names):
+                p.path = Path(tmp) / p.file
+                _run_zstd([p], threads, False, checksum, None, **options)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(upload, p.path, name)
+            if pending is not None:
+                pending.result()
+        finally:
+            pool.shutdown(wait=True)  # before the temp directory goes
 
 
 def remove_other_generations(store: Storage, keep: str | None, *,
