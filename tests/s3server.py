@@ -82,3 +82,54 @@ class S3Server:
         boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
                      aws_access_key_id=KEY, aws_secret_access_key=KEY).create_bucket(Bucket=name)
         return name
+
+
+def kill_state(seed: int) -> dict[str, Any]:
+    """The 16 MB state of the kill test's saves; `seed` is its "step"."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((4000, 1000)).astype(np.float32),
+            "step": np.array(seed, np.int64)}
+
+
+def kill_rounds_main(url: str, options_json: str) -> None:
+    """The kill test's save runner, in a process of its own (no threads of other libraries, so
+    forking is safe): per line ``seed delay`` on stdin, fork a child that builds
+    `kill_state(seed)`, says so, and saves it at `url` (overwrite); SIGKILL the child `delay`
+    seconds after it started saving; print ``finished`` (the save returned first) or
+    ``killed``."""
+    import json
+    import signal
+
+    import s3fs  # noqa: F401  (imported once here, not in every child)
+
+    import shardkit
+    import shardkit.storage.save
+    from shardkit.storage import fsspec as storage_fsspec
+
+    shardkit.set_storage_options("s3://", **json.loads(options_json))
+    storage_fsspec.PART_SIZE = 5 * 2**20  # 16 MB: a multipart upload of 3 parts
+    for line in sys.stdin:
+        seed, delay = line.split()
+        ready_r, ready_w = os.pipe()
+        done_r, done_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                state = kill_state(int(seed))
+                os.write(ready_w, b"r")
+                shardkit.save(url, state, overwrite=True, threads=2)
+                os.write(done_w, b"d")
+            finally:
+                os._exit(0)
+        os.close(ready_w)
+        os.close(done_w)
+        os.read(ready_r, 1)
+        time.sleep(float(delay))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        finished = os.read(done_r, 1) == b"d"
+        os.close(ready_r)
+        os.close(done_r)
+        print("finished" if finished else "killed", flush=True)

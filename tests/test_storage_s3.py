@@ -6,16 +6,18 @@ distributed save over 2 ranks; and one fsspec ``memory://`` round trip."""
 from __future__ import annotations
 
 import errno
-import multiprocessing
+import json
 import os
 import random
-import signal
+import select
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
-from s3server import S3Server
+from s3server import S3Server, kill_state
 
 import shardkit
 from shardkit import format as fmt
@@ -336,40 +338,47 @@ def test_gc_removes_only_unreferenced_objects(bucket, capsys):
     assert cli_main(["gc", "/not/a/url"]) == 1
 
 
-def _kill_child(url: str, seed: int, conn) -> None:  # runs in a forked child
-    state = _state(seed, 4_000_000)  # 16 MB
-    conn.send("go")
-    shardkit.save(url, state, overwrite=True, threads=2)
-    conn.send("done")
-
-
-def test_sigkill_mid_upload_never_exposes_a_partial_checkpoint(bucket, monkeypatch):
-    monkeypatch.setattr(storage_fsspec, "PART_SIZE", 5 * 2**20)  # 16 MB: a 3-part upload
+def test_sigkill_mid_upload_never_exposes_a_partial_checkpoint(s3, bucket):
+    """20 saves (overwrites) SIGKILLed at random points of their upload, in children forked by
+    a runner process of their own (tests/s3server.py): after each, the path reads as all of the
+    last committed checkpoint or all of the new one."""
     url = f"{bucket}/kill"
-    shardkit.save(url, _state(0, 4_000_000))
+    shardkit.save(url, kill_state(0))
     started = time.perf_counter()
-    shardkit.save(url, _state(0, 4_000_000), overwrite=True)
+    shardkit.save(url, kill_state(0), overwrite=True)
     took = time.perf_counter() - started
-    ctx = multiprocessing.get_context("fork")
+    here = os.path.dirname(os.path.abspath(__file__))
+    runner = subprocess.Popen(
+        [sys.executable, "-c", "import sys, s3server; s3server.kill_rounds_main(*sys.argv[1:])",
+         url, json.dumps(s3.options)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=here, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [here, *filter(None, [os.environ.get("PYTHONPATH")])])})
     committed, rng, outcomes = 0, random.Random(14), []
-    for k in range(1, 21):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_kill_child, args=(url, k, child))
-        p.start()
-        assert parent.poll(30) and parent.recv() == "go"
-        time.sleep(rng.uniform(0.0, 2.0 * took))
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(30)
-        finished = parent.poll(0)
-        outcomes.append(finished)
-        loaded = shardkit.load(url, verify=True)
-        step = int(loaded["step"])
-        assert step in (committed, k), (k, step, committed)
-        _equal(loaded, _flat(_state(step, 4_000_000)))  # all of the old or all of the new
-        if step == k:
-            committed = k
-        else:
-            assert not finished
+    try:
+        for k in range(1, 21):
+            assert runner.stdin is not None and runner.stdout is not None
+            runner.stdin.write(f"{k} {rng.uniform(0.0, 5.0 * took)}\n")
+            runner.stdin.flush()
+            line = _readline(runner, 60)
+            assert line in ("finished", "killed"), line
+            finished = line == "finished"
+            outcomes.append(finished)
+            loaded = shardkit.load(url)
+            step = int(loaded["step"])
+            assert step in (committed, k), (k, step, committed)
+            _equal(loaded, kill_state(step))  # all of the old or all of the new
+            if step == k:
+                committed = k
+            else:
+                assert not finished
+    finally:
+        runner.stdin.close()  # type: ignore[union-attr]
+        try:
+            runner.wait(30)
+        except subprocess.TimeoutExpired:
+            runner.kill()
+            runner.wait(30)
+        runner.stdout.close()  # type: ignore[union-attr]
     print(f"\nkill rounds: {outcomes.count(False)} mid-save, {outcomes.count(True)} after it")
     assert not all(outcomes), "every save finished before the kill: the test tested nothing"
     # the crashed saves' objects: the next save, or gc, removes them
@@ -379,6 +388,13 @@ def test_sigkill_mid_upload_never_exposes_a_partial_checkpoint(bucket, monkeypat
     assert {s.name.split("/")[0] for s in store.list("")} == {fmt.MANIFEST_FILE,
                                                              f"{SHARDS_PREFIX}{gen}"}
     assert store.abort_uploads(0) == []  # gc aborted the unfinished multipart uploads
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """A line of `proc`'s stdout within `timeout` seconds."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the kill runner gave no answer within {timeout} s"
+    return proc.stdout.readline().strip()  # type: ignore[union-attr]
 
 
 def test_memory_url_round_trip():
