@@ -51,7 +51,7 @@ from .format import MANIFEST_FILE, find_manifest
 from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
-from .restore import CheckpointLoadStatus, check_complete
+from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
 from .storage import is_url
 from .tensors import SEPARATOR, to_host, torch_numpy_dtype, torch_reinterpret
 
@@ -221,6 +221,16 @@ def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:
     return np.array(array)
 
 
+def _empty_like_dtensor(like: Any, dtype: np.dtype) -> Any:
+    """An uninitialised DTensor of `like`'s global shape, mesh and placements, in `dtype`."""
+    import torch
+
+    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
+        if dtype == np_dtype:
+            return torch.empty_like(like, dtype=torch_dtype)
+    return torch.empty_like(like, dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
+
+
 def _copy_into(target: Any, stored: np.ndarray) -> None:
     if isinstance(target, np.ndarray):
         np.copyto(target, stored, casting="equiv")
@@ -237,9 +247,11 @@ def _copy_into(target: Any, stored: np.ndarray) -> None:
 class _Restorer:
     """One pass over the skeletons: a dry pass validates everything, the real one copies."""
 
-    def __init__(self, reader: CheckpointReader, dry: bool) -> None:
+    def __init__(self, reader: CheckpointReader, dry: bool,
+                 templates: Mapping[str, Any] | None = None) -> None:
         self.reader = reader
         self.dry = dry
+        self.templates = templates or {}  # key prefix -> DTensor new values are made like
         self.restored: list[str] = []
         self.missing: list[str] = []
         self.used: set[str] = set()
@@ -326,6 +338,15 @@ class _Restorer:
         where = f"{key!r}" if src == key else f"{key!r} (tied to {src!r})"
         if current is _MISSING or not _is_tensor(current):
             self.changed = True
+            like = self.templates.get(key.rpartition(SEPARATOR)[0] + SEPARATOR)
+            if like is not None and tuple(like.shape) == tuple(info.shape):
+                # new optimizer state of a DTensor parameter: a DTensor like it
+                copy_into_dtensor(self.reader, src, like, dry=True)
+                if self.dry:
+                    return current
+                new = _empty_like_dtensor(like, info.dtype)
+                copy_into_dtensor(self.reader, src, new)
+                return new
             if self.dry:
                 return current
             return _new_value(self.reader.get(src), enc.get("k", "numpy"), None)
@@ -336,6 +357,9 @@ class _Restorer:
                 f"{list(info.shape)} dtype {info.dtype}, the object has shape "
                 f"{list(found_shape)} dtype {found_dtype}"
             )
+        if is_dtensor(current):  # this rank's box of the stored tensor, into its local tensor
+            copy_into_dtensor(self.reader, src, current, self.dry)
+            return current
         kind = _tensor_kind(current)
         if kind in ("scalar", "jax"):  # immutable: replaced by a new value of the same kind
             self.changed = True
@@ -525,13 +549,14 @@ class Checkpoint:
                 if enc is None:  # not saved by a Checkpoint: match tensors by key
                     enc = _encode(current, name, _Collector())
                 plans.append((name, kind, current, enc, kind in ("optimizer", "stateful")))
-            dry = _Restorer(reader, dry=True)
+            templates = self._state_templates()
+            dry = _Restorer(reader, dry=True, templates=templates)
             for name, _, current, enc, create in plans:
                 dry.value(enc, current, name, create)
             if not partial:
                 dry.used.add(SAVE_COUNTER)
                 check_complete(path, dry.missing, [k for k in reader.keys() if k not in dry.used])
-            restorer = _Restorer(reader, dry=False)
+            restorer = _Restorer(reader, dry=False, templates=templates)
             for name, kind, current, enc, create in plans:
                 restorer.changed = False
                 new = restorer.value(enc, current, name, create)
@@ -541,6 +566,21 @@ class Checkpoint:
                 self._save_counter = int(reader.get(SAVE_COUNTER))
             unexpected = [k for k in reader.keys() if k not in restorer.used]
         return CheckpointLoadStatus(path, restorer.restored, restorer.missing, unexpected)
+
+    def _state_templates(self) -> dict[str, Any]:
+        """``"<optimizer>/state/<i>/"`` -> parameter i, for every tracked torch optimizer's
+        DTensor parameters: state such an optimizer has not created yet is created like its
+        parameter (a DTensor of the same placements, this rank's box restored), not as a full
+        tensor the optimizer could not step with."""
+        out: dict[str, Any] = {}
+        for name, kind in self._kinds.items():
+            if kind != "optimizer":
+                continue
+            params = [p for g in self._objects[name].param_groups for p in g["params"]]
+            for i, p in enumerate(params):  # state_dict numbers them in this order
+                if is_dtensor(p):
+                    out[f"{name}{SEPARATOR}state{SEPARATOR}{i}{SEPARATOR}"] = p
+        return out
 
     def restore(self, save_path: str | os.PathLike[str] | None,
                 options: CheckpointOptions | None = None, *,

@@ -41,6 +41,7 @@ from .errors import (
     ChecksumError,
     CorruptHeaderError,
     CorruptIndexError,
+    InvalidArgumentError,
     KeyNotFoundError,
     MissingShardError,
     ReaderClosedError,
@@ -87,6 +88,7 @@ from .storage import is_url
 from .tensors import _gc_paused
 
 MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
+_SMALL_PIECE = 1 << 20  # box pieces below this are copied on the calling thread
 LOAD_ATTEMPTS = 3  # how often `load` starts again when the checkpoint is replaced under it
 
 
@@ -547,6 +549,135 @@ class CheckpointReader:
         for out_index, piece, _ in pieces:
             out[out_index] = piece
         return out.reshape(final_shape)
+
+    def _boxes_slices(self, key: str, offsets: Sequence[int], lengths: Sequence[int]
+                      ) -> list[tuple[int, SliceInfo, SliceSpec, SliceSpec]]:
+        """The stored slices of `key` that intersect the box (`offsets`, `lengths`) of the
+        full tensor: (slice number in the index, slice, its spec, the intersection)."""
+        t = self._tensor(key)
+        box = SliceSpec(t.shape, tuple(offsets), tuple(lengths))
+        if math.prod(box.lengths) == 0:
+            return []
+        ids = self.index.slices_of()[self.index.row(key)]
+        out = []
+        for j, s, spec in zip(ids, t.slices, self._slice_specs(key, t)):
+            common = spec.intersect(box)
+            if common is not None:
+                out.append((j, s, spec, common))
+        return out
+
+    def _verify_boxes(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
+        """`verify` of only the stored slices that intersect the boxes (key, offsets,
+        lengths); raises as `verify` does."""
+        self._begin_read()
+        try:
+            ids = sorted({j for key, offsets, lengths in boxes
+                          for j, *_ in self._boxes_slices(key, offsets, lengths)})
+            opened: list[ShardSource] = []
+            try:
+                report = self._verify_slices(False, ids, opened)
+            finally:
+                for src in opened:
+                    src.close()
+        finally:
+            self._end_read()
+        if report.problems:
+            raise report.error()
+
+    def _read_boxes_into(self, boxes: Sequence[tuple[str, Sequence[int], np.ndarray]]) -> None:
+        """For each (key, offsets, out): fill `out` (writable, the stored dtype) with the box of
+        the full tensor `key` that starts at `offsets` and has `out`'s shape, reading only the
+        stored slices that intersect it, and of each only the bytes inside the box.
+
+        A piece that is one run of bytes in its entry and in `out` (a split along axis 0 read
+        back along axis 0) is one read straight into `out` (a copy from the map, or a pread);
+        any other piece of a mapped shard is one strided copy from the map. The reads and copies
+        of all boxes run together, on the read pool when large (numpy's copies and preadv
+        release the GIL)."""
+        self._begin_read()
+        try:
+            jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
+            copies: list[tuple[np.ndarray, np.ndarray]] = []
+            rest: list[tuple[np.ndarray, str, SliceSpec]] = []
+            for key, offsets, out in boxes:
+                self._plan_box(key, tuple(int(o) for o in offsets), out, jobs, copies, rest)
+            # small pieces right here: a pool task each would cost more than the copy
+            large = []
+            for job in jobs:
+                if job[3] - job[2] < _SMALL_PIECE and not hasattr(job[0], "read_tasks"):
+                    job[0].read_into(*job[1:])
+                else:
+                    large.append(job)
+            self._read_jobs(large)
+            self._copy_pieces(copies)
+            for dst, key, common in rest:  # compressed, or not mapped: get_slice's reads
+                dst[...] = self._get_slice(key, common.to_index())
+        finally:
+            self._end_read()
+
+    def _plan_box(self, key: str, start: tuple[int, ...], out: np.ndarray,
+                  jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]],
+                  copies: list[tuple[np.ndarray, np.ndarray]],
+                  rest: list[tuple[np.ndarray, str, SliceSpec]]) -> None:
+        t = self._tensor(key)
+        dtype = numpy_dtype(t.dtype)
+        if out.dtype != dtype:
+            raise InvalidArgumentError(
+                f"{key!r}: a box read needs a {dtype} array, got {out.dtype}")
+        if len(t.slices) == 1 and out.shape == t.shape and not any(start):
+            # the usual whole tensor in one entry: no box arithmetic
+            src, entry = self._entry(key, t.slices[0])
+            if not entry.nbytes:
+                return
+            if out.flags.c_contiguous:
+                jobs.append((src, entry, 0, entry.nbytes, _bytes_of(out)))
+                return
+            view = src.view(entry, 0, entry.nbytes)
+            if view is not None:
+                copies.append((out, np.frombuffer(view, dtype).reshape(t.shape)))
+            else:
+                rest.append((out, key, SliceSpec.whole(t.shape)))
+            return
+        item = dtype.itemsize
+        for _, s, spec, common in self._boxes_slices(key, start, out.shape):
+            dst = out[_as_view(tuple(slice(o - b, o - b + n)
+                                     for o, b, n in zip(common.offsets, start, common.lengths)))]
+            lo = [o - so for o, so in zip(common.offsets, spec.offsets)]
+            hi = [a + n - 1 for a, n in zip(lo, common.lengths)]
+            strides = c_strides(spec.shape, item)
+            b0, b1 = byte_span(lo, hi, strides, item)
+            src, entry = self._entry(key, s)
+            if b1 - b0 == common.size * item and dst.flags.c_contiguous:
+                jobs.append((src, entry, b0, b1, _bytes_of(dst)))
+                continue
+            view = src.view(entry, b0, b1)
+            if view is not None:
+                copies.append((dst, np.ndarray(common.lengths, dtype, buffer=view,
+                                               strides=strides)))
+            else:
+                rest.append((dst, key, common))
+
+    def _copy_pieces(self, copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """``dst[...] = src`` for each pair; large ones cut along their first axis of more than
+        one element into parts of about READ_CHUNK bytes, run on the pool."""
+        total = sum(dst.nbytes for dst, _ in copies)
+        parts = []
+        for dst, src in copies:
+            if total < _PARALLEL_MIN or dst.nbytes < _SMALL_PIECE:
+                np.copyto(dst, src, casting="no")  # a pool task would cost more
+                continue
+            axis = next((k for k, n in enumerate(dst.shape) if n > 1), None)
+            if axis is None or dst.nbytes <= READ_CHUNK:
+                parts.append((dst, src))
+                continue
+            step = max(1, dst.shape[axis] * READ_CHUNK // dst.nbytes)
+            lead = (slice(None),) * axis
+            for i in range(0, dst.shape[axis], step):
+                cut = (*lead, slice(i, i + step))
+                parts.append((dst[cut], src[cut]))
+        pool = self._get_pool()
+        for f in [pool.submit(np.copyto, d, s, casting="no") for d, s in parts]:
+            f.result()
 
     def verify(self, keys: Sequence[str] | None = None) -> int:
         """Check the stored entries of `keys` (default: all, and then every frame of every

@@ -21,6 +21,8 @@ from .errors import (
 from .reader import CheckpointReader
 from .tensors import flatten, to_host
 
+_LARGE = 1 << 20  # whole tensors from this size on are copied in parallel pieces
+
 
 def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                  verify: bool = False, partial: bool = False,
@@ -47,41 +49,90 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             absent = set(missing)
             leaves = [(key, leaf) for key, leaf in leaves if key not in absent]
         plans = []
+        boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        boxes_seen: dict[Any, Any] = {}  # the box per global shape, mesh and placements
         for key, leaf in leaves:
             t = reader._tensor(key)
-            target, writeback = _restore_target(leaf, key)
+            box = None
+            if is_dtensor(leaf):  # restored: the box of the global tensor this rank holds
+                local, offset, local_shape = _dtensor_box(leaf, key, boxes_seen)
+                target, writeback = _restore_target(local, key)
+                box = offset
+                boxes.append((key, offset, local_shape))
+                shape = tuple(leaf.shape)
+            else:
+                target, writeback = _restore_target(leaf, key)
+                shape = tuple(target.shape)
             expected = numpy_dtype(t.dtype)
             found = target.dtype
             if found.byteorder == ">":
                 found = found.newbyteorder("<")
-            if tuple(target.shape) != t.shape or found != expected:
+            if shape != t.shape or found != expected:
+                what = "DTensor's global" if box is not None else "target has"
                 raise RestoreMismatchError(
                     f"cannot restore key {key!r} from {reader.path}: the checkpoint has "
-                    f"shape {list(t.shape)} dtype {_dtype_label(expected)}, the target has "
-                    f"shape {list(target.shape)} dtype {_dtype_label(target.dtype)}"
+                    f"shape {list(t.shape)} dtype {_dtype_label(expected)}, the {what} "
+                    f"shape {list(shape)} dtype {_dtype_label(target.dtype)}"
                 )
             if writeback is None and not target.flags.writeable:
                 raise RestoreMismatchError(
                     f"cannot restore key {key!r}: the target array is read-only"
                 )
-            plans.append((key, target, writeback))
+            if box is None and target.dtype.byteorder != ">" and (
+                    target.nbytes >= _LARGE or len(t.slices) > 1):
+                box = (0,) * target.ndim  # read as the box of the whole tensor
+            plans.append((key, target, writeback, box))
         if verify:
-            reader.verify([key for key, _, _ in plans])
-        direct = reader._read_direct([(key, target) for key, target, _ in plans])
-        for key, target, writeback in plans:
-            if key in direct:
-                if writeback is not None:
-                    _torch_copy_back(writeback, target)
-                continue
-            stored = reader.get(key)
-            if target.dtype.byteorder == ">":
-                np.copyto(target, stored, casting="equiv")
-            else:
-                np.copyto(target, stored, casting="no")
+            sliced = {key for key, _, _ in boxes}
+            whole = [key for key, *_ in plans if key not in sliced]
+            if whole:
+                reader.verify(whole)
+            reader._verify_boxes(boxes)
+        # DTensors, and whole targets of a split or a large stored tensor, are read as boxes:
+        # one copy from the map (or one read) per stored slice, in parallel, straight into the
+        # target, never through a new array (small whole ones: the map view, copied)
+        direct = reader._read_direct(
+            [(key, target) for key, target, _, box in plans if box is None])
+        reader._read_boxes_into(
+            [(key, box, target) for key, target, _, box in plans if box is not None])
+        done = {key for key, _, _, box in plans if box is not None} | direct
+        for key, target, writeback, _ in plans:
+            if key not in done:
+                stored = reader.get(key)
+                if target.dtype.byteorder == ">":
+                    np.copyto(target, stored, casting="equiv")
+                else:
+                    np.copyto(target, stored, casting="no")
             if writeback is not None:
                 _torch_copy_back(writeback, target)
-    return CheckpointLoadStatus(str(reader.path), [key for key, _, _ in plans], missing,
+    return CheckpointLoadStatus(str(reader.path), [key for key, *_ in plans], missing,
                                 unexpected)
+
+
+def is_dtensor(value: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def _dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
+                 ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+    from .frameworks.torch import dtensor_box
+
+    return dtensor_box(value, key, cache)
+
+
+def copy_into_dtensor(reader: CheckpointReader, key: str, value: Any, dry: bool = False
+                      ) -> None:
+    """Fill this rank's local tensor of DTensor `value` with its box of the stored tensor `key`
+    (global shape and dtype already checked), reading only the stored slices it intersects;
+    `dry` only checks the placements."""
+    local, offset, _ = _dtensor_box(value, key)
+    if dry:
+        return
+    target, writeback = _restore_target(local, key)
+    reader._read_boxes_into([(key, offset, target)])
+    if writeback is not None:
+        _torch_copy_back(writeback, target)
 
 
 def _dtype_label(dt: np.dtype) -> str:

@@ -10,6 +10,7 @@ from a reversed `get_slice`, read-only arrays) are copied first. Another device 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ml_dtypes
@@ -81,3 +82,53 @@ def _device(device: Any) -> torch.device | None:
     except (RuntimeError, AssertionError) as e:
         raise InvalidArgumentError(f"device={device!r} is not available to torch: {e}") from e
     return dev
+
+
+@functools.lru_cache(maxsize=1)
+def _dtensor_api() -> tuple[Any, Any, Any]:
+    """Replicate, Shard and torch's local shape / global offset helper (imported once)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return Replicate, Shard, compute_local_shape_and_global_offset
+
+
+def dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
+                ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """The local tensor of DTensor `value` (its own memory: writing to it writes the DTensor),
+    and the global offset and shape of the box of the global tensor it holds on this rank.
+
+    Shard(d) (even or not) and Replicate placements, on meshes of any dimension; a rank outside
+    the mesh holds an empty box. Partial (pending reductions) and strided shards, whose local
+    tensor is not one box of the global tensor, are refused (RestoreMismatchError). `cache`
+    (a dict the caller keeps for one restore) remembers the box per global shape, mesh and
+    placements, which many tensors of a model share."""
+    from ..errors import RestoreMismatchError
+
+    replicate, shard, local_box = _dtensor_api()
+    placements = tuple(value.placements)
+    mesh = value.device_mesh
+    ident = (tuple(value.shape), id(mesh), placements)
+    got = None if cache is None else cache.get(ident)
+    if got is None:
+        for p in placements:
+            if type(p) is not replicate and type(p) is not shard:
+                raise RestoreMismatchError(
+                    f"cannot restore key {key!r} into a DTensor with placement "
+                    f"{type(p).__name__} ({p}): only Shard(d) and Replicate placements hold a "
+                    "box of the global tensor; restore into a Shard or Replicate DTensor and "
+                    "redistribute it"
+                )
+        shape, offset = local_box(value.shape, mesh, placements)
+        got = tuple(int(o) for o in offset), tuple(int(n) for n in shape)
+        if cache is not None:
+            cache[ident] = got
+    with torch.no_grad():
+        local = value.to_local()
+    if tuple(local.shape) != got[1]:
+        raise RestoreMismatchError(
+            f"cannot restore key {key!r}: the DTensor's local tensor has shape "
+            f"{list(local.shape)}, its placements {list(placements)} on mesh {mesh} give "
+            f"{list(got[1])}"
+        )
+    return local, got[0], got[1]
