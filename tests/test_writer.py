@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import re
@@ -323,7 +324,7 @@ def test_durable_save_starts_writeback_group_by_group(tmp_path, rng, monkeypatch
     data = sum(a.nbytes for a in flat.values())
     assert len(started) > 1  # group by group, as the data is written
     assert started[0][0] == size - data  # the data region, back to back, to its end
-    assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:]))
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(started))
     assert started[-1][0] + started[-1][1] == size
 
 
