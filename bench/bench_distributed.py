@@ -22,9 +22,11 @@ rotates from round to round, each between two barriers (the time is the slowest 
   preallocated full (plain) tensors, DCP with ``no_dist=True``; the other ranks wait.
 
 Loads read the files the same round wrote (page cache warm, for both); every directory is deleted
-at the end of each round. The first round checks that every restore is byte for byte. Prints the
-medians, and the ratios against the targets: save >= 2x DCP and >= 0.9x the floor, load >= 3x
-DCP, reshard >= 3x DCP. With ``--check`` the exit status is 1 when one is missed.
+at the end of each round. Between contenders and after the deletions, untimed, everything still
+pending is written to disk (``os.sync``), so that no contender pays for another's leftovers.
+The first round checks that every restore is byte for byte. Prints the medians, and the
+ratios against the targets: save >= 2x DCP and >= 0.9x the floor, load >= 3x DCP, reshard
+>= 3x DCP. With ``--check`` the exit status is 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -221,17 +223,29 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
                     times[name].append(time.perf_counter() - t0)
                     if i == 0:
                         r.check(name)
+                    _settle(rank)
             dist.barrier()
             if rank == 0:
                 for name in ("shardkit", "dcp", "floor"):
                     shutil.rmtree(r.path(name), ignore_errors=True)
-            dist.barrier()
+            _settle(rank)
         if rank == 0:
             total = sum(int(np.prod(s)) * 4 for _, s in shapes)
             out.put(("ok", times, total))
         dist.destroy_process_group()
     except BaseException:
         out.put(("error", f"rank {rank}:\n{traceback.format_exc()}", 0))
+
+
+def _settle(rank: int) -> None:
+    """Untimed, between contenders: rank 0 writes everything still pending to disk (metadata
+    the previous contender did not fsync, the deletions and discards of the previous round's
+    files), so that no contender's time pays for what another left behind."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        os.sync()
+    dist.barrier()
 
 
 def _free_port() -> int:

@@ -53,6 +53,7 @@ from .errors import (
     SliceIndexError,
     SliceSpecError,
     SplitTensorsWarning,
+    StorageError,
     SymlinkRefusedError,
     TruncatedShardError,
     UnknownCodecError,
@@ -73,6 +74,7 @@ from .policies import (
 from .profiling import PolicyProfile, profile
 from .reader import CheckpointReader, Problem, VerifyReport
 from .slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
+from .storage import set_storage_options
 from .tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
 
 __version__ = "0.1.0"
@@ -132,6 +134,7 @@ __all__ = [
     "SliceSpec",
     "SliceSpecError",
     "SplitTensorsWarning",
+    "StorageError",
     "SymlinkRefusedError",
     "TensorSaveSpec",
     "TruncatedShardError",
@@ -152,6 +155,7 @@ __all__ = [
     "profile",
     "restore_into",
     "save",
+    "set_storage_options",
     "shard_tensors",
     "shardable_tensors",
     "validate_shards",

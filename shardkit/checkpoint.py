@@ -52,6 +52,7 @@ from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
 from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
+from .storage import is_url
 from .tensors import SEPARATOR, _is_tf, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
@@ -523,7 +524,7 @@ class Checkpoint:
         if where:
             snapshot = as_local_shards(snapshot, where)
         write_opts = dataclasses.replace(opts, enable_async=False)
-        target = os.path.abspath(path)
+        target = path if is_url(path) else os.path.abspath(path)
 
         def job() -> None:
             with api._no_split_warning():
@@ -736,7 +737,7 @@ class CheckpointManager:
         if init_fn is not None and not callable(init_fn):
             raise InvalidArgumentTypeError(f"init_fn must be callable, got {init_fn!r}")
         self._checkpoint = checkpoint
-        self._directory = os.path.abspath(os.fspath(directory))
+        self._directory = _directory_of(os.fspath(directory))
         self._max_to_keep = max_to_keep
         self._keep_seconds = None if hours is None else hours * 3600.0
         self._name = checkpoint_name
@@ -791,6 +792,13 @@ class CheckpointManager:
         return list(self._coord.broadcast(found, "checkpoint listing"))
 
     def _listing(self) -> list[tuple[int, str]]:
+        if is_url(self._directory):  # an object store: prefixes holding a manifest
+            from .storage.save import list_checkpoints
+
+            listed = [(int(m.group(1)), f"{self._directory}/{name}")
+                      for name, _ in list_checkpoints(self._directory)
+                      if (m := self._pattern.fullmatch(name))]
+            return sorted(listed)
         try:
             names = os.listdir(self._directory)
         except FileNotFoundError:
@@ -878,7 +886,7 @@ class CheckpointManager:
             return
         committed = self._listing()
         newest = {p for _, p in committed[-self._max_to_keep :]}
-        newest.add(os.path.abspath(new_path))
+        newest.add(new_path if is_url(new_path) else os.path.abspath(new_path))
         last_kept: float | None = None
         for _, path in committed:
             if path in newest:
@@ -891,7 +899,18 @@ class CheckpointManager:
             _delete_checkpoint(path)
 
 
+def _directory_of(directory: str) -> str:
+    return directory.rstrip("/") if is_url(directory) else os.path.abspath(directory)
+
+
 def _commit_time(path: str) -> float:
+    if is_url(path):
+        from .storage import open_storage
+
+        try:
+            return open_storage(path).list(MANIFEST_FILE)[0].mtime
+        except IndexError:
+            return time.time()
     try:
         return os.stat(os.path.join(path, find_manifest(path) or MANIFEST_FILE)).st_mtime
     except FileNotFoundError:
@@ -899,7 +918,13 @@ def _commit_time(path: str) -> float:
 
 
 def _delete_checkpoint(path: str) -> None:
-    """Remove a checkpoint: renamed away in one step first, so no half-deleted one is visible."""
+    """Remove a checkpoint: renamed away in one step first, so no half-deleted one is visible
+    (at a URL: its manifest first, then its objects)."""
+    if is_url(path):
+        from .storage.save import remove_checkpoint
+
+        remove_checkpoint(path)
+        return
     parent, name = os.path.split(path)
     trash = tempfile.mkdtemp(prefix=f".{name}{TMP_MARK}", dir=parent)
     try:

@@ -10,11 +10,14 @@ OSError) for failures; `main` turns those into a one-line message and exit code 
     shardkit inspect CHECKPOINT
     shardkit verify CHECKPOINT
     shardkit convert SRC DST [--to tensorflow|shardkit] [--overwrite]
+    shardkit gc URL [--older-than SECONDS]
 
 CHECKPOINT is anything the reader opens: a shardkit checkpoint, a HuggingFace sharded
 directory (model.safetensors.index.json) or unsharded one (model.safetensors), a
-.safetensors file, or a TensorFlow checkpoint (its prefix, its .index file, or a directory
-with TensorFlow's checkpoint state file).
+.safetensors file, a TensorFlow checkpoint (its prefix, its .index file, or a directory
+with TensorFlow's checkpoint state file), or the URL of a shardkit checkpoint in an object
+store (s3://bucket/prefix, any fsspec URL; credentials and endpoint from the store's usual
+environment, e.g. AWS_* variables).
     shardkit --version
 """
 
@@ -453,12 +456,48 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------ gc
+
+
+def _add_gc_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "gc",
+        help="remove objects of crashed or superseded saves from a checkpoint URL",
+        description=(
+            "Delete the shard objects at a checkpoint URL that its manifest does not name\n"
+            "(left by a save that crashed, or by one that lost a race), once they are at least\n"
+            "--older-than seconds old, so that a save still uploading keeps its objects."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", metavar="URL", help="checkpoint URL (s3://bucket/prefix, ...)")
+    p.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+                   help="only objects at least this old (default: 3600)")
+    p.set_defaults(func=cmd_gc)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .errors import InvalidArgumentError
+    from .storage import is_url
+    from .storage.save import gc
+
+    if not is_url(args.url):
+        raise InvalidArgumentError(f"{args.url}: gc works on checkpoint URLs (local saves "
+                                   "clean up after themselves)")
+    removed = gc(args.url, older_than=args.older_than)
+    for name in removed:
+        print(f"removed {name}")
+    print(f"{args.url}: {len(removed)} object(s) removed")
+    return 0
+
+
 _SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_demo_parser,
     _add_plan_parser,
     _add_inspect_parser,
     _add_verify_parser,
     _add_convert_parser,
+    _add_gc_parser,
 ]
 
 

@@ -187,3 +187,11 @@ class DistributedSaveError(DistributedError, RuntimeError):
         self.rank = rank
         self.cause_type = cause_type
         self.cause_message = cause_message
+
+
+# Object storage (shardkit.storage).
+
+
+class StorageError(ShardIOError):
+    """An object store refused a request for good (not a transient error: those are retried),
+    or kept failing past the retries: names the object (its URL) and the store's reason."""

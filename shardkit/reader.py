@@ -84,6 +84,7 @@ from .sources import (
     _opener,
     _run_each,
 )
+from .storage import is_url
 from .strings import STRING_DTYPE, StringTensors, check_string_framework, kind_dtype
 from .tensors import _gc_paused
 
@@ -197,23 +198,39 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self._mmap = bool(mmap)
         self._follow = bool(follow_symlinks)
-        self._dir_path, single = locate(self.path)  # a .safetensors file: its directory
-        self._dir_fd = open_directory(self._dir_path)
-        self._dir_closer = weakref.finalize(self, os.close, self._dir_fd)
         self._files = FilePool(MAX_OPEN_FILES)
         # shard headers a foreign layout's adapter parsed already: used on first read when the
         # file is still the one parsed (same stamp), not parsed twice
         self._headers: dict[int, ParsedHeader] = {}
-        self._directory = CheckpointDirectory(self._dir_path, self._dir_fd, self._follow,
-                                              self._files)
+        self._remote: Any = None  # a URL's storage.remote.RemoteDirectory
+        if is_url(self.path):
+            from .storage.remote import RemoteDirectory
+
+            directory: Any = RemoteDirectory(self.path)
+            self._remote = directory
+            self._dir_path, single, self._dir_fd = directory.path, None, -1
+            self._dir_closer: Callable[[], Any] = _nothing
+        else:
+            self._dir_path, single = locate(self.path)  # a .safetensors file: its directory
+            self._dir_fd = open_directory(self._dir_path)
+            self._dir_closer = weakref.finalize(self, os.close, self._dir_fd)
+            directory = CheckpointDirectory(self._dir_path, self._dir_fd, self._follow,
+                                            self._files)
+        self._directory = directory
         try:
-            self.layout, self._manifest, self.index = _read_index(self._directory, single,
+            self.layout, self._manifest, self.index = _read_index(directory, single,
                                                                   self._headers)
         except BaseException:
             self._dir_closer()
             raise
-        self._manifest_path = os.path.join(self._dir_path, self._manifest)
-        self._shard_paths = [os.path.join(self._dir_path, s.file) for s in self.index.shards]
+        self._manifest_path = directory.join(self._manifest)
+        if self._remote is not None:
+            self._shard_paths = [
+                directory.join(self._remote.shard_object(s.file, self.index.generation))
+                for s in self.index.shards]
+        else:
+            self._shard_paths = [os.path.join(self._dir_path, s.file)
+                                 for s in self.index.shards]
         self._strings: StringTensors | None = self.index.strings  # string tensors, or None
         self._sources: dict[int, ShardSource] = {}
         self._specs: dict[str, list[SliceSpec]] = {}
@@ -835,7 +852,7 @@ class CheckpointReader:
         info = self.index.shards[i]
         path = self._shard_paths[i]
         try:
-            opener = _opener(info.codec, path)
+            opener = self._opener_for(info.codec, path)
             file = self._open_shard(i)  # the reader's directory handle, its symlink rule
         except MissingShardError:
             problems[Problem(path, None, "shard file", f"a file ({self._manifest} lists it)",
@@ -980,7 +997,7 @@ class CheckpointReader:
             if src is None:
                 info = self.index.shards[i]
                 path = self._shard_paths[i]
-                opener = _opener(info.codec, path)
+                opener = self._opener_for(info.codec, path)
                 file = self._open_shard(i)
                 try:
                     # a layout whose index places the entries (TensorBundle) opens its own
@@ -1031,9 +1048,18 @@ class CheckpointReader:
         for i in shards:
             self._source(i)
 
+    def _opener_for(self, codec: str, path: str) -> Any:
+        if self._remote is not None:
+            from .storage.remote import opener
+
+            return opener(codec, path)
+        return _opener(codec, path)
+
     def _open_shard(self, i: int) -> Any:
         """Shard file `i`, opened through the checkpoint's directory handle."""
         path = self._shard_paths[i]
+        if self._remote is not None:  # a shard object of the manifest's generation
+            return self._remote.open_file(self.index.shards[i].file, self.index.generation)
         try:
             return open_shard_file(path, self._follow, name=self.index.shards[i].file,
                                    dir_fd=self._dir_fd, pool=self._files)
@@ -1048,6 +1074,8 @@ class CheckpointReader:
 
     def _replaced(self) -> bool:
         """Whether the directory this reader reads is no longer the one at its path."""
+        if self._remote is not None:  # shard objects are never replaced, only deleted
+            return False
         try:
             if os.fstat(self._dir_fd).st_nlink == 0:
                 return True
@@ -1171,7 +1199,11 @@ class CheckpointReader:
             return self._pool
 
 
-def _read_index(directory: CheckpointDirectory, single: str | None,
+def _nothing() -> None:
+    pass
+
+
+def _read_index(directory: Any, single: str | None,
                 headers: dict[int, ParsedHeader] | None = None
                 ) -> tuple[FormatAdapter, str, CheckpointIndex]:
     """The entry table of the checkpoint in `directory` (or of its one file `single`): the

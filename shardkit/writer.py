@@ -12,6 +12,9 @@ How the bytes move (DESIGN.md section 5; docs/ARCHITECTURE.md for where this dif
   cut at entry boundaries into regions written by several threads. The first failure stops the
   other threads, and the caller (shardkit.api) removes the temp directory, so nothing partial
   survives.
+- A durable save asks the OS to start writing each group to disk as soon as it is written
+  (`_gather.start_writeback`, ``sync_file_range``), so the disk works while the next groups are
+  copied in and the closing fsync waits for the last group only, not for the whole file.
 
 Memory: for non-contiguous inputs, one tensor copy per thread. Compressed shards
 (``compression="zstd"``) are written one after the other by shardkit.compression, which
@@ -413,7 +416,7 @@ def _run(
                 with shard.lock:  # the first region of a shard creates its file
                     if shard.fd < 0:
                         _create(shard, preallocate=True)
-                _write_region(region, checksum, stop, bar)
+                _write_region(region, checksum, stop, bar, durable)
                 with shard.lock:
                     shard.pending -= 1
                     last = shard.pending == 0
@@ -441,9 +444,13 @@ def _run(
         _close_all(plans)
 
 
-def _write_region(region: _Region, checksum: bool, stop: threading.Event, bar: Any) -> None:
+def _write_region(region: _Region, checksum: bool, stop: threading.Event, bar: Any,
+                  durable: bool = False) -> None:
     """Write (and hash) the entries of `region` with the native kernel, in groups of about
-    WRITE_GROUP bytes so that progress is reported and a failure elsewhere stops this thread."""
+    WRITE_GROUP bytes so that progress is reported and a failure elsewhere stops this thread.
+    With `durable`, the disk starts on each group as soon as it is written (the file is
+    fsynced at the end anyway): writing back overlaps the writes of the next groups instead
+    of all of it waiting for the fsync."""
     shard = region.shard
     fd, arrays, offsets, ends = shard.fd, shard.arrays, shard.offsets, shard.ends
     digests = shard.digests if checksum else None
@@ -462,6 +469,8 @@ def _write_region(region: _Region, checksum: bool, stop: threading.Event, bar: A
                 _gather.write_arrays(fd, copy, offsets[done],
                                      None if digests is None else digests[done : done + 1])
                 j = done + 1
+            if durable:
+                _gather.start_writeback(fd, int(offsets[i]), int(ends[j - 1] - offsets[i]))
             if bar is not None:
                 bar.update(int(ends[j - 1] - offsets[i]))
             i = j

@@ -277,7 +277,7 @@ def test_python_dash_m_shardkit_without_command_is_a_usage_error():
     proc = _run()
     assert proc.returncode == 2
     assert proc.stderr.startswith(
-        "usage: shardkit [-h] [--version] {demo,plan,inspect,verify,convert}")
+        "usage: shardkit [-h] [--version] {demo,plan,inspect,verify,convert,gc}")
     assert "the following arguments are required: command" in proc.stderr
 
 
@@ -286,13 +286,13 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"shardkit {shardkit.__version__}\n"
 
 
-@pytest.mark.parametrize("command", ["demo", "plan", "inspect", "verify", "convert"])
+@pytest.mark.parametrize("command", ["demo", "plan", "inspect", "verify", "convert", "gc"])
 def test_every_subcommand_help_has_a_description(capsys, command):
     from shardkit.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"demo", "plan", "inspect", "verify", "convert"}
+    assert set(sub.choices) == {"demo", "plan", "inspect", "verify", "convert", "gc"}
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     description = sub.choices[command].description

@@ -195,6 +195,23 @@ def test_preallocate(impl, tmp_path):
     assert info.value.errno == errno.EBADF
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_start_writeback_is_a_hint(impl, tmp_path):
+    with open(tmp_path / "f.bin", "wb") as f:
+        f.write(b"x" * 10000)
+        f.flush()
+        assert impl.start_writeback(f.fileno(), 0, 10000) is sys.platform.startswith("linux")
+        assert impl.start_writeback(f.fileno(), 0, 0) is False
+    assert (tmp_path / "f.bin").read_bytes() == b"x" * 10000
+    r, w = os.pipe()
+    try:  # not a file: not taken, and no error
+        assert impl.start_writeback(w, 0, 10) is False
+    finally:
+        os.close(r)
+        os.close(w)
+    assert impl.start_writeback(-1, 0, 10) is False
+
+
 # --- read_arrays: the reverse, many arrays filled by vectored reads --------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import re
@@ -303,6 +304,28 @@ def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, mon
         if checksum:
             assert (path / MANIFEST_FILE).read_text() == ref_index
     _check_checkpoint(tmp_path / f"t{threads}True", flat)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_durable_save_starts_writeback_group_by_group(tmp_path, rng, monkeypatch, durable):
+    flat = {f"k{i}": _random(rng, np.dtype(np.float32), (int(rng.integers(500, 3000)),))
+            for i in range(40)}
+    monkeypatch.setattr(writer, "WRITE_GROUP", 4096)
+    started: list[tuple[int, int]] = []
+    real = writer._gather.start_writeback
+    monkeypatch.setattr(writer._gather, "start_writeback",
+                        lambda fd, offset, n: started.append((offset, n)) or real(fd, offset, n))
+    api.save(tmp_path / "c", flat, durable=durable, threads=1, sharding_callback=_OneShard())
+    _check_checkpoint(tmp_path / "c", flat)
+    if not durable:  # nothing will be fsynced: the OS writes back when it likes
+        assert started == []
+        return
+    size = (tmp_path / "c" / "model-00001-of-00001.safetensors").stat().st_size
+    data = sum(a.nbytes for a in flat.values())
+    assert len(started) > 1  # group by group, as the data is written
+    assert started[0][0] == size - data  # the data region, back to back, to its end
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(started))
+    assert started[-1][0] + started[-1][1] == size
 
 
 class _OneShard(ShardingCallback):

@@ -19,6 +19,10 @@ def preallocate(fd: int, size: int) -> bool:
     """Reserve the first `size` bytes of file `fd` on disk (Linux ``fallocate``); False
     (nothing done) where the file system or OS cannot; OSError otherwise (e.g. ENOSPC)."""
 
+def start_writeback(fd: int, offset: int, length: int) -> bool:
+    """Start writing bytes `offset` to `offset + length` of file `fd` to disk without waiting
+    (Linux ``sync_file_range``); a hint: False where it was not taken, never raises."""
+
 def read_arrays(fd: int, arrays: list[Any], offset: int) -> int:
     """Fill `arrays` (writable C-contiguous numpy arrays) back to back from `offset` of file
     `fd` with preadv, the GIL released; returns the bytes read, less than their total only when

@@ -45,6 +45,7 @@ from ..dtypes import itemsize, safetensors_name
 from ..errors import DistributedError, DistributedSaveError, DistributedStateError
 from ..options import CheckpointOptions
 from ..slices import WHOLE, format_slice_spec
+from ..storage import is_url
 from ..tensors import ShardableTensor, flatten_columns, to_host
 from ..writer import SavedTensors, shard_columns, write_shards
 from .base import Coordinator
@@ -365,11 +366,17 @@ def collective_save(
         try:
             mine = held(state, rank)
             if rank == 0:
-                staging = commit.stage(path, overwrite=overwrite, durable=opts.durable)
-                setup = (str(staging.path), fmt.new_generation())
+                if is_url(shown):  # an object store: shardkit.storage.save
+                    from ..storage.save import RemoteStaging
+
+                    remote = RemoteStaging(shown, overwrite=overwrite)
+                    staging, setup = remote, (remote.path, remote.generation)  # type: ignore[assignment]
+                else:
+                    staging = commit.stage(path, overwrite=overwrite, durable=opts.durable)
+                    setup = (str(staging.path), fmt.new_generation())
         except Exception as e:
             local, failure = e, Failure.of(rank, e)
-        target = os.path.abspath(shown)
+        target = shown.rstrip("/") if is_url(shown) else os.path.abspath(shown)
         gathered = coord.all_gather(
             (None if mine is None else mine.columns(), failure, setup, target), "plan")
         try:
@@ -413,7 +420,7 @@ def collective_save(
         # 3. this rank's shard files, fsynced, into the shared temp directory
         part: tuple[Any, ...] | None = None
         try:
-            index, _ = write_shards(
+            index, _ = _shard_writer(directory)(
                 directory, shards, saved, description=description, threads=opts.threads,
                 durable=opts.durable, checksum=opts.checksum, progress=progress,
                 compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
@@ -453,6 +460,15 @@ def collective_save(
     finally:
         if staging is not None and not staging.committed:
             staging.abort()
+
+
+def _shard_writer(directory: str) -> Any:
+    """`writer.write_shards`, or for a URL its object-store twin."""
+    if is_url(directory):
+        from ..storage.save import upload_shards
+
+        return upload_shards
+    return write_shards
 
 
 def _abort_together(coord: Coordinator, staging: commit.Staging | None) -> None:

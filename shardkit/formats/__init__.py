@@ -82,7 +82,8 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
         latest = state_target(directory)
         if latest is not None:
             return Detected(TENSORBUNDLE, latest, None)
-    if os.fstat(directory.dir_fd).st_nlink == 0:  # replaced and deleted since it was opened
+    # replaced and deleted since it was opened (a store has no directory handle)
+    if directory.dir_fd is not None and os.fstat(directory.dir_fd).st_nlink == 0:
         raise CheckpointReplacedError(
             f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
             "again to read the new one")

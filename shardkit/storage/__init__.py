@@ -1,0 +1,66 @@
+"""Where checkpoints live: the local file system, or any fsspec URL (``s3://bucket/prefix``).
+
+`is_url` is the one test that tells them apart (a ``scheme://`` prefix). A local path takes the
+native code path unchanged (shardkit.writer, shardkit.commit, shardkit.files); a URL goes
+through `open_storage`, an `FsspecStorage`, with the object layout and manifest-last commit of
+docs/FORMAT.md ("Object storage"). fsspec and s3fs are imported only for URLs.
+
+Options for a store (s3fs's ``client_kwargs={"endpoint_url": ...}``, ``key``, ``secret``,
+``anon``...) are registered per URL prefix with `set_storage_options`; without any, the file
+system's defaults apply (for S3: the AWS environment variables and config files).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any
+
+from .base import Fetched, Storage, Stored, coalesce, is_transient, with_retries
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_options_lock = threading.Lock()
+_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def is_url(path: Any) -> bool:
+    """Whether `path` names a checkpoint by URL (``scheme://...``) rather than a local path."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
+def set_storage_options(prefix: str, **storage_options: Any) -> None:
+    """Use `storage_options` (fsspec keyword arguments) for every URL starting with `prefix`
+    (the longest registered prefix wins); with none, forget the prefix. Example::
+
+        shardkit.set_storage_options("s3://bucket", client_kwargs={"endpoint_url": url})
+    """
+    with _options_lock:
+        if storage_options:
+            _OPTIONS[prefix] = dict(storage_options)
+        else:
+            _OPTIONS.pop(prefix, None)
+
+
+def storage_options_for(url: str) -> dict[str, Any]:
+    with _options_lock:
+        best = max((p for p in _OPTIONS if url.startswith(p)), key=len, default=None)
+        return dict(_OPTIONS[best]) if best is not None else {}
+
+
+def open_storage(url: str | os.PathLike[str]) -> Storage:
+    """The storage of the checkpoint at `url` (a URL: `FsspecStorage`; a path: `LocalStorage`)."""
+    path = os.fspath(url)
+    if not is_url(path):
+        from .local import LocalStorage
+
+        return LocalStorage(path)
+    from .fsspec import FsspecStorage
+
+    return FsspecStorage(path, storage_options_for(path))
+
+
+__all__ = [
+    "Fetched", "Storage", "Stored", "coalesce", "is_transient", "is_url", "open_storage",
+    "set_storage_options", "storage_options_for", "with_retries",
+]

@@ -1,0 +1,266 @@
+"""Reading a checkpoint from a store: the reader's directory and shard sources for URLs.
+
+`RemoteDirectory` stands in for `files.CheckpointDirectory` (the manifest is one GET, with its
+tag); shard objects are named by the manifest's generation (`layout.object_name`), so a reader
+never sees another save's objects. `RemoteRawShard` and `RemoteSkzShard` are the shard sources:
+no memory map (`view` is None), every read a ranged GET. `read_tasks` turns a batch of reads
+into pieces of at most PIECE bytes, coalesces adjacent pieces into GETs of at most
+`fsspec.MAX_COALESCED` bytes, and groups those into tasks whose GETs run concurrently, so a
+whole-checkpoint load keeps several requests in flight while a one-row `get_slice` fetches
+only that row. A `.skz` shard fetches each chunk's frame on the thread that decompresses it:
+fetches and decompression overlap across the reader's pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from .. import compression as skz
+from ..errors import (
+    CheckpointReplacedError,
+    CorruptHeaderError,
+    MissingShardError,
+    ShardkitError,
+    TruncatedShardError,
+)
+from ..format import (
+    MANIFEST_FILE,
+    MAX_INDEX_BYTES,
+    EntryLayout,
+    ShardInfo,
+    check_generation,
+    decode_safetensors_header,
+    header_length,
+)
+from ..sources import ShardSource, check_shard_size
+from . import open_storage
+from .base import Storage, coalesce
+from .layout import object_name
+
+HEAD_GUESS = 16 * 1024  # bytes fetched first for a header (most fit: one request)
+PIECE = 16 * 1024 * 1024  # a large read is cut into GETs of this size
+TASK_BYTES = 64 * 1024 * 1024  # GETs grouped into one task (run concurrently) up to this
+
+
+class RemoteFile:
+    """A shard object opened by a reader: its store, object name, URL and size."""
+
+    def __init__(self, store: Storage, name: str, path: str) -> None:
+        self.store, self.name, self.path = store, name, path
+        try:
+            self.size = store.size(name)
+        except FileNotFoundError:
+            raise MissingShardError(f"{path}: shard object listed in the manifest is missing "
+                                    "from the store") from None
+
+    def read(self, start: int, end: int) -> bytes:
+        try:
+            return self.store.read_range(self.name, start, end)
+        except FileNotFoundError:
+            raise CheckpointReplacedError(
+                f"{self.path}: the shard object was deleted while it was being read (the "
+                "checkpoint was overwritten); open the checkpoint again") from None
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteDirectory:
+    """The checkpoint at a URL as `formats.detect` and the reader see a directory."""
+
+    dir_fd = None
+    follow_symlinks = False
+    pool = None
+
+    def __init__(self, url: str) -> None:
+        self.store = open_storage(url)
+        self.path = self.store.url
+        self.tag: str | None = None
+
+    def join(self, name: str) -> str:
+        return self.store.join(name)
+
+    def has(self, name: str) -> bool:
+        try:
+            self.store.size(name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def read_manifest(self, name: str, limit: int) -> bytes | None:
+        found = self.store.fetch(name, limit)
+        if found is None:
+            return None
+        self.tag = found.tag
+        return found.data
+
+    def open_shard(self, name: str, listed_in: str | None = None) -> Any:
+        raise ShardkitError(f"{self.join(name)}: only shardkit checkpoints are read from URLs "
+                            "(a HuggingFace or single-file layout needs a local copy)")
+
+    def shard_object(self, file: str, generation: str | None) -> str:
+        return object_name(file, generation)
+
+    def open_file(self, file: str, generation: str | None) -> RemoteFile:
+        """Shard `file` of `generation`; CheckpointReplacedError when it is gone because a
+        newer manifest replaced the one this reader read (its objects are deleted after)."""
+        name = object_name(file, generation)
+        try:
+            return RemoteFile(self.store, name, self.store.join(name))
+        except MissingShardError:
+            now = self.store.fetch(MANIFEST_FILE, MAX_INDEX_BYTES)
+            if now is not None and self.tag is not None and now.tag != self.tag:
+                raise CheckpointReplacedError(
+                    f"{self.store.join(name)}: shard object is gone: the checkpoint at "
+                    f"{self.path} was replaced while this reader had it open; open the "
+                    "checkpoint again to read the new one") from None
+            raise
+
+
+def opener(codec: str, path: str) -> Callable[..., ShardSource]:
+    """The remote counterpart of `sources._opener`: `(path, info, *, mmap, file)`."""
+    if codec == "raw":
+        return open_raw
+    if codec == "zstd":
+        return open_skz
+    from ..sources import _opener
+
+    _opener(codec, path)  # raises UnknownCodecError for an unknown codec
+    raise ShardkitError(f"{path}: codec {codec!r} cannot be read from a URL")
+
+
+def open_raw(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile) -> ShardSource:
+    return RemoteRawShard(path, info, file)
+
+
+def open_skz(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile) -> Any:
+    return RemoteSkzShard(path, info, file)
+
+
+class RemoteRawShard(ShardSource):
+    """A raw (safetensors) shard object, read by ranged GETs."""
+
+    read_granularity = PIECE
+    matches_index = False
+
+    def __init__(self, path: str, info: ShardInfo, file: RemoteFile) -> None:
+        self.path, self.info, self._file = path, info, file
+        size = file.size
+        check_shard_size(path, size, info)
+        head = file.read(0, min(size, 8 + HEAD_GUESS))
+        n = header_length(head[:8], size, path)
+        if 8 + n > len(head):
+            head += file.read(len(head), 8 + n)
+        self.entries, self.metadata, self.data_start = decode_safetensors_header(
+            head[: 8 + n], size, path)
+        check_generation(self.metadata, info.generation, path)
+
+    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
+        self.run(self.read_tasks([(entry, begin, end, dest)]))
+
+    def read_tasks(self, requests: Sequence[tuple[EntryLayout, int, int, Any]]
+                   ) -> list[Callable[[], None]]:
+        pieces: list[tuple[int, int]] = []
+        dests: list[memoryview] = []
+        for entry, begin, end, dest in requests:
+            out = memoryview(dest).cast("B")
+            at = self.data_start + entry.begin
+            pos = begin
+            while pos < end:
+                nxt = min(end, pos + PIECE)
+                pieces.append((at + pos, at + nxt))
+                dests.append(out[pos - begin : nxt - begin])
+                pos = nxt
+        from .fsspec import MAX_COALESCED
+
+        groups = coalesce(pieces, limit=MAX_COALESCED)
+        tasks: list[Callable[[], None]] = []
+        batch: list[tuple[int, int, list[int]]] = []
+        size = 0
+        for g in groups:
+            batch.append(g)
+            size += g[1] - g[0]
+            if size >= TASK_BYTES:
+                tasks.append(partial(self._fetch, batch, pieces, dests))
+                batch, size = [], 0
+        if batch:
+            tasks.append(partial(self._fetch, batch, pieces, dests))
+        return tasks
+
+    def _fetch(self, groups: list[tuple[int, int, list[int]]], pieces: list[tuple[int, int]],
+               dests: list[memoryview]) -> None:
+        try:
+            got = self._file.store.read_ranges(self._file.name, [(a, b) for a, b, _ in groups])
+        except FileNotFoundError:
+            raise CheckpointReplacedError(
+                f"{self.path}: the shard object was deleted while it was being read (the "
+                "checkpoint was overwritten); open the checkpoint again") from None
+        for (start, _, members), data in zip(groups, got):
+            view = memoryview(data)
+            for i in members:
+                a, b = pieces[i]
+                dests[i][:] = view[a - start : b - start]
+
+    @staticmethod
+    def run(tasks: Sequence[Callable[[], None]]) -> None:
+        for t in tasks:
+            t()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RemoteSkzShard(skz.SkzShard):
+    """A ``.skz`` shard object: the header in one or two GETs, each frame fetched when its
+    chunk is decoded."""
+
+    def __init__(self, path: str, info: ShardInfo, file: RemoteFile) -> None:
+        import threading
+        from collections import OrderedDict
+
+        self.path, self.info, self._file, self._map = path, info, file, None  # type: ignore[assignment]
+        size = file.size
+        if size != info.bytes:
+            cls = TruncatedShardError if size < info.bytes else skz.CheckpointFormatError
+            raise cls(f"{path}: shard object has {size} bytes, the index records {info.bytes}")
+        self.header = _read_skz_header(file, size, path)
+        self._frames = self.header.frames.tolist()
+        self.entries = self.header.entries
+        self.metadata = self.header.metadata
+        check_generation(self.metadata, info.generation, path)
+        try:
+            self.plan = skz.plan_chunks(list(self.entries.values()), self.header.chunk_size,
+                                        self.header.shuffle, path)
+        except ValueError as e:
+            raise CorruptHeaderError(str(e)) from None
+        self._names = list(self.entries)
+        self.read_granularity = self.header.chunk_size
+        self._closed = False
+        self._lock = threading.Lock()
+        self._cache = OrderedDict()
+
+    def _stored(self, offset: int, n: int) -> Any:
+        data = self._file.read(offset, offset + n)  # type: ignore[attr-defined]
+        if len(data) != n:
+            raise TruncatedShardError(f"{self.path}: frame at byte {offset} cut short")
+        return data
+
+
+def _read_skz_header(file: RemoteFile, size: int, path: str) -> Any:
+    first_len = skz.PREAMBLE.size + 8
+    head = file.read(0, min(size, first_len + HEAD_GUESS))
+    if len(head) < first_len:
+        raise TruncatedShardError(f"{path}: object is {size} bytes, shorter than the "
+                                  f"{first_len}-byte .skz preamble")
+    _, _, _, n, _ = skz._check_preamble(head[:first_len], path)
+    n_len = header_length(head[skz.PREAMBLE.size : first_len], size - skz.PREAMBLE.size, path)
+    want = first_len + n_len + n * skz.FRAME_DTYPE.itemsize + 8
+    skz._check_room(n, want, size, path)
+    if want > len(head):
+        head += file.read(len(head), want)
+    return skz.decode_skz_header(bytearray(head[:want]), size, path)
+
+
+__all__ = ["RemoteDirectory", "RemoteFile", "RemoteRawShard", "RemoteSkzShard", "opener"]

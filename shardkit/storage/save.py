@@ -1,0 +1,273 @@
+"""Saving to a store: shard objects first, the manifest last (docs/FORMAT.md, "Object storage").
+
+1. The manifest now at the URL is read (one GET, with its tag): an existing checkpoint needs
+   ``overwrite=True``, and only a shardkit checkpoint is ever replaced.
+2. The writer's plan (`writer._plan`: the same shard headers, entry order and names as a local
+   save) is uploaded under ``shards-<generation>/``: a raw shard straight from the arrays'
+   memory as a multipart upload (each entry hashed with xxh3-64 on the way), a ``.skz`` shard
+   compressed into a local temp file by the writer's zstd path and uploaded while the next is
+   compressed; raw shards upload in parallel.
+3. The manifest is published conditionally: ``If-None-Match: *`` when there was none,
+   ``If-Match: <tag>`` of the one read in step 1 otherwise. If another writer got there first
+   the save fails (CheckpointExistsError) and its own objects are deleted.
+4. Only then are the objects of every other generation deleted (older saves, crashed ones).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import format as fmt
+from .._threads import WorkerPool
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    InvalidArgumentError,
+    ShardkitError,
+)
+from ..writer import (
+    SavedTensors,
+    ShardColumns,
+    _as_bytes,
+    _checksums,
+    _index,
+    _plan,
+    _run_zstd,
+    default_threads,
+)
+from . import Storage, open_storage
+from .layout import SHARDS_PREFIX, generation_of, object_name, shards_dir
+
+
+class RemoteStaging:
+    """A save in progress at a URL, in the role `commit.Staging` has locally: `path` is where
+    the shards go (the URL; the objects carry `generation`), `commit` publishes the manifest
+    conditionally and then deletes every other generation, `abort` deletes this save's
+    objects."""
+
+    def __init__(self, url: str, *, overwrite: bool) -> None:
+        self.store = open_storage(url)
+        self.path = self.target = self.store.url
+        self.committed = False
+        self.generation = fmt.new_generation()
+        self._old = self.store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
+        if self._old is not None:
+            if not overwrite:
+                raise CheckpointExistsError(f"{url}: a checkpoint exists; pass overwrite=True "
+                                            "to replace it")
+            _check_replaceable(self.store, self._old.data)
+
+    def commit(self, chunks: Sequence[bytes]) -> None:
+        old = self._old
+        if not self.store.publish(fmt.MANIFEST_FILE, b"".join(chunks), if_absent=old is None,
+                                  if_tag=None if old is None else old.tag):
+            raise CheckpointExistsError(
+                f"{self.path}: another save published a checkpoint here first (the manifest "
+                "changed while this save uploaded); nothing of this save is visible")
+        self.committed = True
+        try:
+            remove_other_generations(self.store, self.generation)
+        except ShardkitError:  # the checkpoint is committed; `shardkit gc` removes the rest
+            pass
+
+    def abort(self) -> None:
+        if not self.committed:
+            try:
+                mine = shards_dir(self.generation)
+                self.store.delete([s.name for s in self.store.list(mine)])
+            except Exception:
+                pass
+
+    def __enter__(self) -> RemoteStaging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.committed:
+            self.abort()
+
+
+def upload_shards(
+    url: str,
+    shards: Sequence[ShardColumns],
+    saved: SavedTensors,
+    *,
+    description: str,
+    generation: str,
+    threads: int | None = None,
+    checksum: bool = True,
+    user_metadata: dict[str, Any] | None = None,
+    compression: str | None = None,
+    level: int | None = None,
+    shuffle: bool = True,
+    chunk_size: int | str = "4MiB",
+    first_shard: int = 0,
+    shard_count: int | None = None,
+    **_: Any,
+) -> tuple[fmt.CheckpointIndex, list[bytes]]:
+    """`writer.write_shards` for a URL: the same shards (writer's plan, same bytes), uploaded
+    as objects of `generation`; returns the index and the manifest's pieces."""
+    if compression not in (None, "zstd"):
+        raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
+    store = open_storage(url)
+    threads = threads or default_threads()
+    codec = "raw" if compression is None else "zstd"
+    plans = _plan(Path("."), shards, codec, generation, first_shard,
+                  len(shards) if shard_count is None else shard_count)
+    names = [object_name(p.file, generation) for p in plans]
+    if codec == "raw":
+        _upload_raw(store, plans, names, threads, checksum)
+    else:
+        _upload_zstd(store, plans, names, threads, checksum,
+                     dict(level=level, shuffle=shuffle, chunk_size=chunk_size,
+                          metadata={fmt.GENERATION_KEY: generation}))
+    index = _index(plans, saved, description, user_metadata or {}, codec, generation)
+    index.set_checksums(_checksums(plans, checksum))
+    return index, fmt.index_chunks(index)
+
+
+def save_to_storage(
+    url: str,
+    shards: Sequence[ShardColumns],
+    saved: SavedTensors,
+    *,
+    overwrite: bool,
+    **options: Any,
+) -> tuple[fmt.CheckpointIndex, list[bytes], tuple[str, ...]]:
+    """Save `shards` to the store at `url` (module docstring); returns the index, the
+    manifest's pieces and the object names written (shards, then the manifest)."""
+    with RemoteStaging(url, overwrite=overwrite) as staging:
+        index, chunks = upload_shards(url, shards, saved, generation=staging.generation,
+                                      **options)
+        staging.commit(chunks)
+    names = tuple(object_name(s.file, staging.generation) for s in index.shards)
+    return index, chunks, (*names, fmt.MANIFEST_FILE)
+
+
+def _check_replaceable(store: Storage, data: bytes) -> None:
+    try:
+        fmt.decode_index(data, store.join(fmt.MANIFEST_FILE))
+    except CheckpointFormatError as e:
+        raise CheckpointExistsError(
+            f"{store.url}: holds a manifest that is not a readable shardkit checkpoint ({e}); "
+            "shardkit never replaces it") from None
+
+
+def _raw_buffers(p: Any, checksum: bool) -> Iterator[Any]:
+    """The bytes of raw shard `p` in order (header pieces, then each entry), hashing each entry
+    with xxh3-64 into ``p.digests`` as it leaves."""
+    import xxhash
+
+    yield from p.header
+    for i, a in enumerate(p.arrays):
+        b = _as_bytes(a)
+        if checksum:
+            p.digests[i] = xxhash.xxh3_64_intdigest(b.data)
+        yield b
+
+
+def _parallel(jobs: list[Any], threads: int) -> None:
+    if len(jobs) <= 1:
+        for j in jobs:
+            j()
+        return
+    pool = WorkerPool(min(threads, len(jobs)), "shardkit-save")
+    try:
+        futures = [pool.submit(j) for j in jobs]
+        for f in futures:
+            f.result()
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _upload_raw(store: Storage, plans: list[Any], names: list[str], threads: int,
+                checksum: bool) -> None:
+    def job(p: Any, name: str) -> None:
+        n = store.write_file(name, _raw_buffers(p, checksum))
+        if n != p.size:
+            raise ShardkitError(f"{store.join(name)}: wrote {n} bytes, planned {p.size}")
+
+    _parallel([lambda p=p, n=n: job(p, n) for p, n in zip(plans, names)], threads)
+
+
+def _upload_zstd(store: Storage, plans: list[Any], names: list[str], threads: int,
+                 checksum: bool, options: dict[str, Any]) -> None:
+    """Each .skz shard is compressed into a local temp file (the zstd writer seals its header
+    after the frames, so it needs a seekable file) and uploaded while the next one is
+    compressed; a file is removed once uploaded: local disk holds at most two compressed
+    shards."""
+    def upload(path: Path, name: str) -> None:
+        try:
+            store.upload_file(name, str(path))
+        finally:
+            os.unlink(path)
+
+    with tempfile.TemporaryDirectory(prefix="shardkit-upload-") as tmp:
+        pool = WorkerPool(1, "shardkit-upload-skz")
+        pending: Any = None
+        try:
+            for p, name in zip(plans, names):
+                p.path = Path(tmp) / p.file
+                _run_zstd([p], threads, False, checksum, None, **options)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(upload, p.path, name)
+            if pending is not None:
+                pending.result()
+        finally:
+            pool.shutdown(wait=True)  # before the temp directory goes
+
+
+def remove_other_generations(store: Storage, keep: str | None, *,
+                             older_than: float | None = None) -> list[str]:
+    """Delete the shard objects of every generation but `keep` (with `older_than`: only those
+    last modified that many seconds ago or more). Returns the names deleted."""
+    now = time.time()
+    doomed = [s.name for s in store.list(SHARDS_PREFIX)
+              if generation_of(s.name) not in (None, keep)
+              and (older_than is None or now - s.mtime >= older_than)]
+    store.delete(doomed)
+    return doomed
+
+
+def gc(url: str, *, older_than: float = 3600.0) -> list[str]:
+    """Remove the objects at `url` that no manifest names: shard objects of other generations
+    (a crashed or superseded save) last modified at least `older_than` seconds ago (so a save
+    in progress keeps its objects). Returns the names removed."""
+    store = open_storage(url)
+    found = store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
+    keep = None
+    if found is not None:
+        keep = fmt.decode_index(found.data, store.join(fmt.MANIFEST_FILE)).generation
+    removed = remove_other_generations(store, keep, older_than=older_than)
+    abort = getattr(store, "abort_uploads", None)
+    if abort is not None:
+        abort(older_than)
+    return removed
+
+
+def list_checkpoints(url: str) -> list[tuple[str, float]]:
+    """The committed checkpoints directly under the prefix `url`: (name, manifest mtime)."""
+    store = open_storage(url)
+    tail = "/" + fmt.MANIFEST_FILE
+    out = []
+    for s in store.list(""):
+        if s.name.endswith(tail) and s.name.count("/") == 1:
+            out.append((s.name[: -len(tail)], s.mtime))
+    return out
+
+
+def remove_checkpoint(url: str) -> None:
+    """Delete the checkpoint at `url`: the manifest first (it stops being a checkpoint at
+    once), then every object under it."""
+    store = open_storage(url)
+    store.delete([fmt.MANIFEST_FILE])
+    store.delete([s.name for s in store.list("")])
+
+
+__all__ = ["RemoteStaging", "gc", "list_checkpoints", "remove_checkpoint",
+           "remove_other_generations", "save_to_storage", "upload_shards"]
