@@ -408,6 +408,16 @@ def test_memory_url_round_trip():
     open_storage(url).fs.rm(open_storage(url).root, recursive=True)
 
 
+def test_what_a_url_cannot_hold_is_refused_before_anything_is_written():
+    url = f"memory://shardkit-refused/{os.getpid()}"
+    words = {"w": np.arange(4, dtype=np.float32), "names": np.array([b"a", b"bc"], object)}
+    with pytest.raises(shardkit.InvalidArgumentError, match="string tensors .*'names'"):
+        shardkit.save(url, words)
+    with pytest.raises(shardkit.InvalidArgumentError, match="format='tensorflow' writes local"):
+        shardkit.save(url, {"w": words["w"]}, format="tensorflow")
+    assert not open_storage(url).fs.exists(open_storage(url).root)
+
+
 def _distributed_save(rank: int, world: int, url: str, options: dict) -> tuple:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
