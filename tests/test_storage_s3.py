@@ -411,7 +411,7 @@ def test_memory_url_round_trip():
 def test_what_a_url_cannot_hold_is_refused_before_anything_is_written():
     url = f"memory://shardkit-refused/{os.getpid()}"
     words = {"w": np.arange(4, dtype=np.float32), "names": np.array([b"a", b"bc"], object)}
-    with pytest.raises(shardkit.InvalidArgumentError, match="string tensors .*'names'"):
+    with pytest.raises(shardkit.InvalidArgumentError, match=r"string tensors .*'names'"):
         shardkit.save(url, words)
     with pytest.raises(shardkit.InvalidArgumentError, match="format='tensorflow' writes local"):
         shardkit.save(url, {"w": words["w"]}, format="tensorflow")
