@@ -19,19 +19,29 @@ def dtensor_type() -> type | None:
     return getattr(module, "DTensor", None) if module is not None else None
 
 
-def local_slice(value: Any, key: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
-    """``(local tensor, global shape, global offset)`` of this rank's part of DTensor `value`."""
+def local_slice(value: Any, key: str, cache: dict[Any, Any] | None = None
+                ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+    """``(local tensor, global shape, global offset)`` of this rank's part of DTensor `value`.
+    `cache` (a dict the caller keeps for one save) remembers torch's answer per global shape,
+    mesh and placements, which many tensors of a model share."""
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = tuple(value.placements)
-    if any(isinstance(p, Partial) for p in placements):
-        raise DistributedStateError(
-            f"{key!r}: a DTensor with a Partial placement ({placements}) holds partial sums, "
-            "not slices of a tensor; call .redistribute() to Replicate or Shard before saving")
     shape = tuple(int(d) for d in value.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(
-        shape, value.device_mesh, placements)
+    mesh = value.device_mesh
+    box = (shape, id(mesh), placements)  # the mesh outlives the cache: its id is unique
+    got = cache.get(box) if cache is not None else None
+    if got is None:
+        if any(isinstance(p, Partial) for p in placements):
+            raise DistributedStateError(
+                f"{key!r}: a DTensor with a Partial placement ({placements}) holds partial "
+                "sums, not slices of a tensor; call .redistribute() to Replicate or Shard "
+                "before saving")
+        got = compute_local_shape_and_global_offset(shape, mesh, placements)
+        if cache is not None:
+            cache[box] = got
+    local_shape, offset = got
     local = value.to_local()
     if tuple(local.shape) != tuple(local_shape):
         raise DistributedStateError(

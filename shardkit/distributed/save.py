@@ -105,10 +105,12 @@ def held(state: Any, rank: int) -> Held:
     dtensor = dtensor_type()
     device = DeviceSpec("worker", 0, rank, "CPU", 0)
     out = Held([], [], [], [], [], [], [])
+    boxes: dict[Any, Any] = {}
     for key, value in zip(keys, leaves):
         if (dtensor is not None and isinstance(value, dtensor)) or isinstance(value, LocalShard):
-            local, shape, offset = (local_slice(value, key) if not isinstance(value, LocalShard)
-                                    else (value.local, value.shape, value.offset))
+            local, shape, offset = (
+                local_slice(value, key, boxes) if not isinstance(value, LocalShard)
+                else (value.local, value.shape, value.offset))
             array, dev = to_host(local, key)
             if array.size == 0 and math.prod(shape) != 0:
                 continue  # an empty shard of an uneven split: nothing to store
