@@ -265,13 +265,13 @@ def decode_bundle(data: bytes, path: str, prefix: str,
 
     try:
         # one protobuf call for all entries, their shapes left encoded (`protos`)
-        parsed = parse_entries([v for _, v in body])
+        parsed = list(parse_entries([v for _, v in body]))  # wrappers made once, reused
     except DecodeError:
         for k, v in body:
             _entry(k, v, path)  # the first that does not parse raises, naming its key
         raise
-    if any(map(operator.attrgetter("slices"), parsed)) or any(
-            k[:1] == b"\x00" for k, _ in body):
+    # slice keys start with a 0 byte: in key order (checked) they come first after the header
+    if (body and body[0][0][:1] == b"\x00") or any(map(operator.attrgetter("slices"), parsed)):
         cols = _general_columns(body, parsed, n, path)
     else:
         cols = _whole_columns(body, parsed, n, path)
@@ -358,7 +358,6 @@ def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: s
     except UnicodeDecodeError:
         raw = next(k for k in raw_keys if not _is_utf8(k))
         raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
-    parsed = list(parsed)  # one wrapper object per entry, reused by every column below
     encoded = [f.shape for f in parsed]
     shape_of = _shapes_at_once(list(dict.fromkeys(encoded)))
     if shape_of is None:  # one is bad: find it in order, for the wording

@@ -12,6 +12,7 @@ pool, so they never clash with TensorFlow's own classes when both are imported.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, Final
 
 from google.protobuf import (  # type: ignore[import-untyped]
@@ -138,16 +139,26 @@ TensorShapes: Final[Any] = _CLASSES["TensorShapes"]
 def _framed(values: list[bytes]) -> bytes:
     """`values` framed as field 1 of a message (tag, length, bytes each: what protobuf's
     encoder writes for a repeated message field)."""
-    framed = bytearray()
-    for v in values:
-        n = len(v)
-        framed.append(0x0A)  # field 1, wire type 2 (length-delimited)
-        while n >= 0x80:
-            framed.append((n & 0x7F) | 0x80)
-            n >>= 7
-        framed.append(n)
-        framed += v
-    return bytes(framed)
+    lengths = list(map(len, values))
+    if not lengths or max(lengths) >= len(_HEADS):
+        framed = bytearray()
+        for v in values:
+            framed += _head(len(v))
+            framed += v
+        return bytes(framed)
+    return b"".join(chain.from_iterable(zip(map(_HEADS.__getitem__, lengths), values)))
+
+
+def _head(n: int) -> bytes:
+    out = bytearray([0x0A])  # field 1, wire type 2 (length-delimited), then varint n
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_HEADS: Final = [_head(n) for n in range(1 << 14)]  # one- and two-byte lengths: any entry
 
 
 def parse_entries(values: list[bytes]) -> Any:
