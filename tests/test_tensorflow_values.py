@@ -124,6 +124,40 @@ def test_host_view_of_an_eager_tensor_is_zero_copy(tf):
     assert before.tolist() == [0.0, 1.0, 2.0, 3.0] and to_host(v, "v")[0].tolist() == [0] * 4
 
 
+def test_batched_host_arrays_fast_path_bytes_devices_and_no_copy(tf):
+    """host_arrays takes exact ResourceVariables by a fast path (no dtype / device properties):
+    the same bytes and device as the general path, views of the variable's buffer (two reads
+    share memory: no copy), strings left to the caller, other values through the general path."""
+    from shardkit.frameworks import tensorflow as sktf
+
+    rng = np.random.default_rng(3)
+    with tf.device("/CPU:0"):
+        plain = [tf.Variable(rng.standard_normal((2, n)).astype(np.float32)) for n in (1, 5, 9)]
+        ints = tf.Variable(np.arange(6, dtype=np.int64))
+        halves = tf.Variable(np.linspace(0, 1, 7).astype(np.float16))
+        text = tf.Variable([b"x", b"yz"])
+    const = tf.constant([1, 2, 3], dtype=tf.int32)
+    values = [*plain, ints, text, const, halves]
+    assert type(plain[0]) in sktf._PLAIN_VARIABLE_TYPES
+    keys = [f"k{i}" for i in range(len(values))]
+    first = sktf.host_arrays(values, keys, strings=True)
+    second = sktf.host_arrays(values, keys, strings=True)
+    assert first[4] is None and second[4] is None  # the string variable: the caller's
+    for value, got, again in zip(values, first, second):
+        if got is None:
+            continue
+        array, device = got
+        expected = value.numpy()
+        assert array.dtype == expected.dtype and array.shape == expected.shape
+        assert array.tobytes() == expected.tobytes()
+        assert device.device_type == "CPU" and device.task == 0
+        assert np.shares_memory(array, again[0])  # one buffer: no copy made by either read
+    with pytest.raises(shardkit.UnsupportedDTypeError, match="'k4'"):
+        sktf.host_arrays(values, keys)  # strings not taken: refused, naming the key
+    assert not sktf.is_trackable(plain[0]) and not sktf.is_trackable(const)
+    assert not sktf.is_trackable(np.zeros(2)) and sktf.is_trackable(tf.Module())
+
+
 def _module(tf, scale=1.0):
     root = tf.Module()
     root.child = tf.Module()

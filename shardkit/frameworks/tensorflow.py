@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
 from tensorflow.python.eager import context, execute  # type: ignore[import-untyped]
+from tensorflow.python.framework.ops import EagerTensor  # type: ignore[import-untyped]
 from tensorflow.python.ops import (  # type: ignore[import-untyped]
     gen_resource_variable_ops,
     resource_variable_ops,
@@ -78,6 +79,10 @@ def _host_array(value: Any) -> np.ndarray:
     return array if isinstance(array, np.ndarray) else np.asarray(array)
 
 
+_PLAIN_VARIABLE_TYPES = frozenset({resource_variable_ops.ResourceVariable})
+"""Variable types (exact) whose ``_dtype`` and ``_handle.device`` are what the ``dtype`` and
+``device`` properties return (the properties cost about 2 us a variable, 0.1 s for 50,000)."""
+
 READ_BATCH = 1000  # variables read by one _ReadVariablesOp (TensorFlow caches its kernel per
 # count and dtypes, so equal batches of one dtype reuse one kernel)
 
@@ -96,7 +101,18 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
     groups: dict[tuple[str, Any], list[int]] = {}
     base = resource_variable_ops.BaseResourceVariable
     storable = _STORABLE_ENUMS
+    plain = _PLAIN_VARIABLE_TYPES
     for i, (value, key) in enumerate(zip(values, keys)):
+        if type(value) in plain:  # the common case, without properties and isinstance
+            dtype = value._dtype
+            if dtype._type_enum in storable:
+                group = (value._handle.device, dtype)
+                rows = groups.get(group)
+                if rows is None:
+                    groups[group] = [i]
+                else:
+                    rows.append(i)
+                continue
         dtype = value.dtype
         if dtype._type_enum not in storable:
             if strings and dtype == tf.string:
@@ -162,6 +178,9 @@ def numpy_dtype(dtype: Any) -> np.dtype:
 # --- objects ---------------------------------------------------------------------------------
 
 
+_NOT_TRACKABLE = frozenset({np.ndarray, EagerTensor})
+
+
 def _trackable_base() -> type:
     from tensorflow.python.trackable import base  # type: ignore[import-untyped]
 
@@ -171,6 +190,8 @@ def _trackable_base() -> type:
 def is_trackable(obj: Any) -> bool:
     """A TensorFlow object with checkpointed state of its own (tf.Module, Keras layer / model /
     optimizer, tf.train.Checkpoint...), not a single variable."""
+    if type(obj) in _PLAIN_VARIABLE_TYPES or type(obj) in _NOT_TRACKABLE:
+        return False  # a state of 50,000 variables or arrays: no isinstance chain each
     return (isinstance(obj, _trackable_base()) and not isinstance(obj, tf.Variable)
             and not _assignable(obj))
 
