@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class ShardkitError(Exception):
     """Base class of every error shardkit raises on purpose."""
@@ -195,3 +197,25 @@ class DistributedSaveError(DistributedError, RuntimeError):
 class StorageError(ShardIOError):
     """An object store refused a request for good (not a transient error: those are retried),
     or kept failing past the retries: names the object (its URL) and the store's reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One problem `CheckpointReader.verify` found: the file to blame (a shard, or the manifest
+    when the index is what disagrees), the checkpoint key (None when it is not about one key),
+    what is wrong, what was expected and what was found, and the error class it raises as.
+
+    ``str(problem)`` is ``<file>: <key or ->: <what>, expected <x> vs found <y>``.
+    """
+
+    file: str
+    key: str | None
+    what: str
+    expected: str
+    found: str
+    error: type[CheckpointFormatError] = CheckpointFormatError
+
+    def __str__(self) -> str:
+        key = "-" if self.key is None else repr(self.key)
+        return " ".join(f"{self.file}: {key}: {self.what}, expected {self.expected} vs found "
+                        f"{self.found}".split())

@@ -44,6 +44,7 @@ from .errors import (
     InvalidArgumentError,
     KeyNotFoundError,
     MissingShardError,
+    Problem,
     ReaderClosedError,
     ShardIOError,
     TruncatedShardError,
@@ -102,28 +103,6 @@ class SlicePlacement:
     file: str
     entry: str
     xxh3: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One problem `CheckpointReader.verify` found: the file to blame (a shard, or the manifest
-    when the index is what disagrees), the checkpoint key (None when it is not about one key),
-    what is wrong, what was expected and what was found, and the error class it raises as.
-
-    ``str(problem)`` is ``<file>: <key or ->: <what>, expected <x> vs found <y>``.
-    """
-
-    file: str
-    key: str | None
-    what: str
-    expected: str
-    found: str
-    error: type[CheckpointFormatError] = CheckpointFormatError
-
-    def __str__(self) -> str:
-        key = "-" if self.key is None else repr(self.key)
-        return " ".join(f"{self.file}: {key}: {self.what}, expected {self.expected} vs found "
-                        f"{self.found}".split())
 
 
 @dataclass(frozen=True, slots=True)
@@ -768,8 +747,7 @@ class CheckpointReader:
             return report
         assert strings is not None
         checked, found = strings.verify(self._directory, string_rows)
-        problems = [*report.problems, *(Problem(p.file, p.key, p.what, p.expected, p.found,
-                                                p.error) for p in found)]
+        problems = [*report.problems, *found]
         return VerifyReport(report.checked + checked, problems,
                             report.checksums_stored or checked > 0)
 

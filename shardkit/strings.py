@@ -40,6 +40,7 @@ from .errors import (
     CorruptIndexError,
     GenerationMismatchError,
     MissingShardError,
+    Problem,
     TruncatedShardError,
     UnsupportedDTypeError,
 )
@@ -183,18 +184,6 @@ def decode_block(data: bytes | memoryview, key: str, kind: str, shape: tuple[int
     return [raw[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
 
-@dataclass(frozen=True, slots=True)
-class StringProblem:
-    """One problem `StringTensors.verify` found (the reader turns it into a `Problem`)."""
-
-    file: str
-    key: str | None
-    what: str
-    expected: str
-    found: str
-    error: type[CheckpointFormatError] = CheckpointFormatError
-
-
 @dataclass(eq=False)
 class StringTensors:
     """The string tensors of a checkpoint, column-wise: key, kind, full shape, device string.
@@ -229,7 +218,7 @@ class StringTensors:
     def read(self, directory: Any, row: int) -> np.ndarray:
         raise NotImplementedError
 
-    def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[StringProblem]]:
+    def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[Problem]]:
         """(checksums compared, problems) for `rows`."""
         raise NotImplementedError
 
@@ -315,16 +304,16 @@ class StringFile(StringTensors):
         items = decode_block(block, self.keys[row], self.kinds[row], self.shapes[row], where)
         return decode_elements(self.kinds[row], self.shapes[row], items, where)
 
-    def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[StringProblem]]:
+    def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[Problem]]:
         path = directory.join(self.file)
-        problems: list[StringProblem] = []
+        problems: list[Problem] = []
         try:
             data = self._read_file(directory)  # afresh: verify never trusts a cached read
         except MissingShardError:
-            return 0, [StringProblem(path, None, "string file", "a file (the manifest lists "
+            return 0, [Problem(path, None, "string file", "a file (the manifest lists "
                                      "it)", "no such file", MissingShardError)]
         except CheckpointFormatError as e:
-            return 0, [StringProblem(path, None, "string file", "a valid string file",
+            return 0, [Problem(path, None, "string file", "a valid string file",
                                      str(e).replace(f"{path}: ", ""), type(e))]
         checked = 0
         for row in rows:
@@ -336,7 +325,7 @@ class StringFile(StringTensors):
                     checked += 1
                     found = xxhash.xxh3_64_hexdigest(block)
                     if found != recorded:
-                        problems.append(StringProblem(path, key, "checksum of string tensor",
+                        problems.append(Problem(path, key, "checksum of string tensor",
                                                       f"xxh3 {recorded}", found, ChecksumError))
                         continue
                 where = f"{path}: string tensor {key!r}"
@@ -344,7 +333,7 @@ class StringFile(StringTensors):
                                 decode_block(block, key, self.kinds[row], self.shapes[row],
                                              where), where)
             except CheckpointFormatError as e:
-                problems.append(StringProblem(path, key, "string tensor", "valid elements",
+                problems.append(Problem(path, key, "string tensor", "valid elements",
                                               str(e).replace(f"{path}: ", ""), type(e)))
         return checked, problems
 

@@ -18,8 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointFormatError, ChecksumError, CorruptHeaderError, TruncatedShardError
-from ...strings import StringProblem, StringTensors, decode_elements
+from ...errors import (
+    CheckpointFormatError,
+    ChecksumError,
+    CorruptHeaderError,
+    Problem,
+    TruncatedShardError,
+)
+from ...strings import StringTensors, decode_elements
 from .crc import crc32c_extend, mask, unmask
 from .table import get_varint, put_varint
 
@@ -140,8 +146,8 @@ class BundleStrings(StringTensors):
         items, _ = decode_strings(data, math.prod(self.shapes[row]), where)
         return decode_elements("bytes", self.shapes[row], items, where)
 
-    def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[StringProblem]]:
-        problems: list[StringProblem] = []
+    def verify(self, directory: Any, rows: Sequence[int]) -> tuple[int, list[Problem]]:
+        problems: list[Problem] = []
         checked = 0
         for row in rows:
             key, path = self.keys[row], directory.join(self.files[row])
@@ -149,12 +155,12 @@ class BundleStrings(StringTensors):
                 data, where = self._stored(directory, row)
                 _, crc = decode_strings(data, math.prod(self.shapes[row]), where)
             except CheckpointFormatError as e:
-                problems.append(StringProblem(path, key, "string tensor", "a valid entry",
+                problems.append(Problem(path, key, "string tensor", "a valid entry",
                                               str(e).replace(f"{path}: ", ""), type(e)))
                 continue
             checked += 1
             if crc != self.crcs[row]:
-                problems.append(StringProblem(path, key, "checksum of string tensor",
+                problems.append(Problem(path, key, "checksum of string tensor",
                                               f"crc32c {self.crcs[row]:08x}", f"{crc:08x}",
                                               ChecksumError))
         return checked, problems
