@@ -82,6 +82,18 @@ def directory_identity(dir_fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def directory_replaced(path: str, dir_fd: int) -> bool:
+    """Whether the directory opened as `dir_fd` is no longer the one at `path` (deleted, moved
+    aside, or exchanged for a new checkpoint by an overwrite)."""
+    try:
+        if os.fstat(dir_fd).st_nlink == 0:
+            return True
+        st = os.stat(path)
+    except OSError:
+        return True
+    return (st.st_dev, st.st_ino) != directory_identity(dir_fd)
+
+
 def open_file(name: str, path: str, role: str, *, dir_fd: int | None = None,
               follow_symlinks: bool = False) -> tuple[int, os.stat_result]:
     """Open the checkpoint file `name` (relative to `dir_fd`, else a path) for reading: a
@@ -320,6 +332,10 @@ class CheckpointDirectory:
 
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def replaced(self) -> bool:
+        """Whether this directory is no longer the one at its path (see `directory_replaced`)."""
+        return directory_replaced(self.path, self.dir_fd)
 
     def has(self, name: str) -> bool:
         """Whether the directory has an entry `name` (of any kind: opening it decides)."""

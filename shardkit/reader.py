@@ -53,7 +53,7 @@ from .errors import (
 from .files import (
     CheckpointDirectory,
     FilePool,
-    directory_identity,
+    directory_replaced,
     locate,
     open_directory,
     open_shard_file,
@@ -1054,13 +1054,7 @@ class CheckpointReader:
         """Whether the directory this reader reads is no longer the one at its path."""
         if self._remote is not None:  # shard objects are never replaced, only deleted
             return False
-        try:
-            if os.fstat(self._dir_fd).st_nlink == 0:
-                return True
-            st = os.stat(self._dir_path)
-        except OSError:
-            return True
-        return (st.st_dev, st.st_ino) != directory_identity(self._dir_fd)
+        return directory_replaced(self._dir_path, self._dir_fd)
 
     def _expected(self, i: int) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
         """What the index says shard `i` holds: entry names, dtype names and shapes, in

@@ -949,6 +949,32 @@ def test_load_retries_from_scratch_when_the_checkpoint_is_replaced(tmp_path, mon
             np.testing.assert_array_equal(got[k], v)
 
 
+def test_load_retries_when_the_old_directory_is_half_deleted_at_open(tmp_path, monkeypatch):
+    """An overwrite deletes the old directory's files before the directory: a reader that opened
+    the old directory and then finds no manifest in it was overtaken by a replace, not looking
+    at a missing checkpoint."""
+    from shardkit import files
+    path = tmp_path / "c"
+    api.save(path, _gen(1), durable=False)
+    real = files.CheckpointDirectory.read_manifest
+    calls = []
+
+    def read_manifest(self, name, limit):
+        if not calls:
+            calls.append(name)
+            aside = tmp_path / "old"
+            os.rename(path, aside)  # the handle now names the old directory, still present
+            api.save(path, _gen(2), durable=False)
+            (aside / MANIFEST_FILE).unlink()
+        return real(self, name, limit)
+
+    monkeypatch.setattr(files.CheckpointDirectory, "read_manifest", read_manifest)
+    got = rd.load(path)
+    assert calls
+    for k, v in _gen(2).items():
+        np.testing.assert_array_equal(got[k], v)
+
+
 def test_load_gives_up_after_a_bounded_number_of_replacements(tmp_path, monkeypatch,
                                                               two_shard_policy):
     path = tmp_path / "c"

@@ -23,7 +23,6 @@ asked) and name every file they open with `format.check_shard_file_name` first.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Final
 
@@ -82,8 +81,9 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
         latest = state_target(directory)
         if latest is not None:
             return Detected(TENSORBUNDLE, latest, None)
-    # replaced and deleted since it was opened (a store has no directory handle)
-    if directory.dir_fd is not None and os.fstat(directory.dir_fd).st_nlink == 0:
+    # replaced since it was opened: an overwrite deletes the old directory's files before the
+    # directory itself (a store has no directory handle)
+    if directory.dir_fd is not None and directory.replaced():
         raise CheckpointReplacedError(
             f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
             "again to read the new one")
