@@ -343,7 +343,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for key in reader.keys():
             info = reader.info(key)
             for s in info.slices:
-                where = f"[{s.shard}] {s.entry}" if s.entry != key else f"[{s.shard}]"
+                if s.shard < 0:  # a string tensor: in the string file, not in a shard
+                    where = s.file
+                else:
+                    where = f"[{s.shard}] {s.entry}" if s.entry != key else f"[{s.shard}]"
                 rows.append((key, info.dtype_name, str(list(info.shape)), s.spec or "(whole)",
                              human_size(info.nbytes), where))
                 key = ""  # further slices of the same tensor: key shown once

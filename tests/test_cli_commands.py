@@ -86,6 +86,16 @@ def test_inspect_has_column_headers(checkpoint, capsys):
     assert first.index("[10, 10]") == header.index("shape")
 
 
+def test_inspect_names_the_string_file_for_string_tensors(tmp_path, capsys):
+    path = tmp_path / "s"
+    save(path, {"a": np.arange(4.0), "s": np.array([b"ab", b"cde"], dtype=object)})
+    assert main(["inspect", str(path)]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith(("a ", "s "))}
+    assert rows["s"][1:4] == ["STRING", "[2]", "(whole)"] and rows["s"][-1] == "strings.skstr"
+    assert rows["a"][-1] == "[0]"
+
+
 def _inspect_into(checkpoint, consumer):
     import os
     import subprocess
