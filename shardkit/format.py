@@ -1049,6 +1049,9 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+STRINGS_MINOR: Final = 3  # format 2.3 added string tensors (docs/FORMAT.md section 2.3)
+
+
 def parse_version(version: Any, path: str) -> tuple[int, int]:
     """(major, minor) of a "MAJOR.MINOR" version; refuses majors newer than this reader's."""
     m = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
@@ -1115,7 +1118,7 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
             "(not a shardkit checkpoint index)"
         )
     version = doc.get("format_version")
-    parse_version(version, path)
+    _, minor = parse_version(version, path)
     assert isinstance(version, str)  # parse_version checked it
     sk = _field(doc, "shardkit", dict, path, "")
     for name in ("metadata", "weight_map"):
@@ -1191,6 +1194,14 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
             f"lowercase hex digits or null, found {_shown(bad_hash)}"
         )
     strings = None
+    # 2.3 is written exactly when there are string tensors: without this, a manifest that lost
+    # its strings section would read as a checkpoint without them (tensors silently missing)
+    if minor == STRINGS_MINOR and "strings" not in sk:
+        raise CorruptIndexError(f"{path}: format_version 2.3 records string tensors, but the "
+                                "shardkit.strings section is missing")
+    if minor < STRINGS_MINOR and "strings" in sk:
+        raise CorruptIndexError(f"{path}: shardkit.strings (string tensors) needs format_version "
+                                f"2.3, found {_shown(version)}")
     if "strings" in sk:  # format 2.3: string tensors (shardkit.strings)
         from .strings import decode_section
 

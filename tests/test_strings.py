@@ -346,7 +346,25 @@ def test_elements_longer_than_their_width_are_corrupt(tmp_path):
 
 
 def test_reader_of_2_2_skips_the_section(saved):
-    """A 2.2 reader ignores the unknown section: with it removed (what such a reader sees),
-    the manifest still reads, and the shards are untouched."""
-    _section_edit(saved, lambda s, d: d["shardkit"].pop("strings"))
+    """A 2.2 reader ignores the unknown section: with it removed and the version 2.2 (what
+    such a reader sees), the manifest still reads, and the shards are untouched."""
+    def as_2_2(s, d):
+        d["shardkit"].pop("strings")
+        d["format_version"] = "2.2"
+    _section_edit(saved, as_2_2)
     assert set(shardkit.load(saved)) == {"w", "step"}
+
+
+def test_a_2_3_manifest_that_lost_its_strings_section_is_corrupt(saved):
+    """Format 2.3 is written exactly when there are string tensors, so a 2.3 manifest without
+    the section has lost tensors: refused, never read as a checkpoint without them."""
+    _section_edit(saved, lambda s, d: d["shardkit"].pop("strings"))
+    for read in (shardkit.open, shardkit.load, lambda p: shardkit.load(p, verify=True)):
+        with pytest.raises(CorruptIndexError, match=r"shardkit\.strings section is missing"):
+            read(saved)
+
+
+def test_a_strings_section_needs_format_2_3(saved):
+    _section_edit(saved, lambda s, d: d.update(format_version="2.2"))
+    with pytest.raises(CorruptIndexError, match=r"needs format_version 2\.3, found '2\.2'"):
+        shardkit.open(saved)
