@@ -67,6 +67,33 @@ class RemoteFile:
         pass
 
 
+class LocalCopy:
+    """A small object fetched whole, as `files.CheckpointFile` offers a file: `size`, and an
+    unlinked temp file's descriptor while in a ``with`` block."""
+
+    def __init__(self, data: bytes) -> None:
+        self.size = len(data)
+        self._data = data
+        self._file: Any = None
+
+    def __enter__(self) -> int:
+        import tempfile
+
+        self._file = tempfile.TemporaryFile()
+        self._file.write(self._data)
+        self._file.flush()
+        self._file.seek(0)
+        return int(self._file.fileno())
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 class RemoteDirectory:
     """The checkpoint at a URL as `formats.detect` and the reader see a directory."""
 
@@ -74,12 +101,34 @@ class RemoteDirectory:
     follow_symlinks = False
     pool = None
 
-    def __init__(self, url: str) -> None:
-        self.store = open_storage(url)
+    single = None  # a store holds directories only: no single-file layout
+
+    def __init__(self, store: Storage | str) -> None:
+        self.store = open_storage(store) if isinstance(store, str) else store
         self.path = self.store.url
         self.tag: str | None = None
+        self.generation: str | None = None  # the manifest's, once the reader decoded it
+
+    def close(self) -> None:
+        pass
+
+    def shard_path(self, file: str, generation: str | None) -> str:
+        return self.store.join(object_name(file, generation))
+
+    def opener(self, codec: str, path: str) -> Callable[..., ShardSource]:
+        return opener(codec, path)
+
+    def open_shard_file(self, path: str, file: str, generation: str | None) -> RemoteFile:
+        return self.open_file(file, generation)
+
+    def replaced(self) -> bool:
+        return False  # shard objects are never replaced, only deleted (`open_file` says so)
 
     def join(self, name: str) -> str:
+        """The URL of `name`: the manifest at the root, any other file (once the manifest is
+        read) the object of its generation."""
+        if self.generation is not None and name != MANIFEST_FILE:
+            name = object_name(name, self.generation)
         return self.store.join(name)
 
     def has(self, name: str) -> bool:
@@ -97,8 +146,17 @@ class RemoteDirectory:
         return found.data
 
     def open_shard(self, name: str, listed_in: str | None = None) -> Any:
-        raise ShardkitError(f"{self.join(name)}: only shardkit checkpoints are read from URLs "
-                            "(a HuggingFace or single-file layout needs a local copy)")
+        """File `name` of this checkpoint's generation (the string file) as the readers of
+        small files take it: fetched whole into an anonymous local file (`LocalCopy`)."""
+        if self.generation is None:
+            raise ShardkitError(f"{self.join(name)}: only shardkit checkpoints are read from "
+                                "URLs (a HuggingFace or single-file layout needs a local copy)")
+        obj = object_name(name, self.generation)
+        found = self.store.fetch(obj, 1 << 62)
+        if found is None:
+            raise MissingShardError(f"{self.store.join(obj)}: listed in "
+                                    f"{listed_in or 'the manifest'} but missing from the store")
+        return LocalCopy(found.data)
 
     def shard_object(self, file: str, generation: str | None) -> str:
         return object_name(file, generation)
