@@ -770,6 +770,10 @@ class CheckpointReader:
                 else:
                     good.append((j, entry))
             digests: dict[str, str] = {}
+            if hasattr(src, "hash_entries"):  # a store's: fetched in parallel, hashed in order
+                digests = src.hash_entries(
+                    [e for j, e in good if index.slice_xxh3[j] is not None
+                     and (kinds is None or kinds[j] == "xxh3")], self._get_pool())
             if hasattr(src, "verify_entries"):
                 got, bad = src.verify_entries(
                     None if everything else {e.name for j, e in good if index.slice_xxh3[j]},
@@ -789,7 +793,7 @@ class CheckpointReader:
                         continue
                 else:
                     kind = kinds[j] if kinds is not None else "xxh3"
-                    found = (_xxh3_of(src, entry) if kind == "xxh3"
+                    found = ((digests.get(entry.name) or _xxh3_of(src, entry)) if kind == "xxh3"
                              else self.layout.checksum(kind, src, entry))
                 checked += 1
                 if found != recorded:

@@ -13,6 +13,7 @@ fetches and decompression overlap across the reader's pool.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -42,6 +43,7 @@ from .layout import object_name
 HEAD_GUESS = 16 * 1024  # bytes fetched first for a header (most fit: one request)
 PIECE = 16 * 1024 * 1024  # a large read is cut into GETs of this size
 TASK_BYTES = 64 * 1024 * 1024  # GETs grouped into one task (run concurrently) up to this
+VERIFY_WINDOW = 3  # batches of TASK_BYTES a verify keeps in flight per shard
 
 
 class RemoteFile:
@@ -260,6 +262,70 @@ class RemoteRawShard(ShardSource):
             for i in members:
                 a, b = pieces[i]
                 dests[i][:] = view[a - start : b - start]
+
+    def hash_entries(self, entries: Sequence[EntryLayout], pool: Any) -> dict[str, str]:
+        """The xxh3-64 (hex) of each entry, for `verify`: the bytes fetched in batches of
+        about TASK_BYTES, VERIFY_WINDOW batches in flight on `pool` (each batch's GETs
+        concurrent), hashed in order on this thread; memory stays at the batches in flight."""
+        import xxhash
+
+        batches: list[list[tuple[EntryLayout, int, int]]] = []
+        batch: list[tuple[EntryLayout, int, int]] = []
+        size = 0
+        for e in entries:
+            pos, n = 0, e.nbytes
+            while True:
+                take = min(n - pos, TASK_BYTES - size)
+                batch.append((e, pos, pos + take))
+                size += take
+                pos += take
+                if size >= TASK_BYTES:
+                    batches.append(batch)
+                    batch, size = [], 0
+                if pos >= n:
+                    break
+        if batch:
+            batches.append(batch)
+
+        def fetch(batch: list[tuple[EntryLayout, int, int]]) -> memoryview:
+            out = memoryview(bytearray(sum(b - a for _, a, b in batch)))
+            requests, at = [], 0
+            for e, a, b in batch:
+                if b > a:
+                    requests.append((e, a, b, out[at : at + b - a]))
+                at += b - a
+            self.run(self.read_tasks(requests))
+            return out
+
+        digests: dict[str, str] = {}
+        running: dict[str, Any] = {}
+        pending: deque[tuple[list[tuple[EntryLayout, int, int]], Any]] = deque()
+        todo = iter(batches)
+        try:
+            while True:
+                while len(pending) < VERIFY_WINDOW and (b := next(todo, None)) is not None:
+                    pending.append((b, pool.submit(fetch, b)))
+                if not pending:
+                    return digests
+                done, future = pending.popleft()
+                data, at = future.result(), 0
+                for e, a, b in done:
+                    h = running.get(e.name)
+                    if h is None:
+                        h = running[e.name] = xxhash.xxh3_64()
+                    h.update(data[at : at + b - a])
+                    at += b - a
+                    if b == e.nbytes:
+                        digests[e.name] = running.pop(e.name).hexdigest()
+        finally:
+            for _, f in pending:
+                f.cancel()
+            for _, f in pending:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except Exception:
+                        pass
 
     @staticmethod
     def run(tasks: Sequence[Callable[[], None]]) -> None:
