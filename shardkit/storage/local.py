@@ -89,6 +89,10 @@ class LocalStorage(Storage):
         self.path = path  # as given: the reader's messages name it so
         self.url = os.path.abspath(path)
 
+    def __fspath__(self) -> str:
+        """A local storage is its directory: ``Path(storage)`` is that path."""
+        return self.path
+
     # -- checkpoints
 
     def check_target(self, overwrite: bool) -> None:

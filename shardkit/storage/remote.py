@@ -303,8 +303,8 @@ class RemoteRawShard(ShardSource):
         todo = iter(batches)
         try:
             while True:
-                while len(pending) < VERIFY_WINDOW and (b := next(todo, None)) is not None:
-                    pending.append((b, pool.submit(fetch, b)))
+                while len(pending) < VERIFY_WINDOW and (nxt := next(todo, None)) is not None:
+                    pending.append((nxt, pool.submit(fetch, nxt)))
                 if not pending:
                     return digests
                 done, future = pending.popleft()
