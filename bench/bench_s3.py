@@ -12,7 +12,8 @@ Starts ``python -m moto.server`` on 127.0.0.1 (a free port), then per round, alt
 - shardkit ``load`` of the URL against a parallel download (one s3fs ``cat`` of all shard
   objects: concurrent GETs) of the same objects;
 - ``get_slice`` of one row of the largest tensor: the bytes fetched (counted at s3fs) and the
-  time, against downloading that tensor's shard.
+  time, against downloading that tensor's shard;
+- ``verify`` of the URL (every entry fetched and hashed), against the parallel download.
 
 Prints medians and the ratios; ``--check`` exits 1 unless save >= 0.9x the floor, load >= 0.9x
 the parallel download and the one-row get_slice fetched < 1% of the tensor's bytes. The server
@@ -153,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
                     times["parallel download (s3fs cat)"].append(
                         _timed(lambda objects=objects: fs.cat(objects)))
 
+        # verify: every entry fetched (coalesced batches, several in flight) and hashed
+        def verify() -> None:
+            with shardkit.open(url) as reader:
+                reader.verify()
+
+        t_verify = statistics.median(_timed(verify) for _ in range(min(3, args.rounds)))
+
         # get_slice of one row of the largest tensor; GetObject requests counted by a botocore
         # event hook on s3fs's client (what reaches the server)
         key = max(state, key=lambda k: state[k].nbytes)
@@ -188,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  save vs floor: {save_ratio:.2f}x (target >= 0.9); vs safetensors + put: "
           f"{st_ratio:.2f}x")
     print(f"  load vs parallel download: {load_ratio:.2f}x (target >= 0.9)")
+    print(f"  verify: {t_verify:.3f} s, {total / t_verify / 1e9:.2f} GB/s = "
+          f"{med['parallel download (s3fs cat)'] / t_verify:.2f}x the parallel download "
+          "(fetch and hash every entry; info)")
     print(f"  get_slice one row of {key!r} ({state[key].nbytes / 1e6:.0f} MB): {len(fetched)} "
           f"GETs, {sum(fetched)} bytes = {fraction:.5%} of the tensor (target < 1%), "
           f"{t_slice * 1e3:.1f} ms vs {t_shard * 1e3:.0f} ms to download its shard")

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from . import commit
 from . import format as fmt
 from .callback import Shard, ShardingCallback, callback_description, shard_tensors
 from .errors import (
@@ -40,7 +39,7 @@ from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
 from .slices import WHOLE
-from .storage import is_url
+from .storage import Storage, is_url, open_storage
 from .strings import StringColumns
 from .tensors import (
     ShardableTensor,
@@ -286,10 +285,10 @@ def save(
                 f"{path}: format='tensorflow' writes local files only; save shardkit's format "
                 "to the URL, or write the TensorFlow checkpoint locally and upload it")
         return _save_tensorbundle(path, state, opts, user_metadata, overwrite, progress, started)
-    if not is_url(path):
-        commit.check_target(path, overwrite)  # fail fast, before the callback runs
+    store = open_storage(path)
+    store.check_target(overwrite)  # fail fast, before the callback runs
     with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
-        info, split = _save(path, state, opts, user_metadata, overwrite, progress, started)
+        info, split = _save(store, state, opts, user_metadata, overwrite, progress, started)
     if split and _WARN_SPLIT.get():
         warnings.warn(SplitTensorsWarning(_split_message(split, info.path)), stacklevel=2)
     return info
@@ -356,7 +355,7 @@ def _split_message(split: list[str], path: str) -> str:
 
 
 def _save(
-    path: str | os.PathLike[str],
+    store: Storage,
     state: Mapping[str, Any],
     opts: CheckpointOptions,
     user_metadata: dict[str, Any],
@@ -370,18 +369,9 @@ def _save(
     strings = StringColumns()  # string tensors: their own file, not the callback's
     shards, saved, split = _plan(callback, state, strings)
 
-    if is_url(path):  # an object store: shardkit.storage.save, manifest last
-        if strings.keys:
-            raise InvalidArgumentError(
-                f"{path}: string tensors (e.g. {strings.keys[0]!r}) cannot be saved to an "
-                "object store yet: they live in a string file (docs/FORMAT.md section 2.3) "
-                "that the object-store writer does not write; save them locally or in "
-                "metadata=")
-        return _save_to_storage(str(path), shards, saved, opts, description, user_metadata,
-                                overwrite, started), split
-    with commit.stage(path, overwrite=overwrite, durable=opts.durable) as staging:
+    with store.stage(overwrite=overwrite, durable=opts.durable) as staging:
         index, index_chunks = write_shards(
-            staging.path,
+            staging.store,
             shards,
             saved,
             description=description,
@@ -394,13 +384,16 @@ def _save(
             level=opts.level,
             shuffle=opts.shuffle,
             chunk_size=opts.chunk_size,
+            generation=staging.generation,
             strings=strings,
         )
         staging.commit(index_chunks)
     target = str(staging.target)
     opts.run_write_callbacks(target)
     extra = () if index.strings is None else (index.strings.file,)
-    files = (*(s.file for s in index.shards), *extra, fmt.MANIFEST_FILE)
+    name = staging.store.shard_name
+    files = (*(name(f, index.generation) for f in (*(s.file for s in index.shards), *extra)),
+             fmt.MANIFEST_FILE)
     total = (sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
              + (0 if index.strings is None else index.strings.size))
     info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
@@ -443,21 +436,6 @@ def _save_tensorbundle(path: str | os.PathLike[str], state: Mapping[str, Any],
                                     overwrite=overwrite)
     opts.run_write_callbacks(prefix)
     return SaveInfo(prefix, tuple(files), total, time.perf_counter() - started, None)
-
-
-def _save_to_storage(url: str, shards: list[ShardColumns], saved: SavedTensors,
-                     opts: CheckpointOptions, description: str, user_metadata: dict[str, Any],
-                     overwrite: bool, started: float) -> SaveInfo:
-    from .storage.save import save_to_storage
-
-    index, chunks, files = save_to_storage(
-        url, shards, saved, description=description, threads=opts.threads,
-        checksum=opts.checksum, user_metadata=user_metadata, overwrite=overwrite,
-        compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
-        chunk_size=opts.chunk_size)
-    opts.run_write_callbacks(url)
-    total = sum(s.bytes for s in index.shards) + sum(map(len, chunks))
-    return SaveInfo(url, files, total, time.perf_counter() - started, index.generation)
 
 
 def _default_shards(

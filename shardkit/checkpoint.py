@@ -27,10 +27,7 @@ import math
 import operator
 import os
 import re
-import shutil
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -38,21 +35,18 @@ import numpy as np
 
 from . import api
 from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
-from .commit import TMP_MARK, is_checkpoint
 from .errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     InvalidKeyError,
     InvalidKeyTypeError,
     RestoreMismatchError,
-    ShardkitError,
 )
-from .format import MANIFEST_FILE, find_manifest
 from .keys import check_keys
 from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
 from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
-from .storage import is_url
+from .storage import open_storage
 from .tensors import SEPARATOR, _is_tf, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
@@ -524,7 +518,7 @@ class Checkpoint:
         if where:
             snapshot = as_local_shards(snapshot, where)
         write_opts = dataclasses.replace(opts, enable_async=False)
-        target = path if is_url(path) else os.path.abspath(path)
+        target = open_storage(path).url
 
         def job() -> None:
             with api._no_split_warning():
@@ -737,7 +731,8 @@ class CheckpointManager:
         if init_fn is not None and not callable(init_fn):
             raise InvalidArgumentTypeError(f"init_fn must be callable, got {init_fn!r}")
         self._checkpoint = checkpoint
-        self._directory = _directory_of(os.fspath(directory))
+        self._storage = open_storage(os.fspath(directory))  # the one choice of storage
+        self._directory = self._storage.url
         self._max_to_keep = max_to_keep
         self._keep_seconds = None if hours is None else hours * 3600.0
         self._name = checkpoint_name
@@ -792,23 +787,8 @@ class CheckpointManager:
         return list(self._coord.broadcast(found, "checkpoint listing"))
 
     def _listing(self) -> list[tuple[int, str]]:
-        if is_url(self._directory):  # an object store: prefixes holding a manifest
-            from .storage.save import list_checkpoints
-
-            listed = [(int(m.group(1)), f"{self._directory}/{name}")
-                      for name, _ in list_checkpoints(self._directory)
-                      if (m := self._pattern.fullmatch(name))]
-            return sorted(listed)
-        try:
-            names = os.listdir(self._directory)
-        except FileNotFoundError:
-            return []
-        found = []
-        for name in names:
-            m = self._pattern.fullmatch(name)
-            path = os.path.join(self._directory, name)
-            if m and is_checkpoint(path):
-                found.append((int(m.group(1)), path))
+        found = [(int(m.group(1)), path) for name, path in self._storage.children()
+                 if (m := self._pattern.fullmatch(name))]
         found.sort()
         return found
 
@@ -886,56 +866,17 @@ class CheckpointManager:
             return
         committed = self._listing()
         newest = {p for _, p in committed[-self._max_to_keep :]}
-        newest.add(new_path if is_url(new_path) else os.path.abspath(new_path))
+        newest.add(open_storage(new_path).url)
         last_kept: float | None = None
         for _, path in committed:
             if path in newest:
                 continue
             if self._keep_seconds is not None:
-                stamp = _commit_time(path)
+                stamp = open_storage(path).commit_time()
                 if last_kept is None or stamp >= last_kept + self._keep_seconds:
                     last_kept = stamp
                     continue
-            _delete_checkpoint(path)
-
-
-def _directory_of(directory: str) -> str:
-    return directory.rstrip("/") if is_url(directory) else os.path.abspath(directory)
-
-
-def _commit_time(path: str) -> float:
-    if is_url(path):
-        from .storage import open_storage
-
-        try:
-            return open_storage(path).list(MANIFEST_FILE)[0].mtime
-        except IndexError:
-            return time.time()
-    try:
-        return os.stat(os.path.join(path, find_manifest(path) or MANIFEST_FILE)).st_mtime
-    except FileNotFoundError:
-        return time.time()
-
-
-def _delete_checkpoint(path: str) -> None:
-    """Remove a checkpoint: renamed away in one step first, so no half-deleted one is visible
-    (at a URL: its manifest first, then its objects)."""
-    if is_url(path):
-        from .storage.save import remove_checkpoint
-
-        remove_checkpoint(path)
-        return
-    parent, name = os.path.split(path)
-    trash = tempfile.mkdtemp(prefix=f".{name}{TMP_MARK}", dir=parent)
-    try:
-        os.rename(path, trash)  # replaces the empty trash directory
-    except FileNotFoundError:
-        os.rmdir(trash)  # someone else deleted it
-        return
-    # A crash from here on leaves a hidden temp directory that the next save cleans up.
-    shutil.rmtree(trash, ignore_errors=True)
-    if os.path.lexists(trash):
-        raise ShardkitError(f"could not delete old checkpoint {path} (moved to {trash})")
+            open_storage(path).remove_checkpoint()
 
 
 __all__ = [

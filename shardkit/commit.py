@@ -34,10 +34,11 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
+from . import format as fmt
 from ._kernels import _gather
 from .errors import CheckpointExistsError, ShardkitError
 from .format import FORMAT_NAME, MANIFEST_FILE, find_manifest
@@ -102,6 +103,8 @@ class Staging:
         self.overwrite = overwrite
         self.durable = durable
         self.committed = False
+        self.generation = fmt.new_generation()  # the save's id, in every file it writes
+        self.store: Any = None  # where its files go: set by storage.LocalStorage.stage
         self._lock_fd: int | None
         self.path, self._lock_fd = _make_locked_tmp(target)
 

@@ -51,12 +51,7 @@ from .errors import (
     UnknownCodecError,
 )
 from .files import (
-    CheckpointDirectory,
     FilePool,
-    directory_replaced,
-    locate,
-    open_directory,
-    open_shard_file,
 )
 from .format import (
     CheckpointIndex,
@@ -82,10 +77,9 @@ from .sources import (
     READ_CHUNK,
     RawShard,
     ShardSource,
-    _opener,
     _run_each,
 )
-from .storage import is_url
+from .storage import open_storage
 from .strings import STRING_DTYPE, StringTensors, check_string_framework, kind_dtype
 from .tensors import _gc_paused
 
@@ -181,21 +175,13 @@ class CheckpointReader:
         # shard headers a foreign layout's adapter parsed already: used on first read when the
         # file is still the one parsed (same stamp), not parsed twice
         self._headers: dict[int, ParsedHeader] = {}
-        self._remote: Any = None  # a URL's storage.remote.RemoteDirectory
-        if is_url(self.path):
-            from .storage.remote import RemoteDirectory
-
-            directory: Any = RemoteDirectory(self.path)
-            self._remote = directory
-            self._dir_path, single, self._dir_fd = directory.path, None, -1
-            self._dir_closer: Callable[[], Any] = _nothing
-        else:
-            self._dir_path, single = locate(self.path)  # a .safetensors file: its directory
-            self._dir_fd = open_directory(self._dir_path)
-            self._dir_closer = weakref.finalize(self, os.close, self._dir_fd)
-            directory = CheckpointDirectory(self._dir_path, self._dir_fd, self._follow,
-                                            self._files)
+        # the checkpoint's storage opens it (locally: the directory handle every file is
+        # opened through; at a URL: the manifest's object and shard objects of its generation)
+        directory = open_storage(self.path).open_checkpoint(follow_symlinks=self._follow,
+                                                            pool=self._files)
         self._directory = directory
+        self._dir_path, single = directory.path, directory.single
+        self._dir_closer: Callable[[], Any] = directory.close
         try:
             self.layout, self._manifest, self.index = _read_index(directory, single,
                                                                   self._headers)
@@ -203,13 +189,8 @@ class CheckpointReader:
             self._dir_closer()
             raise
         self._manifest_path = directory.join(self._manifest)
-        if self._remote is not None:
-            self._shard_paths = [
-                directory.join(self._remote.shard_object(s.file, self.index.generation))
-                for s in self.index.shards]
-        else:
-            self._shard_paths = [os.path.join(self._dir_path, s.file)
-                                 for s in self.index.shards]
+        generation = directory.generation = self.index.generation  # its files' generation
+        self._shard_paths = [directory.shard_path(s.file, generation) for s in self.index.shards]
         self._strings: StringTensors | None = self.index.strings  # string tensors, or None
         self._sources: dict[int, ShardSource] = {}
         self._specs: dict[str, list[SliceSpec]] = {}
@@ -789,6 +770,10 @@ class CheckpointReader:
                 else:
                     good.append((j, entry))
             digests: dict[str, str] = {}
+            if hasattr(src, "hash_entries"):  # a store's: fetched in parallel, hashed in order
+                digests = src.hash_entries(
+                    [e for j, e in good if index.slice_xxh3[j] is not None
+                     and (kinds is None or kinds[j] == "xxh3")], self._get_pool())
             if hasattr(src, "verify_entries"):
                 got, bad = src.verify_entries(
                     None if everything else {e.name for j, e in good if index.slice_xxh3[j]},
@@ -808,7 +793,7 @@ class CheckpointReader:
                         continue
                 else:
                     kind = kinds[j] if kinds is not None else "xxh3"
-                    found = (_xxh3_of(src, entry) if kind == "xxh3"
+                    found = ((digests.get(entry.name) or _xxh3_of(src, entry)) if kind == "xxh3"
                              else self.layout.checksum(kind, src, entry))
                 checked += 1
                 if found != recorded:
@@ -1027,20 +1012,14 @@ class CheckpointReader:
             self._source(i)
 
     def _opener_for(self, codec: str, path: str) -> Any:
-        if self._remote is not None:
-            from .storage.remote import opener
-
-            return opener(codec, path)
-        return _opener(codec, path)
+        return self._directory.opener(codec, path)
 
     def _open_shard(self, i: int) -> Any:
-        """Shard file `i`, opened through the checkpoint's directory handle."""
+        """Shard file `i`, opened through the checkpoint's directory (locally its handle)."""
         path = self._shard_paths[i]
-        if self._remote is not None:  # a shard object of the manifest's generation
-            return self._remote.open_file(self.index.shards[i].file, self.index.generation)
         try:
-            return open_shard_file(path, self._follow, name=self.index.shards[i].file,
-                                   dir_fd=self._dir_fd, pool=self._files)
+            return self._directory.open_shard_file(path, self.index.shards[i].file,
+                                                   self.index.generation)
         except MissingShardError:
             if self._replaced():
                 raise CheckpointReplacedError(
@@ -1052,9 +1031,7 @@ class CheckpointReader:
 
     def _replaced(self) -> bool:
         """Whether the directory this reader reads is no longer the one at its path."""
-        if self._remote is not None:  # shard objects are never replaced, only deleted
-            return False
-        return directory_replaced(self._dir_path, self._dir_fd)
+        return bool(self._directory.replaced())
 
     def _expected(self, i: int) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
         """What the index says shard `i` holds: entry names, dtype names and shapes, in
@@ -1170,9 +1147,6 @@ class CheckpointReader:
                 weakref.finalize(self, self._pool.shutdown, wait=False)
             return self._pool
 
-
-def _nothing() -> None:
-    pass
 
 
 def _read_index(directory: Any, single: str | None,

@@ -170,7 +170,7 @@ def test_replicated_data_written_once_with_balanced_bytes(tmp_path):
 def _failures(rank: int, world: int, root: str) -> dict:
     """Several failing saves over the same process group; each must fail on every rank the
     same way and leave the earlier checkpoint at the path intact."""
-    import shardkit.writer as writer
+    import shardkit.storage.native as writer  # the native write path
     from shardkit._kernels import _gather
     from shardkit.distributed import CountingCoordinator
     from shardkit.distributed.torch import TorchCoordinator
@@ -372,7 +372,7 @@ KILL_ROUNDS = 20
 
 
 def _kill_round(rank: int, world: int, i: int, path: str, parent_generation: str) -> tuple:
-    import shardkit.writer as writer
+    import shardkit.storage.native as writer  # the native write path
     from shardkit.policies import ShardByTaskPolicy
 
     victim = i % world

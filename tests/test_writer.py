@@ -30,6 +30,7 @@ from shardkit.format import MANIFEST_FILE
 from shardkit.options import CheckpointOptions
 from shardkit.reader import load
 from shardkit.slices import format_slice_spec
+from shardkit.storage import native
 
 SAFETENSORS_NUMPY = {n for n in SAFETENSORS_NAMES if not n.startswith("F8_")}
 
@@ -292,8 +293,8 @@ def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, mon
     api.save(tmp_path / "ref", flat, durable=False, threads=1,
              sharding_callback=_OneShard())
     # Small groups and regions: many kernel calls, one shard cut into regions.
-    monkeypatch.setattr(writer, "WRITE_GROUP", 4096)
-    monkeypatch.setattr(writer, "MIN_REGION", 8000)
+    monkeypatch.setattr(native, "WRITE_GROUP", 4096)
+    monkeypatch.setattr(native, "MIN_REGION", 8000)
     for checksum in (True, False):
         path = tmp_path / f"t{threads}{checksum}"
         api.save(path, flat, durable=True, threads=threads, checksum=checksum,
@@ -310,7 +311,7 @@ def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, mon
 def test_durable_save_starts_writeback_group_by_group(tmp_path, rng, monkeypatch, durable):
     flat = {f"k{i}": _random(rng, np.dtype(np.float32), (int(rng.integers(500, 3000)),))
             for i in range(40)}
-    monkeypatch.setattr(writer, "WRITE_GROUP", 4096)
+    monkeypatch.setattr(native, "WRITE_GROUP", 4096)
     started: list[tuple[int, int]] = []
     real = writer._gather.start_writeback
     monkeypatch.setattr(writer._gather, "start_writeback",
@@ -338,13 +339,13 @@ class _OneShard(ShardingCallback):
 
 
 def test_regions_split_a_big_shard_between_threads(monkeypatch):
-    monkeypatch.setattr(writer, "MIN_REGION", 100)
+    monkeypatch.setattr(native, "MIN_REGION", 100)
     n = 10
     offsets = np.arange(n, dtype=np.int64) * 100 + 8
-    plan = writer._ShardPlan(Path("x"), "x", 0, [b"1234", b"5678"], [f"k{i}" for i in range(n)],
+    plan = native._ShardPlan(Path("x"), "x", 0, [b"1234", b"5678"], [f"k{i}" for i in range(n)],
                              [""] * n, [np.zeros(0)] * n, offsets, offsets + 100, None, 1008,
                              np.zeros(n, np.uint64), None)
-    regions = writer._regions([plan], threads=2)
+    regions = native._regions([plan], threads=2)
     assert [(r.start, r.stop) for r in regions] == [(0, 5), (5, 10)]
     assert [r.with_header for r in regions] == [True, False]
     assert plan.pending == 2
@@ -429,7 +430,7 @@ def test_existing_path_without_overwrite(tmp_path, rng):
 def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch, fail_after):
     earlier = {"w": _random(rng, np.dtype(np.float32), (1000,))}
     api.save(tmp_path / "ckpt", earlier, durable=False)
-    monkeypatch.setattr(writer, "WRITE_GROUP", 4096)
+    monkeypatch.setattr(native, "WRITE_GROUP", 4096)
     real_pwritev, real_write_arrays = os.pwritev, writer._gather.write_arrays
     count = [0]
 

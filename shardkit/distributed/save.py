@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import commit
 from .. import format as fmt
 from ..callback import ShardingCallback, shard_tensors
 from ..devices import DeviceSpec
@@ -45,7 +44,7 @@ from ..dtypes import itemsize, safetensors_name
 from ..errors import DistributedError, DistributedSaveError, DistributedStateError
 from ..options import CheckpointOptions
 from ..slices import WHOLE, format_slice_spec
-from ..storage import is_url
+from ..storage import Staging, open_storage
 from ..tensors import ShardableTensor, flatten_columns, to_host
 from ..writer import SavedTensors, shard_columns, write_shards
 from .base import Coordinator
@@ -358,7 +357,8 @@ def collective_save(
     """Save `state` at `path` together with the other ranks of `coord` (module docstring)."""
     rank = coord.rank
     shown = os.fspath(path)
-    staging: commit.Staging | None = None
+    store = open_storage(shown)
+    staging: Staging | None = None
     local: BaseException | None = None
     failure: Failure | None = None
     try:
@@ -368,17 +368,11 @@ def collective_save(
         try:
             mine = held(state, rank)
             if rank == 0:
-                if is_url(shown):  # an object store: shardkit.storage.save
-                    from ..storage.save import RemoteStaging
-
-                    remote = RemoteStaging(shown, overwrite=overwrite)
-                    staging, setup = remote, (remote.path, remote.generation)  # type: ignore[assignment]
-                else:
-                    staging = commit.stage(path, overwrite=overwrite, durable=opts.durable)
-                    setup = (str(staging.path), fmt.new_generation())
+                staging = store.stage(overwrite=overwrite, durable=opts.durable)
+                setup = (staging.store.url, staging.generation)
         except Exception as e:
             local, failure = e, Failure.of(rank, e)
-        target = shown.rstrip("/") if is_url(shown) else os.path.abspath(shown)
+        target = store.url
         gathered = coord.all_gather(
             (None if mine is None else mine.columns(), failure, setup, target), "plan")
         try:
@@ -422,7 +416,7 @@ def collective_save(
         # 3. this rank's shard files, fsynced, into the shared temp directory
         part: tuple[Any, ...] | None = None
         try:
-            index, _ = _shard_writer(directory)(
+            index, _ = write_shards(
                 directory, shards, saved, description=description, threads=opts.threads,
                 durable=opts.durable, checksum=opts.checksum, progress=progress,
                 compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
@@ -464,16 +458,7 @@ def collective_save(
             staging.abort()
 
 
-def _shard_writer(directory: str) -> Any:
-    """`writer.write_shards`, or for a URL its object-store twin."""
-    if is_url(directory):
-        from ..storage.save import upload_shards
-
-        return upload_shards
-    return write_shards
-
-
-def _abort_together(coord: Coordinator, staging: commit.Staging | None) -> None:
+def _abort_together(coord: Coordinator, staging: Staging | None) -> None:
     """Rank 0 removes the temp directory, then every rank waits for that (one barrier, on
     failure only), so that no rank returns from a failed save while the temp directory
     still exists. A rank that is gone cannot be waited for: then the error stands alone."""

@@ -82,8 +82,8 @@ def detect(directory: CheckpointDirectory, single: str | None = None) -> Detecte
         if latest is not None:
             return Detected(TENSORBUNDLE, latest, None)
     # replaced since it was opened: an overwrite deletes the old directory's files before the
-    # directory itself (a store has no directory handle)
-    if directory.dir_fd is not None and directory.replaced():
+    # directory itself (a store's objects are never replaced, only deleted)
+    if directory.replaced():
         raise CheckpointReplacedError(
             f"{directory.path}: the checkpoint was replaced while it was being opened; open it "
             "again to read the new one")

@@ -1,9 +1,11 @@
 """Where checkpoints live: the local file system, or any fsspec URL (``s3://bucket/prefix``).
 
-`is_url` is the one test that tells them apart (a ``scheme://`` prefix). A local path takes the
-native code path unchanged (shardkit.writer, shardkit.commit, shardkit.files); a URL goes
-through `open_storage`, an `FsspecStorage`, with the object layout and manifest-last commit of
-docs/FORMAT.md ("Object storage"). fsspec and s3fs are imported only for URLs.
+`open_storage` is the one place a path becomes a `Storage` (`is_url`, a ``scheme://`` prefix,
+is the one test that tells them apart): a local path a `LocalStorage`, which keeps the native
+code path unchanged (`storage.native`'s write kernel, shardkit.commit, shardkit.files); a URL
+an `FsspecStorage`, with the object layout and manifest-last commit of docs/FORMAT.md ("Object
+storage"). The writer, the reader and the manager ask the storage and do not know which one
+they have. fsspec and s3fs are imported only for URLs.
 
 Options for a store (s3fs's ``client_kwargs={"endpoint_url": ...}``, ``key``, ``secret``,
 ``anon``...) are registered per URL prefix with `set_storage_options`; without any, the file
@@ -17,7 +19,16 @@ import re
 import threading
 from typing import Any
 
-from .base import Fetched, Storage, Stored, coalesce, is_transient, with_retries
+from .base import (
+    Fetched,
+    ShardFile,
+    Staging,
+    Storage,
+    Stored,
+    coalesce,
+    is_transient,
+    with_retries,
+)
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _options_lock = threading.Lock()
@@ -61,6 +72,6 @@ def open_storage(url: str | os.PathLike[str]) -> Storage:
 
 
 __all__ = [
-    "Fetched", "Storage", "Stored", "coalesce", "is_transient", "is_url", "open_storage",
-    "set_storage_options", "storage_options_for", "with_retries",
+    "Fetched", "ShardFile", "Staging", "Storage", "Stored", "coalesce", "is_transient",
+    "is_url", "open_storage", "set_storage_options", "storage_options_for", "with_retries",
 ]

@@ -1,24 +1,38 @@
 """The storage seam: one small interface for where a checkpoint's bytes live.
 
 A `Storage` is rooted at one checkpoint location (a directory, or a prefix of an object store)
-and names everything under it by a relative name with ``/`` separators. It writes a file or
-object from a sequence of buffers (multipart with bounded memory where the store has it), reads
-byte ranges (several at once, adjacent ones coalesced), lists, deletes and publishes the
-manifest (conditionally where the store supports it). `shardkit.storage.local` and
-`shardkit.storage.fsspec` implement it; docs/ARCHITECTURE.md ("Storage") says who uses which.
+and names everything under it by a relative name with ``/`` separators. It has two levels:
+
+- bytes: write a file or object from a sequence of buffers (multipart with bounded memory where
+  the store has it), read byte ranges (several at once, adjacent ones coalesced), list, delete
+  and publish the manifest (conditionally where the store supports it);
+- checkpoints, what the writer, the reader and the manager ask for: `stage` a save (where its
+  files go, its generation, the atomic `commit`), `write_shards` (the writer's planned
+  `ShardFile`s written from the arrays' memory), `write_strings`, `open_checkpoint` (the
+  reader's directory: the manifest and a byte source per shard), and the manager's `children`,
+  `commit_time`, `remove_checkpoint`.
+
+`shardkit.storage.local` (the native path: write kernel, rename / exchange, directory handle,
+mmap) and `shardkit.storage.fsspec` (ranged GETs, multipart uploads, manifest-last commit)
+implement it; `shardkit.storage.open_storage` is the one place that picks one.
 """
 
 from __future__ import annotations
 
 import errno
 import random
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
 
 from ..errors import StorageError
+from ..format import EntryLayout
 
 _T = TypeVar("_T")
 
@@ -47,6 +61,52 @@ class Fetched:
     tag: str | None
 
 
+@dataclass(slots=True)
+class ShardFile:
+    """A shard file as the writer planned it, in its on-disk order: entry i is ``keys[i]`` /
+    ``specs[i]`` / ``arrays[i]`` at absolute file offsets ``offsets[i]`` to ``ends[i]``, after
+    the header pieces; a raw shard's writers put the entry's xxh3-64 in ``digests[i]``. `path`
+    is where the storage writes it (set by `Storage.write_shards`, for messages too)."""
+
+    path: Path
+    file: str
+    task: int
+    header: list[bytes]  # pieces, written back to back
+    keys: list[str]
+    specs: list[str]
+    arrays: list[np.ndarray]
+    offsets: np.ndarray  # int64
+    ends: np.ndarray  # int64
+    layouts: list[EntryLayout] | None  # only for compressed shards
+    size: int
+    digests: np.ndarray  # uint64
+    rows: range | list[int] | None  # the entries' rows in SavedTensors, when known
+    xxh3: list[str | None] | None = None  # compressed shards: the entry checksums, in hex
+    fd: int = -1
+    pending: int = 0  # regions not yet written
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Staging(Protocol):
+    """A save in progress (`Storage.stage`): `store` is where its files go (a local temp
+    directory, or the store itself), every file carries `generation`; `commit` publishes the
+    manifest atomically, `abort` removes what was written. A context manager that aborts when
+    left uncommitted."""
+
+    store: Storage
+    generation: str
+    target: Any
+    committed: bool
+
+    def commit(self, index_bytes: bytes | Sequence[bytes]) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def __enter__(self) -> Staging: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
 class Storage(ABC):
     """Where one checkpoint's bytes live; every name is relative to `url`."""
 
@@ -56,6 +116,57 @@ class Storage(ABC):
     def join(self, name: str) -> str:
         """The full URL (or path) of `name`, for messages."""
         return f"{self.url.rstrip('/')}/{name}" if name else self.url
+
+    # -- checkpoints
+
+    def shard_name(self, file: str, generation: str | None) -> str:
+        """The name here of file `file` of the save of `generation` (locally: `file`)."""
+        return file
+
+    @abstractmethod
+    def check_target(self, overwrite: bool) -> None:
+        """Raise CheckpointExistsError now (before any work) when a save here cannot succeed;
+        a store that learns it only in `stage` may do nothing."""
+
+    @abstractmethod
+    def stage(self, *, overwrite: bool, durable: bool) -> Staging:
+        """Start a save of a checkpoint here (`Staging`)."""
+
+    @abstractmethod
+    def write_shards(self, files: list[ShardFile], *, generation: str, compressed: bool,
+                     threads: int, durable: bool, checksum: bool, bar: Any,
+                     zstd_options: dict[str, Any], meanwhile: Callable[[], _T]) -> _T:
+        """Write the planned `files` (raw safetensors shards, or `.skz` ones when
+        `compressed`) of the save of `generation`, each entry's xxh3-64 into the plan when
+        `checksum`; a compressed file's size is set once written. Returns what `meanwhile`
+        returns, which runs on this thread while the files are written where the store can
+        (otherwise after)."""
+
+    @abstractmethod
+    def write_strings(self, strings: Any, generation: str, checksum: bool,
+                      durable: bool) -> Any:
+        """Write the string file (`shardkit.strings`) of the save of `generation`; returns its
+        `StringFile`."""
+
+    @abstractmethod
+    def open_checkpoint(self, *, follow_symlinks: bool, pool: Any) -> Any:
+        """The checkpoint here as the reader and the format adapters see it (a
+        `files.CheckpointDirectory`-like object that also opens shard byte sources:
+        ``single``, ``shard_path``, ``opener``, ``open_shard_file``, ``replaced``, ``close``)."""
+
+    @abstractmethod
+    def children(self) -> list[tuple[str, str]]:
+        """The committed shardkit checkpoints directly under this location: (name, path)."""
+
+    @abstractmethod
+    def commit_time(self) -> float:
+        """When the checkpoint here was committed (its manifest's mtime; now when unknown)."""
+
+    @abstractmethod
+    def remove_checkpoint(self) -> None:
+        """Delete the checkpoint here, so that no half-deleted one is ever visible."""
+
+    # -- bytes
 
     @abstractmethod
     def write_file(self, name: str, buffers: Iterable[Any]) -> int:

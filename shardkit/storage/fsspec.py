@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from .._threads import WorkerPool
 from ..errors import MissingDependencyError, StorageError
-from .base import Fetched, Storage, Stored, coalesce, with_retries
+from .base import Fetched, ShardFile, Storage, Stored, coalesce, with_retries
+
+_T = TypeVar("_T")
 
 PART_SIZE = 32 * 1024 * 1024  # bytes per multipart part (S3's minimum is 5 MiB); the first
 # part may be twice that, so objects up to 2 * PART_SIZE leave in one PutObject (as s3fs does)
@@ -80,6 +83,61 @@ class FsspecStorage(Storage):
     def _bucket_key(self, name: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(self._path(name))
         return bucket, key
+
+    # -- checkpoints (the object layout and manifest-last commit: storage.save, storage.remote)
+
+    def shard_name(self, file: str, generation: str | None) -> str:
+        from .layout import object_name
+
+        return object_name(file, generation)
+
+    def check_target(self, overwrite: bool) -> None:
+        pass  # the manifest is read once, when the save is staged
+
+    def stage(self, *, overwrite: bool, durable: bool) -> Any:
+        from .save import RemoteStaging
+
+        return RemoteStaging(self, overwrite=overwrite)
+
+    def write_shards(self, files: list[ShardFile], *, generation: str, compressed: bool,
+                     threads: int, durable: bool, checksum: bool, bar: Any,
+                     zstd_options: dict[str, Any], meanwhile: Callable[[], _T]) -> _T:
+        from .save import upload_shards
+
+        upload_shards(self, files, generation, compressed=compressed, threads=threads,
+                      checksum=checksum, zstd_options=zstd_options)
+        if bar is not None:
+            bar.update(sum(f.size for f in files))
+        return meanwhile()
+
+    def write_strings(self, strings: Any, generation: str, checksum: bool,
+                      durable: bool) -> Any:
+        from .save import upload_strings
+
+        return upload_strings(self, strings, generation, checksum)
+
+    def open_checkpoint(self, *, follow_symlinks: bool, pool: Any) -> Any:
+        from .remote import RemoteDirectory
+
+        return RemoteDirectory(self)
+
+    def children(self) -> list[tuple[str, str]]:
+        from .save import list_checkpoints
+
+        return [(name, f"{self.url}/{name}") for name, _ in list_checkpoints(self)]
+
+    def commit_time(self) -> float:
+        from ..format import MANIFEST_FILE
+
+        try:
+            return self.list(MANIFEST_FILE)[0].mtime
+        except IndexError:
+            return time.time()
+
+    def remove_checkpoint(self) -> None:
+        from .save import remove_checkpoint
+
+        remove_checkpoint(self)
 
     # -- writing
 
@@ -319,8 +377,6 @@ class FsspecStorage(Storage):
         the object names they were for."""
         if not self.s3:
             return []
-        import time
-
         bucket, key = self._bucket_key("")
         listed = self._retry(lambda: self._s3("list_multipart_uploads", Bucket=bucket,
                                               Prefix=key.rstrip("/") + "/"),

@@ -1,33 +1,151 @@
-"""The local file system behind the storage interface.
+"""The local file system behind the storage interface: today's native path, unchanged.
 
-A thin adapter over the native code the local save and load paths use directly
-(`_gather.write_arrays` with ``fallocate``, ``preadv``, rename): `write_file` writes buffers
-with the write kernel, reads are ``pread``, `publish` writes a temp file and renames it over
-the name (atomic), ``if_absent`` by a hard link, which fails if the name exists. Local saves
-and loads do not go through this class (they keep their native path, docs/ARCHITECTURE.md);
-it lets storage-level tools (`shardkit gc`, the tests of the interface) treat a directory like
-any store.
+A save stages a locked temp directory next to the checkpoint and publishes it with one rename
+or exchange (`shardkit.commit`: its generation and overwrite rules); the planned shard files
+are written by the native write kernel (`shardkit.storage.native`: ``fallocate``, vectored
+writes hashed on the way, ``sync_file_range``, fsync). A reader opens the checkpoint directory
+once and every file relative to that handle (`LocalCheckpoint`, over
+`files.CheckpointDirectory`: regular files only, no symlinks unless asked, a bounded set of
+descriptors), shards mapped copy-on-write or read with ``preadv`` (`shardkit.sources`).
+
+The byte-level methods (`write_file`, `read_range`, `publish`...) serve storage-level tools
+(`shardkit gc`, the interface's tests): `publish` writes a temp file and renames it over the
+name (atomic), ``if_absent`` by a hard link, which fails if the name exists.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 import uuid
-from collections.abc import Iterable, Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
+from .. import commit
 from .._kernels import _gather
-from ..errors import StorageError
-from .base import Fetched, Storage, Stored
+from ..errors import ShardkitError, StorageError
+from ..files import (
+    CheckpointDirectory,
+    CheckpointFile,
+    FilePool,
+    locate,
+    open_directory,
+    open_shard_file,
+)
+from ..format import MANIFEST_FILE, find_manifest
+from ..sources import _opener
+from . import native
+from .base import Fetched, ShardFile, Storage, Stored
+
+_T = TypeVar("_T")
+
+
+class LocalCheckpoint(CheckpointDirectory):
+    """An opened local checkpoint, for the reader: the directory handle (closed by `close`,
+    or when this object goes), the one file asked for when `path` named a ``.safetensors`` or
+    TensorFlow ``.index`` file (`single`), and the shard files opened through the handle."""
+
+    def __init__(self, path: str, follow_symlinks: bool, pool: FilePool | None) -> None:
+        directory, self.single = locate(path)  # a .safetensors file: its directory
+        fd = open_directory(directory)
+        self._closer = weakref.finalize(self, os.close, fd)
+        super().__init__(directory, fd, follow_symlinks, pool)
+
+    def close(self) -> None:
+        self._closer()
+
+    def shard_path(self, file: str, generation: str | None) -> str:
+        return os.path.join(self.path, file)
+
+    def opener(self, codec: str, path: str) -> Any:
+        return _opener(codec, path)
+
+    def open_shard_file(self, path: str, file: str, generation: str | None) -> CheckpointFile:
+        return open_shard_file(path, self.follow_symlinks, name=file, dir_fd=self.dir_fd,
+                               pool=self.pool)
 
 
 class LocalStorage(Storage):
     conditional = True
 
     def __init__(self, path: str) -> None:
+        self.path = path  # as given: the reader's messages name it so
         self.url = os.path.abspath(path)
+
+    def __fspath__(self) -> str:
+        """A local storage is its directory: ``Path(storage)`` is that path."""
+        return self.path
+
+    # -- checkpoints
+
+    def check_target(self, overwrite: bool) -> None:
+        commit.check_target(self.path, overwrite)
+
+    def stage(self, *, overwrite: bool, durable: bool) -> commit.Staging:
+        staging = commit.stage(self.path, overwrite=overwrite, durable=durable)
+        staging.store = LocalStorage(str(staging.path))
+        return staging
+
+    def write_shards(self, files: list[ShardFile], *, generation: str, compressed: bool,
+                     threads: int, durable: bool, checksum: bool, bar: Any,
+                     zstd_options: dict[str, Any], meanwhile: Callable[[], _T]) -> _T:
+        directory = Path(self.path)
+        for f in files:
+            f.path = directory / f.file
+        if not compressed:
+            return native._run(files, native._regions(files, threads), threads, durable,
+                               checksum, bar, meanwhile)
+        native._run_zstd(files, threads, durable, checksum, bar, **zstd_options)
+        return meanwhile()
+
+    def write_strings(self, strings: Any, generation: str, checksum: bool,
+                      durable: bool) -> Any:
+        return native._write_strings(Path(self.path), strings, generation, checksum, durable)
+
+    def open_checkpoint(self, *, follow_symlinks: bool, pool: Any) -> LocalCheckpoint:
+        return LocalCheckpoint(self.path, follow_symlinks, pool)
+
+    def children(self) -> list[tuple[str, str]]:
+        try:
+            names = os.listdir(self.url)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            path = os.path.join(self.url, name)
+            if commit.is_checkpoint(path):
+                out.append((name, path))
+        return out
+
+    def commit_time(self) -> float:
+        try:
+            return os.stat(os.path.join(self.url, find_manifest(self.url) or MANIFEST_FILE)
+                           ).st_mtime
+        except FileNotFoundError:
+            return time.time()
+
+    def remove_checkpoint(self) -> None:
+        """Renamed away in one step first, so no half-deleted checkpoint is visible."""
+        path = self.url
+        parent, name = os.path.split(path)
+        trash = tempfile.mkdtemp(prefix=f".{name}{commit.TMP_MARK}", dir=parent)
+        try:
+            os.rename(path, trash)  # replaces the empty trash directory
+        except FileNotFoundError:
+            os.rmdir(trash)  # someone else deleted it
+            return
+        # A crash from here on leaves a hidden temp directory that the next save cleans up.
+        shutil.rmtree(trash, ignore_errors=True)
+        if os.path.lexists(trash):
+            raise ShardkitError(f"could not delete old checkpoint {path} (moved to {trash})")
+
+    # -- bytes
 
     def _path(self, name: str) -> str:
         return os.path.join(self.url, *name.split("/")) if name else self.url

@@ -13,6 +13,7 @@ fetches and decompression overlap across the reader's pool.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -42,6 +43,7 @@ from .layout import object_name
 HEAD_GUESS = 16 * 1024  # bytes fetched first for a header (most fit: one request)
 PIECE = 16 * 1024 * 1024  # a large read is cut into GETs of this size
 TASK_BYTES = 64 * 1024 * 1024  # GETs grouped into one task (run concurrently) up to this
+VERIFY_WINDOW = 3  # batches of TASK_BYTES a verify keeps in flight per shard
 
 
 class RemoteFile:
@@ -67,6 +69,33 @@ class RemoteFile:
         pass
 
 
+class LocalCopy:
+    """A small object fetched whole, as `files.CheckpointFile` offers a file: `size`, and an
+    unlinked temp file's descriptor while in a ``with`` block."""
+
+    def __init__(self, data: bytes) -> None:
+        self.size = len(data)
+        self._data = data
+        self._file: Any = None
+
+    def __enter__(self) -> int:
+        import tempfile
+
+        self._file = tempfile.TemporaryFile()
+        self._file.write(self._data)
+        self._file.flush()
+        self._file.seek(0)
+        return int(self._file.fileno())
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 class RemoteDirectory:
     """The checkpoint at a URL as `formats.detect` and the reader see a directory."""
 
@@ -74,12 +103,34 @@ class RemoteDirectory:
     follow_symlinks = False
     pool = None
 
-    def __init__(self, url: str) -> None:
-        self.store = open_storage(url)
+    single = None  # a store holds directories only: no single-file layout
+
+    def __init__(self, store: Storage | str) -> None:
+        self.store = open_storage(store) if isinstance(store, str) else store
         self.path = self.store.url
         self.tag: str | None = None
+        self.generation: str | None = None  # the manifest's, once the reader decoded it
+
+    def close(self) -> None:
+        pass
+
+    def shard_path(self, file: str, generation: str | None) -> str:
+        return self.store.join(object_name(file, generation))
+
+    def opener(self, codec: str, path: str) -> Callable[..., ShardSource]:
+        return opener(codec, path)
+
+    def open_shard_file(self, path: str, file: str, generation: str | None) -> RemoteFile:
+        return self.open_file(file, generation)
+
+    def replaced(self) -> bool:
+        return False  # shard objects are never replaced, only deleted (`open_file` says so)
 
     def join(self, name: str) -> str:
+        """The URL of `name`: the manifest at the root, any other file (once the manifest is
+        read) the object of its generation."""
+        if self.generation is not None and name != MANIFEST_FILE:
+            name = object_name(name, self.generation)
         return self.store.join(name)
 
     def has(self, name: str) -> bool:
@@ -97,8 +148,17 @@ class RemoteDirectory:
         return found.data
 
     def open_shard(self, name: str, listed_in: str | None = None) -> Any:
-        raise ShardkitError(f"{self.join(name)}: only shardkit checkpoints are read from URLs "
-                            "(a HuggingFace or single-file layout needs a local copy)")
+        """File `name` of this checkpoint's generation (the string file) as the readers of
+        small files take it: fetched whole into an anonymous local file (`LocalCopy`)."""
+        if self.generation is None:
+            raise ShardkitError(f"{self.join(name)}: only shardkit checkpoints are read from "
+                                "URLs (a HuggingFace or single-file layout needs a local copy)")
+        obj = object_name(name, self.generation)
+        found = self.store.fetch(obj, 1 << 62)
+        if found is None:
+            raise MissingShardError(f"{self.store.join(obj)}: listed in "
+                                    f"{listed_in or 'the manifest'} but missing from the store")
+        return LocalCopy(found.data)
 
     def shard_object(self, file: str, generation: str | None) -> str:
         return object_name(file, generation)
@@ -202,6 +262,70 @@ class RemoteRawShard(ShardSource):
             for i in members:
                 a, b = pieces[i]
                 dests[i][:] = view[a - start : b - start]
+
+    def hash_entries(self, entries: Sequence[EntryLayout], pool: Any) -> dict[str, str]:
+        """The xxh3-64 (hex) of each entry, for `verify`: the bytes fetched in batches of
+        about TASK_BYTES, VERIFY_WINDOW batches in flight on `pool` (each batch's GETs
+        concurrent), hashed in order on this thread; memory stays at the batches in flight."""
+        import xxhash
+
+        batches: list[list[tuple[EntryLayout, int, int]]] = []
+        batch: list[tuple[EntryLayout, int, int]] = []
+        size = 0
+        for e in entries:
+            pos, n = 0, e.nbytes
+            while True:
+                take = min(n - pos, TASK_BYTES - size)
+                batch.append((e, pos, pos + take))
+                size += take
+                pos += take
+                if size >= TASK_BYTES:
+                    batches.append(batch)
+                    batch, size = [], 0
+                if pos >= n:
+                    break
+        if batch:
+            batches.append(batch)
+
+        def fetch(batch: list[tuple[EntryLayout, int, int]]) -> memoryview:
+            out = memoryview(bytearray(sum(b - a for _, a, b in batch)))
+            requests, at = [], 0
+            for e, a, b in batch:
+                if b > a:
+                    requests.append((e, a, b, out[at : at + b - a]))
+                at += b - a
+            self.run(self.read_tasks(requests))
+            return out
+
+        digests: dict[str, str] = {}
+        running: dict[str, Any] = {}
+        pending: deque[tuple[list[tuple[EntryLayout, int, int]], Any]] = deque()
+        todo = iter(batches)
+        try:
+            while True:
+                while len(pending) < VERIFY_WINDOW and (nxt := next(todo, None)) is not None:
+                    pending.append((nxt, pool.submit(fetch, nxt)))
+                if not pending:
+                    return digests
+                done, future = pending.popleft()
+                data, at = future.result(), 0
+                for e, a, b in done:
+                    h = running.get(e.name)
+                    if h is None:
+                        h = running[e.name] = xxhash.xxh3_64()
+                    h.update(data[at : at + b - a])
+                    at += b - a
+                    if b == e.nbytes:
+                        digests[e.name] = running.pop(e.name).hexdigest()
+        finally:
+            for _, f in pending:
+                f.cancel()
+            for _, f in pending:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except Exception:
+                        pass
 
     @staticmethod
     def run(tasks: Sequence[Callable[[], None]]) -> None:

@@ -1,9 +1,12 @@
 """Saving to a store: shard objects first, the manifest last (docs/FORMAT.md, "Object storage").
 
+`FsspecStorage.stage`, `write_shards` and `write_strings` are these; the save flow itself is
+the same as a local one (`shardkit.api`, `writer.write_shards`).
+
 1. The manifest now at the URL is read (one GET, with its tag): an existing checkpoint needs
    ``overwrite=True``, and only a shardkit checkpoint is ever replaced.
-2. The writer's plan (`writer._plan`: the same shard headers, entry order and names as a local
-   save) is uploaded under ``shards-<generation>/``: a raw shard straight from the arrays'
+2. The writer's plan (`writer.plan_shards`: the same shard headers, entry order and names as a
+   local save) is uploaded under ``shards-<generation>/``: a raw shard straight from the arrays'
    memory as a multipart upload (each entry hashed with xxh3-64 on the way), a ``.skz`` shard
    compressed into a local temp file by the writer's zstd path and uploaded while the next is
    compressed; raw shards upload in parallel.
@@ -24,24 +27,12 @@ from typing import Any
 
 from .. import format as fmt
 from .._threads import WorkerPool
-from ..errors import (
-    CheckpointExistsError,
-    CheckpointFormatError,
-    InvalidArgumentError,
-    ShardkitError,
-)
-from ..writer import (
-    SavedTensors,
-    ShardColumns,
-    _as_bytes,
-    _checksums,
-    _index,
-    _plan,
-    _run_zstd,
-    default_threads,
-)
+from ..errors import CheckpointExistsError, CheckpointFormatError, ShardkitError
+from ..strings import STRING_FILE, StringColumns, StringFile, write_string_file
 from . import Storage, open_storage
+from .base import ShardFile
 from .layout import SHARDS_PREFIX, generation_of, object_name, shards_dir
+from .native import _as_bytes, _run_zstd
 
 
 class RemoteStaging:
@@ -50,8 +41,9 @@ class RemoteStaging:
     conditionally and then deletes every other generation, `abort` deletes this save's
     objects."""
 
-    def __init__(self, url: str, *, overwrite: bool) -> None:
-        self.store = open_storage(url)
+    def __init__(self, store: Storage, *, overwrite: bool) -> None:
+        url = store.url
+        self.store = store
         self.path = self.target = self.store.url
         self.committed = False
         self.generation = fmt.new_generation()
@@ -91,61 +83,30 @@ class RemoteStaging:
             self.abort()
 
 
-def upload_shards(
-    url: str,
-    shards: Sequence[ShardColumns],
-    saved: SavedTensors,
-    *,
-    description: str,
-    generation: str,
-    threads: int | None = None,
-    checksum: bool = True,
-    user_metadata: dict[str, Any] | None = None,
-    compression: str | None = None,
-    level: int | None = None,
-    shuffle: bool = True,
-    chunk_size: int | str = "4MiB",
-    first_shard: int = 0,
-    shard_count: int | None = None,
-    **_: Any,
-) -> tuple[fmt.CheckpointIndex, list[bytes]]:
-    """`writer.write_shards` for a URL: the same shards (writer's plan, same bytes), uploaded
-    as objects of `generation`; returns the index and the manifest's pieces."""
-    if compression not in (None, "zstd"):
-        raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
-    store = open_storage(url)
-    threads = threads or default_threads()
-    codec = "raw" if compression is None else "zstd"
-    plans = _plan(Path("."), shards, codec, generation, first_shard,
-                  len(shards) if shard_count is None else shard_count)
+def upload_shards(store: Storage, plans: list[ShardFile], generation: str, *, compressed: bool,
+                  threads: int, checksum: bool, zstd_options: dict[str, Any]) -> None:
+    """The planned shard files, uploaded as objects of `generation` (module docstring)."""
     names = [object_name(p.file, generation) for p in plans]
-    if codec == "raw":
+    if not compressed:
         _upload_raw(store, plans, names, threads, checksum)
     else:
-        _upload_zstd(store, plans, names, threads, checksum,
-                     dict(level=level, shuffle=shuffle, chunk_size=chunk_size,
-                          metadata={fmt.GENERATION_KEY: generation}))
-    index = _index(plans, saved, description, user_metadata or {}, codec, generation)
-    index.set_checksums(_checksums(plans, checksum))
-    return index, fmt.index_chunks(index)
+        _upload_zstd(store, plans, names, threads, checksum, zstd_options)
 
 
-def save_to_storage(
-    url: str,
-    shards: Sequence[ShardColumns],
-    saved: SavedTensors,
-    *,
-    overwrite: bool,
-    **options: Any,
-) -> tuple[fmt.CheckpointIndex, list[bytes], tuple[str, ...]]:
-    """Save `shards` to the store at `url` (module docstring); returns the index, the
-    manifest's pieces and the object names written (shards, then the manifest)."""
-    with RemoteStaging(url, overwrite=overwrite) as staging:
-        index, chunks = upload_shards(url, shards, saved, generation=staging.generation,
-                                      **options)
-        staging.commit(chunks)
-    names = tuple(object_name(s.file, staging.generation) for s in index.shards)
-    return index, chunks, (*names, fmt.MANIFEST_FILE)
+def upload_strings(store: Storage, strings: StringColumns, generation: str,
+                   checksum: bool) -> StringFile:
+    """The string file (`shardkit.strings`) of the save of `generation`: written to a local
+    temp file (its writer wants a descriptor), then uploaded next to the shard objects."""
+    with tempfile.TemporaryDirectory(prefix="shardkit-upload-") as tmp:
+        path = os.path.join(tmp, STRING_FILE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o600)
+        try:
+            made = write_string_file(fd, strings, generation, checksum)
+        finally:
+            os.close(fd)
+        store.upload_file(object_name(STRING_FILE, generation), path)
+    return made
 
 
 def _check_replaceable(store: Storage, data: bytes) -> None:
@@ -184,7 +145,7 @@ def _parallel(jobs: list[Any], threads: int) -> None:
         pool.shutdown(wait=True)
 
 
-def _upload_raw(store: Storage, plans: list[Any], names: list[str], threads: int,
+def _upload_raw(store: Storage, plans: list[ShardFile], names: list[str], threads: int,
                 checksum: bool) -> None:
     def job(p: Any, name: str) -> None:
         n = store.write_file(name, _raw_buffers(p, checksum))
@@ -194,7 +155,7 @@ def _upload_raw(store: Storage, plans: list[Any], names: list[str], threads: int
     _parallel([lambda p=p, n=n: job(p, n) for p, n in zip(plans, names)], threads)
 
 
-def _upload_zstd(store: Storage, plans: list[Any], names: list[str], threads: int,
+def _upload_zstd(store: Storage, plans: list[ShardFile], names: list[str], threads: int,
                  checksum: bool, options: dict[str, Any]) -> None:
     """Each .skz shard is compressed into a local temp file (the zstd writer seals its header
     after the frames, so it needs a seekable file) and uploaded while the next one is
@@ -250,9 +211,9 @@ def gc(url: str, *, older_than: float = 3600.0) -> list[str]:
     return removed
 
 
-def list_checkpoints(url: str) -> list[tuple[str, float]]:
+def list_checkpoints(url: str | Storage) -> list[tuple[str, float]]:
     """The committed checkpoints directly under the prefix `url`: (name, manifest mtime)."""
-    store = open_storage(url)
+    store = url if isinstance(url, Storage) else open_storage(url)
     tail = "/" + fmt.MANIFEST_FILE
     out = []
     for s in store.list(""):
@@ -261,13 +222,13 @@ def list_checkpoints(url: str) -> list[tuple[str, float]]:
     return out
 
 
-def remove_checkpoint(url: str) -> None:
+def remove_checkpoint(url: str | Storage) -> None:
     """Delete the checkpoint at `url`: the manifest first (it stops being a checkpoint at
     once), then every object under it."""
-    store = open_storage(url)
+    store = url if isinstance(url, Storage) else open_storage(url)
     store.delete([fmt.MANIFEST_FILE])
     store.delete([s.name for s in store.list("")])
 
 
 __all__ = ["RemoteStaging", "gc", "list_checkpoints", "remove_checkpoint",
-           "remove_other_generations", "save_to_storage", "upload_shards"]
+           "remove_other_generations", "upload_shards", "upload_strings"]
