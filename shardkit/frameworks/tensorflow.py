@@ -14,12 +14,14 @@ gives the ``_CHECKPOINTABLE_OBJECT_GRAPH`` proto stored as a string tensor, as T
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import tensorflow as tf  # type: ignore[import-untyped]
 from tensorflow.python.eager import context, execute  # type: ignore[import-untyped]
+from tensorflow.python.framework import ops  # type: ignore[import-untyped]
 from tensorflow.python.framework.ops import EagerTensor  # type: ignore[import-untyped]
 from tensorflow.python.ops import (  # type: ignore[import-untyped]
     gen_resource_variable_ops,
@@ -330,21 +332,86 @@ def assign_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
     restore checks it, then assigns the stored array straight into the variable, in place, the
     variable keeping its identity) and that assign function; None for other leaves. A
     tf.Tensor is immutable: RestoreMismatchError."""
+    if type(leaf) in _PLAIN_VARIABLE_TYPES and leaf._dtype._type_enum in _STORABLE_ENUMS:
+        return _stand_in(leaf._dtype, tuple(leaf._shape)), Assign(leaf)  # no properties
     if is_variable(leaf):
         if tf.as_dtype(leaf.dtype) == tf.string:
             return None
         dtype = numpy_dtype(tf.as_dtype(leaf.dtype))
         stand_in = np.broadcast_to(np.zeros((), dtype), tuple(leaf.shape))
-
-        def assign(host: np.ndarray) -> None:
-            leaf.assign(host)
-
-        return stand_in, assign
+        return stand_in, Assign(leaf)
     if isinstance(leaf, tf.Tensor):
         raise RestoreMismatchError(
             f"cannot restore key {key!r} in place into a tf.Tensor: tensors are immutable; "
             "pass a tf.Variable (or use load(..., framework='tensorflow'))")
     return None
+
+
+_STAND_INS: dict[tuple[Any, tuple[int, ...]], np.ndarray] = {}
+
+
+def _stand_in(dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only zero-stride array of `shape` and `dtype` (shared: nobody writes to it)."""
+    got = _STAND_INS.get((dtype, shape))
+    if got is None:
+        if len(_STAND_INS) >= 1 << 16:
+            _STAND_INS.clear()
+        got = _STAND_INS[(dtype, shape)] = np.broadcast_to(
+            np.zeros((), numpy_dtype(dtype)), shape)
+    return got
+
+
+class Assign:
+    """The in-place assign of one variable; `assign_all` runs many of them in one batch."""
+
+    __slots__ = ("variable",)
+
+    def __init__(self, variable: Any) -> None:
+        self.variable = variable
+
+    def __call__(self, host: np.ndarray) -> None:
+        assign_all([(self, host)])
+
+
+def assign_all(pairs: list[tuple[Any, np.ndarray]]) -> None:
+    """Run each ``(assign, host array)``: `Assign`s of plain resource variables as one eager
+    ``AssignVariableOp`` each, issued straight to TensorFlow's executor (about 35 us a
+    variable, against 700 us for ``Variable.assign``, whose Python checks restore has done
+    already: same shape, same dtype); the rest (Keras and other variable types, other
+    callables) through their own ``assign``. The variables stay the same objects."""
+    plain = _PLAIN_VARIABLE_TYPES
+    by_device: dict[str, list[tuple[Any, np.ndarray]]] = {}
+    for fn, host in pairs:
+        variable = fn.variable if type(fn) is Assign else None
+        if variable is None:
+            fn(host)
+        elif type(variable) not in plain:
+            variable.assign(host)
+        else:
+            by_device.setdefault(variable._handle.device, []).append((variable, host))
+    ctx = context.context()
+    ctx.ensure_initialized()
+    attrs: dict[Any, tuple[Any, ...]] = {}  # per dtype
+    tensor = EagerTensor  # from the host array: what convert_to_tensor does, minus dispatch
+    run = execute.execute
+    paused = gc.isenabled()
+    gc.disable()  # a small tensor per variable: no cyclic GC passes over TensorFlow's heap
+    try:
+        for device, group in by_device.items():
+            with ops.device(device):
+                name = ctx.device_name
+                for variable, host in group:
+                    dtype = variable._dtype
+                    got = attrs.get(dtype)
+                    if got is None:
+                        got = attrs[dtype] = ("dtype", dtype.as_datatype_enum,
+                                              "validate_shape", False)
+                    run(b"AssignVariableOp", 0,
+                        inputs=[variable._handle, tensor(host, name, got[1])], attrs=got,
+                        ctx=ctx)
+    finally:
+        if paused:
+            gc.enable()
 
 
 def string_assign(leaf: Any) -> Any:
