@@ -18,7 +18,7 @@ import math
 import operator
 import os
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -46,7 +46,7 @@ from ...tensors import DEFAULT_DEVICE, _gc_paused
 from ..base import FormatAdapter, ParsedHeader
 from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
 from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
-from .table import read_table
+from .table import read_table, read_table_framed
 
 BUNDLE_VERSION: Final = 1  # kTensorBundleVersion: the producer version written, the consumer read
 BUNDLE_MIN_PRODUCER: Final = 0  # kTensorBundleMinProducer
@@ -242,17 +242,18 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                   directory: CheckpointDirectory) -> TensorBundleIndex:
     """The table of the bundle whose ``.index`` bytes are `data` (file `path`); the data files
     (`prefix` + ``.data-*``) are opened through `directory` for their sizes."""
-    items = read_table(data, path)
-    if not items or items[0][0] != b"":
-        raise CorruptIndexError(f"{path}: the table has no header entry (key \"\"); not a "
-                                "TensorBundle index")
     from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
-    from .protos import BundleHeaderProto
+    from .protos import MARKS, BundleHeaderProto
 
+    raw_keys, framed, lengths = read_table_framed(data, path, MARKS)
+    if not raw_keys or raw_keys[0] != b"":
+        raise CorruptIndexError(f"{path}: the table has no header entry (key \"\"); not a "
+                                "TensorBundle index")
+    start = len(MARKS) + lengths[0]
     header = BundleHeaderProto()
     try:
-        header.ParseFromString(items[0][1])
+        header.ParseFromString(bytes(framed[len(MARKS) : start]))
     except DecodeError as e:
         raise CorruptIndexError(f"{path}: the header entry is not a parseable "
                                 f"BundleHeaderProto ({e})") from None
@@ -260,21 +261,9 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     n = header.num_shards
     if n < 0 or n > 99999:
         raise CorruptIndexError(f"{path}: num_shards {n} is out of range [0, 99999]")
-    body = items[1:]
-    from .protos import parse_entries
-
-    try:
-        # one protobuf call for all entries, their shapes left encoded (`protos`)
-        parsed = list(parse_entries([v for _, v in body]))  # wrappers made once, reused
-    except DecodeError:
-        for k, v in body:
-            _entry(k, v, path)  # the first that does not parse raises, naming its key
-        raise
-    # slice keys start with a 0 byte: in key order (checked) they come first after the header
-    if (body and body[0][0][:1] == b"\x00") or any(map(operator.attrgetter("slices"), parsed)):
-        cols = _general_columns(body, parsed, n, path)
-    else:
-        cols = _whole_columns(body, parsed, n, path)
+    cols = _framed_columns(raw_keys[1:], framed, start, lengths[1:], n, path)
+    if cols is None:  # sliced tensors, or entries that are not as TensorFlow encodes them
+        cols = _entry_columns(read_table(data, path)[1:], n, path)
     keys, dtypes, shapes, rows, texts = cols
     text_keys = [t[4] for t in texts]
     text_shapes = [t[5] for t in texts]
@@ -333,6 +322,120 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     return index
 
 
+def _entry_columns(body: list[tuple[bytes, bytes]], n: int, path: str) -> _Columns:
+    """The columns of the entries `body` (key, value), each entry decoded as a message of its
+    own: any bundle, and the wording of every error."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import parse_entries
+
+    try:
+        # one protobuf call for all entries, their shapes left encoded (`protos`)
+        parsed = list(parse_entries([v for _, v in body]))  # wrappers made once, reused
+    except DecodeError:
+        for k, v in body:
+            _entry(k, v, path)  # the first that does not parse raises, naming its key
+        raise
+    # slice keys start with a 0 byte: in key order (checked) they come first after the header
+    if (body and body[0][0][:1] == b"\x00") or any(map(operator.attrgetter("slices"), parsed)):
+        return _general_columns(body, parsed, n, path)
+    count = len(parsed)
+    shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
+                                for name in ("shard_id", "offset", "size", "crc32c"))
+    return _whole_columns([k for k, _ in body], [v for _, v in body].__getitem__,
+                          [f.shape for f in parsed], [f.dtype for f in parsed],
+                          shard, offset, size, crc, n, path)
+
+
+def _marked(column: Any, count: int, dtype: Any = np.int64) -> np.ndarray | None:
+    """Per entry, the last value of a field decoded by `protos.parse_columns` (each entry's
+    values after its mark, a 0; none: the entry's value is 0), or None when the marks do not
+    tell the entries apart (an entry stores an explicit 0, or the field twice)."""
+    values = np.array(column, dtype)
+    marks = np.flatnonzero(values == 0)
+    if len(marks) != count:
+        return None
+    if count == 0:
+        return values
+    runs = np.diff(marks, append=len(values))
+    if runs.max() > 2:
+        return None
+    return np.where(runs == 2, values[np.minimum(marks + 1, len(values) - 1)], 0).astype(
+        np.int64)
+
+
+def _varint_sizes(values: np.ndarray) -> np.ndarray:
+    """The bytes of each value as a protobuf varint (negative values: 10, two's complement)."""
+    u = values.astype(np.uint64)
+    sizes = np.ones(len(values), np.int64)
+    for k in range(1, 10):
+        sizes += u >= np.uint64(1 << (7 * k))
+    return sizes
+
+
+def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, lengths: list[int],
+                    n: int, path: str) -> _Columns | None:
+    """The columns of a bundle of whole tensors from one protobuf decode of all its entries
+    (`protos.parse_columns` of `framed` from `start`: each entry after `protos.MARKS`); None
+    when the general path must read it (`_entry_columns`): sliced tensors, or an entry that
+    is not exactly how TensorFlow (any protobuf encoder) writes it.
+
+    The fields decoded that way are the ones BundleEntryProto's own decode gives when each
+    entry holds each field at most once, in its shortest form, and nothing else: then its
+    length is the sum of its fields' encoded sizes, which is checked for every entry (an
+    entry holding more than that is longer than the fields found for it)."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import MARKS, parse_columns
+
+    count = len(raw_keys)
+    if count and raw_keys[0][:1] == b"\x00":
+        return None  # a slice key: they sort first
+    try:
+        fields = parse_columns(memoryview(framed)[start:] if count
+                               else b"")
+    except DecodeError:
+        return None
+    if len(fields.slices) or len(fields.shape) != count:
+        return None
+    codes = _marked(fields.dtype, count)
+    shard = _marked(fields.shard_id, count)
+    offset = _marked(fields.offset, count)
+    size = _marked(fields.size, count)
+    crc = _marked(fields.crc32c, count, np.uint32)
+    if codes is None or shard is None or offset is None or size is None or crc is None:
+        return None
+    encoded = list(fields.shape)
+    shape_bytes = np.fromiter(map(len, encoded), np.int64, count)
+    expected = 1 + _varint_sizes(shape_bytes) + shape_bytes + 5 * (crc != 0)
+    for column in (codes, shard, offset, size):
+        expected += (column != 0) * (1 + _varint_sizes(column))
+    stored = np.array(lengths, np.int64)
+    if not np.array_equal(expected, stored):
+        return None
+    ends = (np.cumsum(stored + len(MARKS)) + start).tolist()
+
+    def value(i: int) -> bytes:  # entry i's bytes, for an error's wording
+        return bytes(framed[ends[i] - lengths[i] : ends[i]])
+
+    return _whole_columns(raw_keys, value, encoded, codes.tolist(), shard, offset, size, crc,
+                          n, path)
+
+
+class _Fields(NamedTuple):
+    """An entry's scalar fields, as `_stored` reads them."""
+
+    shard_id: int
+    offset: int
+    size: int
+    crc32c: int
+
+
+def _fields(shard: np.ndarray, offset: np.ndarray, size: np.ndarray, crc: np.ndarray, i: int
+            ) -> _Fields:
+    return _Fields(int(shard[i]), int(offset[i]), int(size[i]), int(crc[i]))
+
+
 @dataclass(slots=True)
 class _Rows:
     """The stored (non-string) entries, column-wise: shard, offset, tensor row, size, crc32c,
@@ -347,58 +450,68 @@ _Text = tuple[int, int, int, int, str, tuple[int, ...]]
 _Columns = tuple[list[str], list[str], list[tuple[int, ...]], _Rows, list[_Text]]
 
 
-def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
-                   ) -> _Columns:
-    """The columns of a bundle whose tensors are all stored whole (no slices): the fields of
-    the entries read field by field, checked in bulk; an entry failing a check is looked at
-    alone for the error's wording."""
-    raw_keys = [k for k, _ in body]
+def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], codes: list[int],
+                   shard: np.ndarray, offset: np.ndarray, size: np.ndarray, crc: np.ndarray,
+                   n: int, path: str) -> _Columns:
+    """The columns of a bundle whose tensors are all stored whole (no slices), from its
+    entries' keys and fields (`value(i)`: entry i's bytes), checked in bulk; an entry failing
+    a check is looked at alone for the error's wording."""
     try:
         all_keys = [k.decode("utf-8") for k in raw_keys]
     except UnicodeDecodeError:
         raw = next(k for k in raw_keys if not _is_utf8(k))
         raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
-    encoded = [f.shape for f in parsed]
     shape_of = _shapes_at_once(list(dict.fromkeys(encoded)))
     if shape_of is None:  # one is bad: find it in order, for the wording
         shape_of = {}
         for i, e in enumerate(encoded):
             if e not in shape_of:
-                shape_of[e] = _dims(e, raw_keys[i], body[i][1], all_keys[i], path)
+                shape_of[e] = _dims(e, raw_keys[i], value(i), all_keys[i], path)
     all_shapes = list(map(shape_of.__getitem__, encoded))
-    codes = [f.dtype for f in parsed]
-    names = [DTYPE_OF.get(c, "") for c in codes]
-    if "" in names:
-        i = names.index("")
-        _dtype(_entry(raw_keys[i], body[i][1], path), all_keys[i], path)
-    count = len(parsed)
-    shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
-                                for name in ("shard_id", "offset", "size", "crc32c"))
+    names = list(map(DTYPE_OF.get, codes))
+    if None in names:
+        i = names.index(None)
+        _dtype(_entry(raw_keys[i], value(i), path), all_keys[i], path)
     texts: list[_Text] = []
-    if STRING in names:
-        keep = [i for i, d in enumerate(names) if d != STRING]
-        for i in (i for i, d in enumerate(names) if d == STRING):
-            t = _stored(parsed[i], all_keys[i], STRING, all_shapes[i], WHOLE, all_keys[i], -1,
-                        n, path, 0)
+    if STRING in names:  # a few (the object graph): taken out of the columns
+        at = [i for i in range(len(names)) if names[i] == STRING] if names.count(
+            STRING) > 64 else _positions(names, STRING)
+        for i in at:
+            t = _stored(_fields(shard, offset, size, crc, i), all_keys[i], STRING,
+                        all_shapes[i], WHOLE, all_keys[i], -1, n, path, 0)
             texts.append((t[0], t[1], t[6], t[5], all_keys[i], all_shapes[i]))
-        at = np.array(keep, np.int64)
-        shard, offset, size, crc = shard[at], offset[at], size[at], crc[at]
-        keys = [all_keys[i] for i in keep]
-        dtypes = [names[i] for i in keep]
-        shapes = [all_shapes[i] for i in keep]
-        entries = [parsed[i] for i in keep]
+        shard, offset, size, crc = (np.delete(c, at) for c in (shard, offset, size, crc))
+        keys, dtypes, shapes = all_keys, names, all_shapes
+        for i in reversed(at):
+            del keys[i], dtypes[i], shapes[i]
     else:
-        keys, dtypes, shapes, entries = all_keys, names, all_shapes, parsed
+        keys, dtypes, shapes = all_keys, names, all_shapes
     counts = {s: math.prod(s) for s in shape_of.values()}
     sizes = {d: itemsize(d) for d in set(dtypes)}
-    expected = np.fromiter(map(operator.mul, map(counts.__getitem__, shapes),
-                               map(sizes.__getitem__, dtypes)), np.int64, len(keys))
+    expected = np.fromiter(map(counts.__getitem__, shapes), np.int64, len(keys))
+    if len(sizes) == 1:
+        expected *= next(iter(sizes.values()))
+    else:
+        expected *= np.fromiter(map(sizes.__getitem__, dtypes), np.int64, len(keys))
     bad = np.flatnonzero((size != expected) | (offset < 0) | (shard < 0) | (shard >= n))
     if len(bad):
         i = int(bad[0])
-        _stored(entries[i], keys[i], dtypes[i], shapes[i], WHOLE, keys[i], i, n, path, i)
+        _stored(_fields(shard, offset, size, crc, i), keys[i], dtypes[i], shapes[i], WHOLE,
+                keys[i], i, n, path, i)
     order = np.arange(len(keys), dtype=np.int64)
     return keys, dtypes, shapes, _Rows((shard, offset, order, size, crc, order), []), texts
+
+
+def _positions(items: list[Any], value: Any) -> list[int]:
+    """The indexes of `value` in `items` (a few: one list.index each)."""
+    out: list[int] = []
+    i = -1
+    try:
+        while True:
+            i = items.index(value, i + 1)
+            out.append(i)
+    except ValueError:
+        return out
 
 
 def _shapes_at_once(distinct: list[bytes]) -> dict[bytes, tuple[int, ...]] | None:
