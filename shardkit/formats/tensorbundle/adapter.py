@@ -46,6 +46,7 @@ from ...tensors import DEFAULT_DEVICE, _gc_paused
 from ..base import FormatAdapter, ParsedHeader
 from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
 from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
+from .source import _align
 from .table import read_table, read_table_framed
 
 BUNDLE_VERSION: Final = 1  # kTensorBundleVersion: the producer version written, the consumer read
@@ -75,6 +76,8 @@ class TensorBundleIndex(CheckpointIndex):
 
     begins: list[list[int]] = field(default_factory=list)
     num_shards: int = 0
+    aligned: list[bool] = field(default_factory=list)
+    """Per data file: every entry starts at a multiple of its dtype's alignment."""
 
     def layout(self, shard: int) -> tuple[list[str], list[str], list[tuple[int, ...]],
                                           list[int]]:
@@ -213,7 +216,8 @@ class TensorBundle(FormatAdapter):
         from .source import BundleData
 
         assert isinstance(index, TensorBundleIndex)
-        return BundleData(path, info, index.layout(i), mmap=mmap, file=file)
+        return BundleData(path, info, index.layout(i), mmap=mmap, file=file,
+                          aligned=bool(index.aligned) and index.aligned[i])
 
     def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
         from .checksums import entry_checksum
@@ -279,10 +283,16 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             f.close()
         shards.append(ShardInfo(file, 0, "raw", file_size))
     shard, offset, row, size, crc, order = rows.columns
-    place = np.lexsort((order, offset, shard))  # by shard, then offset, then index order
-    shard, offset, row, size, crc = shard[place], offset[place], row[place], size[place], crc[
-        place]
-    specs = [rows.specs[i] for i in place.tolist()] if rows.specs else [WHOLE] * len(place)
+    steps = shard[1:] - shard[:-1]
+    if ((steps > 0) | ((steps == 0) & (offset[1:] >= offset[:-1]))).all() and (
+            order[1:] > order[:-1]).all():
+        place = order  # in that order already (TensorFlow writes in key order): no sort
+        specs = rows.specs or [WHOLE] * len(place)
+    else:
+        place = np.lexsort((order, offset, shard))  # by shard, then offset, then index order
+        shard, offset, row, size, crc = (shard[place], offset[place], row[place], size[place],
+                                         crc[place])
+        specs = [rows.specs[i] for i in place.tolist()] if rows.specs else [WHOLE] * len(place)
     limits = np.array([s.bytes for s in shards], np.int64)
     past = np.flatnonzero(offset + size > limits[shard]) if len(place) else place
     for t in texts:
@@ -309,6 +319,15 @@ def decode_bundle(data: bytes, path: str, prefix: str,
         slice_checksum_kind=[CRC32C] * len(slice_tensor), num_shards=n)
     index.begins = [[] for _ in files]
     bounds = np.searchsorted(shard, np.arange(n + 1)).tolist()
+    alignment = {d: _align(d) for d in set(dtypes)}
+    if len(alignment) == 1:
+        step = next(iter(alignment.values()))
+    else:
+        step = np.array(list(map(alignment.__getitem__, dtypes)), np.int64)[row]
+    off = np.flatnonzero(offset % step)
+    index.aligned = [True] * n
+    for s_ in set(shard[off].tolist()):
+        index.aligned[s_] = False
     for i in range(n):
         index.begins[i] = begins[bounds[i] : bounds[i + 1]]
     if texts:
