@@ -5,9 +5,12 @@
 
 Per workload (bench/_workloads.py, flattened to checkpoint keys), in one process:
 
-- read: a checkpoint written once by ``tf.train.Checkpoint(**variables).write`` is read with
-  ``tf.train.load_checkpoint`` + ``get_tensor`` per key, and with ``shardkit.load`` of the same
-  files (memory-mapped views, the default; and ``mmap=False``, which reads every byte);
+- read (the one definition of this comparison; bench/bench_tensorflow.py does not repeat it):
+  a checkpoint written once by ``tf.train.Checkpoint(**variables).write`` is read by
+  TensorFlow as ``tf.train.load_checkpoint(prefix)`` + one ``get_tensor(key)`` per key, the
+  key list taken outside the timing (``tf.train.list_variables``, once: TensorFlow is not
+  timed listing its keys), and by shardkit as ``shardkit.load(prefix)``, which returns every
+  tensor (memory-mapped views, the default; and ``mmap=False``, which reads every byte);
 - write: the same arrays written by ``tf.train.Checkpoint.write`` (from the variables) and by
   ``shardkit.save(..., format="tensorflow", durable=False)`` (TensorFlow does not fsync either).
 
