@@ -18,6 +18,7 @@ import math
 import operator
 import os
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -355,15 +356,35 @@ def _entry_columns(body: list[tuple[bytes, bytes]], n: int, path: str) -> _Colum
         for k, v in body:
             _entry(k, v, path)  # the first that does not parse raises, naming its key
         raise
+    encoded = [f.shape for f in parsed]
+    for i in _merged_shapes([v for _, v in body]):  # protobuf merges a message field given
+        encoded[i] = _entry(*body[i], path).shape.SerializeToString()  # twice: as it does
     # slice keys start with a 0 byte: in key order (checked) they come first after the header
     if (body and body[0][0][:1] == b"\x00") or any(map(operator.attrgetter("slices"), parsed)):
-        return _general_columns(body, parsed, n, path)
+        return _general_columns(body, parsed, encoded, n, path)
     count = len(parsed)
     shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
                                 for name in ("shard_id", "offset", "size", "crc32c"))
-    return _whole_columns([k for k, _ in body], [v for _, v in body].__getitem__,
-                          [f.shape for f in parsed], [f.dtype for f in parsed],
-                          shard, offset, size, crc, n, path)
+    return _whole_columns([k for k, _ in body], [v for _, v in body].__getitem__, encoded,
+                          [f.dtype for f in parsed], shard, offset, size, crc, n, path)
+
+
+def _merged_shapes(values: list[bytes]) -> list[int]:
+    """The entries (of encodings `values`) that hold their shape field more than once, which
+    protobuf merges: their shapes are not the last one's bytes. All of them when that cannot
+    be told (an entry holds a shape of one byte, which is none)."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import MARKS, parse_columns
+
+    try:
+        column = parse_columns(b"".join(chain.from_iterable(zip(repeat(MARKS), values)))).shape
+    except DecodeError:
+        return list(range(len(values)))
+    marks = np.flatnonzero(np.fromiter(map(len, column), np.int64, len(column)) == 1)
+    if len(marks) != len(values):
+        return list(range(len(values)))
+    return np.flatnonzero(np.diff(marks, append=len(column)) > 2).tolist()
 
 
 def _marked(column: Any, count: int, dtype: Any = np.int64) -> np.ndarray | None:
@@ -381,6 +402,27 @@ def _marked(column: Any, count: int, dtype: Any = np.int64) -> np.ndarray | None
         return None
     return np.where(runs == 2, values[np.minimum(marks + 1, len(values) - 1)], 0).astype(
         np.int64)
+
+
+def _marked_shapes(column: Any, count: int) -> tuple[list[bytes], np.ndarray] | None:
+    """Per entry, its encoded shape (b"" when it has none: a scalar) and whether it has one,
+    from the shapes decoded by `protos.parse_columns` (each entry's after its one-byte mark);
+    None when the marks do not tell the entries apart (a shape of one byte, which is no
+    shape, or an entry with two)."""
+    values = np.empty(len(column), object)
+    values[:] = list(column)
+    marks = np.flatnonzero(np.fromiter(map(len, values), np.int64, len(values)) == 1)
+    if len(marks) != count:
+        return None
+    if count == 0:
+        return [], np.zeros(0, bool)
+    runs = np.diff(marks, append=len(values))
+    if runs.max() > 2:
+        return None
+    present = runs == 2
+    shapes = values[np.minimum(marks + 1, len(values) - 1)]
+    shapes[~present] = b""
+    return shapes.tolist(), present
 
 
 def _varint_sizes(values: np.ndarray) -> np.ndarray:
@@ -415,7 +457,7 @@ def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, length
                                else b"")
     except DecodeError:
         return None
-    if len(fields.slices) or len(fields.shape) != count:
+    if len(fields.slices):
         return None
     codes = _marked(fields.dtype, count)
     shard = _marked(fields.shard_id, count)
@@ -424,9 +466,12 @@ def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, length
     crc = _marked(fields.crc32c, count, np.uint32)
     if codes is None or shard is None or offset is None or size is None or crc is None:
         return None
-    encoded = list(fields.shape)
+    got = _marked_shapes(fields.shape, count)
+    if got is None:
+        return None
+    encoded, present = got
     shape_bytes = np.fromiter(map(len, encoded), np.int64, count)
-    expected = 1 + _varint_sizes(shape_bytes) + shape_bytes + 5 * (crc != 0)
+    expected = present * (1 + _varint_sizes(shape_bytes) + shape_bytes) + 5 * (crc != 0)
     for column in (codes, shard, offset, size):
         expected += (column != 0) * (1 + _varint_sizes(column))
     stored = np.array(lengths, np.int64)
@@ -560,8 +605,8 @@ def _is_utf8(b: bytes) -> bool:
     return True
 
 
-def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
-                     ) -> _Columns:
+def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shapes: list[bytes],
+                     n: int, path: str) -> _Columns:
     """The columns of any bundle, entry by entry: sliced tensors are reassembled from the
     entries of their slices."""
     position: dict[bytes, int] | None = None  # key -> position in body, built for slices
@@ -572,14 +617,13 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path:
     texts: list[_Text] = []
     itemsizes = {name: (0 if name == STRING else itemsize(name)) for name in DATATYPE_OF}
     shape_of: dict[bytes, tuple[int, ...]] = {}  # encoded TensorShapeProto -> its dims
-    for (raw_key, value), flat in zip(body, parsed):
+    for (raw_key, value), flat, encoded in zip(body, parsed, encoded_shapes):
         if raw_key[:1] == b"\x00":
             continue  # a slice, read through its tensor's entry
         try:
             key = raw_key.decode("utf-8")
         except UnicodeDecodeError:
             raise CorruptIndexError(f"{path}: key {_shown(raw_key)} is not valid UTF-8") from None
-        encoded = flat.shape
         shape = shape_of.get(encoded)  # type: ignore[assignment]
         if shape is None:
             shape = shape_of[encoded] = _dims(encoded, raw_key, value, key, path)

@@ -184,17 +184,19 @@ def parse_shapes(values: list[bytes]) -> Any:
     return TensorShapes.FromString(_framed(values)).shape
 
 
-MARKS: Final = bytes.fromhex("0800" "1800" "2000" "2800" "3500000000")
-"""An explicit zero of each scalar field of a BundleEntryProto (dtype, shard_id, offset, size,
-crc32c), put before each entry by `parse_columns`: an encoder omits zeros, so without marks
-nobody could tell whose values a column holds."""
+MARKS: Final = bytes.fromhex("0800" "1201ff" "1800" "2000" "2800" "3500000000")
+"""Put before each entry by `parse_columns`: an explicit zero of each scalar field of a
+BundleEntryProto (dtype, shard_id, offset, size, crc32c), and a shape of one byte (no valid
+TensorShapeProto encoding is one byte long): an encoder omits zeros and may omit an empty
+shape, so without marks nobody could tell whose values a column holds."""
 
 
 def parse_columns(framed: bytes | bytearray | memoryview) -> Any:
     """The BundleEntryFields message of `framed`: BundleEntryProto encodings, each after
-    `MARKS`, decoded by one protobuf call. Each scalar field then lists, per entry, its mark (0)
-    followed by the entry's own values of that field (none when the entry leaves it at 0); the
-    shapes and slices are listed as they come. DecodeError if the bytes do not parse."""
+    `MARKS`, decoded by one protobuf call. Each scalar field and the shapes then list, per
+    entry, its mark (0, or a one-byte shape) followed by the entry's own values of that field
+    (none when the entry leaves it out); the slices are listed as they come. DecodeError if
+    the bytes do not parse."""
     return BundleEntryFields.FromString(framed)
 
 
