@@ -35,13 +35,21 @@ def _bits(a) -> tuple:
     return a.dtype.str, a.shape, a.tobytes()
 
 
-def test_many_variables_restored_in_place_bit_exact(tf, tmp_path):
-    """More variables than two batches (READ_BATCH), six dtypes: every one assigned, each the
-    same object (and the same resource) as before."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_variables_saved_and_restored_in_place_bit_exact(tf, tmp_path, monkeypatch,
+                                                              threads):
+    """More variables than two batches (READ_BATCH), six dtypes, read and assigned one batch
+    after the other or on threads: every one assigned, each the same object (and the same
+    resource) as before."""
     from shardkit.frameworks import tensorflow as tfw
+
+    monkeypatch.setattr(tfw, "TF_THREADS", threads)
+    monkeypatch.setattr(tfw, "_spare_core", lambda: True)
 
     values = _values(2 * tfw.READ_BATCH + 50)
     shardkit.save(tmp_path / "c", {k: tf.Variable(v) for k, v in values.items()}, durable=False)
+    stored = shardkit.load(tmp_path / "c")
+    assert all(_bits(stored[k]) == _bits(v) for k, v in values.items())
     fresh = {k: tf.Variable(np.zeros_like(v)) for k, v in values.items()}
     ids = {k: id(v) for k, v in fresh.items()}
     handles = {k: v.handle for k, v in fresh.items()}

@@ -144,13 +144,23 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
 _POOL: list[WorkerPool] = []  # made on first use
 TF_THREADS = min(4, os.cpu_count() or 1)
 """Threads issuing batches of TensorFlow ops (reads, assigns): TensorFlow's executor runs
-each op without the GIL, so two batches on two cores take about 40% less time than one
-after the other (50,000 small variables)."""
+each op without the GIL, so on an idle 2-core machine two batches at a time take about 40%
+less time than one after the other (50,000 small variables); on a machine whose cores are
+busy already they take about 30% more, so they are used only when a core is spare."""
+
+
+def _spare_core() -> bool:
+    """The 1-minute load average leaves at least one core idle (True where it is unknown)."""
+    try:
+        return os.getloadavg()[0] <= (os.cpu_count() or 1) - 1
+    except (AttributeError, OSError):
+        return True
 
 
 def _in_parallel(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
-    """``[fn(job) for job in jobs]``, on TF_THREADS threads when there are several jobs."""
-    if len(jobs) < 2 or TF_THREADS < 2:
+    """``[fn(job) for job in jobs]``, on TF_THREADS threads when there are several jobs and a
+    spare core."""
+    if len(jobs) < 2 or TF_THREADS < 2 or not _spare_core():
         return [fn(job) for job in jobs]
     if not _POOL:
         _POOL.append(WorkerPool(TF_THREADS, "shardkit-tf"))
@@ -172,7 +182,9 @@ def _read_batch(variables: list[Any], dtype: Any, device: str) -> list[np.ndarra
                 ctx=context.context())
     except Exception:  # not in this TensorFlow, or not on this device: one read each
         return [_host_array(v) for v in variables]
-    return [_as_array(t._numpy()) for t in tensors]
+    arrays = [t._numpy() for t in tensors]
+    ndarray = np.ndarray
+    return arrays if all(type(a) is ndarray for a in arrays) else list(map(_as_array, arrays))
 
 
 def _as_array(x: Any) -> np.ndarray:
