@@ -532,10 +532,11 @@ def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], code
             if e not in shape_of:
                 shape_of[e] = _dims(e, raw_keys[i], value(i), all_keys[i], path)
     all_shapes = list(map(shape_of.__getitem__, encoded))
-    names = list(map(DTYPE_OF.get, codes))
-    if None in names:
-        i = names.index(None)
+    found = list(map(DTYPE_OF.get, codes))
+    if None in found:
+        i = found.index(None)
         _dtype(_entry(raw_keys[i], value(i), path), all_keys[i], path)
+    names: list[str] = found  # type: ignore[assignment]  # none is None: _dtype raised
     texts: list[_Text] = []
     if STRING in names:  # a few (the object graph): taken out of the columns
         at = [i for i in range(len(names)) if names[i] == STRING] if names.count(

@@ -25,7 +25,7 @@ import itertools
 import operator
 import struct
 from collections.abc import Iterable, Iterator
-from typing import Final
+from typing import Any, Final
 
 from ..._kernels import _sstable
 from ...errors import CorruptIndexError
@@ -218,8 +218,7 @@ def _block(data: bytes, offset: int, size: int, path: str, what: str) -> memoryv
 
 
 def _entries(block: memoryview, path: str, what: str,
-             framed: tuple[bytes, bytearray, list[int]] | None = None
-             ) -> list[tuple[bytes, bytes]] | list[bytes]:
+             framed: tuple[bytes, bytearray, list[int]] | None = None) -> list[Any]:
     """The (key, value) pairs of `block`; with `framed` (prefix, out, lengths) its keys, the
     values appended to out after the prefix (`_sstable.block_framed`)."""
     n = len(block)
@@ -236,7 +235,7 @@ def _entries(block: memoryview, path: str, what: str,
         raise CorruptIndexError(f"{path}: {what} has bad restart points {list(restarts)[:8]}")
     try:
         if framed is not None:
-            return _sstable.block_framed(block, limit, restarts, *framed)  # type: ignore
+            return _sstable.block_framed(block, limit, restarts, *framed)  # type: ignore[no-any-return]
         keys, values = _sstable.block_entries(block, limit, restarts)
     except ValueError as e:
         raise CorruptIndexError(f"{path}: {what}: {e}") from None
@@ -248,7 +247,7 @@ def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
     block trailer (masked crc32c) and the key order are checked."""
     items: list[tuple[bytes, bytes]] = []
     for block in _data_blocks(data, path, None):
-        items.extend(block)  # type: ignore[arg-type]
+        items.extend(block)
     _check_order([k for k, _ in items], path)
     return items
 
@@ -262,7 +261,7 @@ def read_table_framed(data: bytes, path: str, prefix: bytes
     lengths: list[int] = []
     keys: list[bytes] = []
     for block in _data_blocks(data, path, (prefix, out, lengths)):
-        keys.extend(block)  # type: ignore[arg-type]
+        keys.extend(block)
     _check_order(keys, path)
     return keys, out, lengths
 
@@ -274,7 +273,7 @@ def _check_order(keys: list[bytes], path: str) -> None:
 
 
 def _data_blocks(data: bytes, path: str, framed: tuple[bytes, bytearray, list[int]] | None
-                 ) -> Iterator[list[tuple[bytes, bytes]] | list[bytes]]:
+                 ) -> Iterator[list[Any]]:
     """The data blocks of the table `data` in order, each as `_entries` gives it; the footer,
     the index block and every block trailer checked, and each block's last key against its
     index key."""
