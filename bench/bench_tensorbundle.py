@@ -15,8 +15,9 @@ Per workload (bench/_workloads.py, flattened to checkpoint keys), in one process
   ``shardkit.save(..., format="tensorflow", durable=False)`` (TensorFlow does not fsync either).
 
 Rounds alternate between the contenders, in an order rotated each round (the writes' new
-files can push the checkpoint out of the page cache, and whoever reads first pays for it);
-medians are printed with ratios.
+files can push the checkpoint out of the page cache, and whoever reads first pays for it), and
+the dirty pages of one step are synced (untimed) before the next starts; medians are printed
+with ratios.
 ``--check`` exits 1 unless shardkit.load reads the many-small checkpoint at least 3x as fast as
 load_checkpoint + get_tensor (the issue's target).
 """
@@ -53,6 +54,7 @@ def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def _median_time(fn: Any, rounds: list[float]) -> None:
+    os.sync()  # untimed, as bench_tensorflow.py: no step pays for the last one's writeback
     t = time.perf_counter()
     fn()
     rounds.append(time.perf_counter() - t)
