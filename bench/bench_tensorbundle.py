@@ -5,15 +5,19 @@
 
 Per workload (bench/_workloads.py, flattened to checkpoint keys), in one process:
 
-- read: a checkpoint written once by ``tf.train.Checkpoint(**variables).write`` is read with
-  ``tf.train.load_checkpoint`` + ``get_tensor`` per key, and with ``shardkit.load`` of the same
-  files (memory-mapped views, the default; and ``mmap=False``, which reads every byte);
+- read (the one definition of this comparison; bench/bench_tensorflow.py does not repeat it):
+  a checkpoint written once by ``tf.train.Checkpoint(**variables).write`` is read by
+  TensorFlow as ``tf.train.load_checkpoint(prefix)`` + one ``get_tensor(key)`` per key, the
+  key list taken outside the timing (``tf.train.list_variables``, once: TensorFlow is not
+  timed listing its keys), and by shardkit as ``shardkit.load(prefix)``, which returns every
+  tensor (memory-mapped views, the default; and ``mmap=False``, which reads every byte);
 - write: the same arrays written by ``tf.train.Checkpoint.write`` (from the variables) and by
   ``shardkit.save(..., format="tensorflow", durable=False)`` (TensorFlow does not fsync either).
 
 Rounds alternate between the contenders, in an order rotated each round (the writes' new
-files can push the checkpoint out of the page cache, and whoever reads first pays for it);
-medians are printed with ratios.
+files can push the checkpoint out of the page cache, and whoever reads first pays for it), and
+the dirty pages of one step are synced (untimed) before the next starts; medians are printed
+with ratios.
 ``--check`` exits 1 unless shardkit.load reads the many-small checkpoint at least 3x as fast as
 load_checkpoint + get_tensor (the issue's target).
 """
@@ -50,6 +54,7 @@ def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def _median_time(fn: Any, rounds: list[float]) -> None:
+    os.sync()  # untimed, as bench_tensorflow.py: no step pays for the last one's writeback
     t = time.perf_counter()
     fn()
     rounds.append(time.perf_counter() - t)

@@ -5,9 +5,8 @@
 
 The llm-like and many-small states of `_workloads` become tf.Variables (one per tensor, flat
 names). Each round, in this order: ``tf.train.Checkpoint(**variables).write(prefix)``,
-``shardkit.save(path, variables)``, ``Checkpoint.read(prefix)``, ``shardkit.restore_into(path,
-variables)`` (in place), and, when shardkit reads TensorBundle checkpoints,
-``tf.train.load_checkpoint(prefix)`` + ``get_tensor`` per key against ``shardkit.load(prefix)``.
+``shardkit.save(path, variables)``, ``Checkpoint.read(prefix)`` against
+``shardkit.restore_into(path, variables)`` (both in place, into the same variables).
 Before the rounds, each side writes once untimed (its one-time costs, reported apart), so
 the medians compare warm steady-state saves. Medians over the rounds are reported, with the
 time shardkit spends turning the variables into host arrays. What each side writes: TensorFlow
@@ -19,8 +18,11 @@ pages of one measurement are synced (untimed) before the next starts, so neither
 other's writeback. Neither side fsyncs (TensorFlow's writer does not; shardkit runs with
 ``durable=False`` for the comparison, and ``durable=True`` is reported too).
 
-Targets (--check): save at least 2x TensorFlow's write (llm-like) and 20x (many-small);
-reading a TensorFlow checkpoint at least 3x load_checkpoint + get_tensor (many-small).
+Reading a TensorFlow checkpoint (``tf.train.load_checkpoint`` + ``get_tensor`` per key
+against ``shardkit.load``) is measured by bench/bench_tensorbundle.py alone, with its one
+definition.
+
+Targets (--check): save at least 2x TensorFlow's write (llm-like) and 20x (many-small).
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ import _workloads
 import shardkit
 from shardkit.tensors import flatten, host_columns
 
-TARGETS = {("llm", "save"): 2.0, ("many-small", "save"): 20.0,
-           ("many-small", "read_tf_checkpoint"): 3.0}
+TARGETS = {("llm", "save"): 2.0, ("many-small", "save"): 20.0}
 
 
 def _variables(tf, name: str, quick: bool) -> tuple[dict, int]:
@@ -69,13 +70,11 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
     variables, nbytes = _variables(tf, name, quick)
     ckpt = tf.train.Checkpoint(**variables)
     times: dict[str, list[float]] = {}
-    can_read_tf: bool | None = None
 
     def add(what: str, seconds: float) -> None:
         times.setdefault(what, []).append(seconds)
 
     def one_round(prefix: str, sk: Path, tf_first: bool) -> None:
-        nonlocal can_read_tf
         writes = [("tf_write", lambda: ckpt.write(prefix)),
                   ("sk_save", lambda: shardkit.save(sk, variables, durable=False))]
         for what, fn in writes if tf_first else writes[::-1]:
@@ -84,20 +83,6 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
         add("sk_save_durable", _timed(lambda: shardkit.save(sk, variables, overwrite=True)))
         add("tf_read", _timed(lambda: ckpt.read(prefix).assert_consumed()))
         add("sk_restore", _timed(lambda: shardkit.restore_into(sk, variables)))
-        if can_read_tf is None:
-            try:
-                with shardkit.open(prefix):
-                    can_read_tf = True
-            except shardkit.ShardkitError:
-                can_read_tf = False  # no TensorBundle reader in this shardkit
-        if can_read_tf:
-            def tf_get() -> None:
-                reader = tf.train.load_checkpoint(prefix)
-                for key in reader.get_variable_to_shape_map():
-                    reader.get_tensor(key)
-
-            add("tf_load_checkpoint", _timed(tf_get))
-            add("sk_load_tf_checkpoint", _timed(lambda: shardkit.load(prefix)))
 
     # Warm-up, outside the medians and reported apart: each side's first write in the process
     # pays one-time costs (TensorFlow builds its save function; shardkit's batched reads make
@@ -122,8 +107,6 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
               f"{max(times[k]):.3f} s)")
     ratios = {"save": med["tf_write"] / med["sk_save"],
               "restore": med["tf_read"] / med["sk_restore"]}
-    if "tf_load_checkpoint" in med:
-        ratios["read_tf_checkpoint"] = med["tf_load_checkpoint"] / med["sk_load_tf_checkpoint"]
     print(f"  shardkit spends {med['sk_flatten']:.3f} s of its save turning the variables "
           "into host arrays")
     for k, v in ratios.items():
@@ -131,9 +114,6 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
         note = "" if target is None else f"  (target >= {target:g}x: "
         note += "" if target is None else ("met)" if v >= target else "MISSED)")
         print(f"  speed-up {k:20s} {v:6.1f}x{note}")
-    if not can_read_tf:
-        print("  reading a TensorFlow checkpoint: not measured (shardkit.open cannot read "
-              "TensorBundle checkpoints in this build)")
     return ratios
 
 

@@ -7,6 +7,7 @@ Python (three varints, a key built from two slices and a value slice per entry);
 and value is one bytes object made from the block's memory.
 """
 
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcpy
@@ -41,6 +42,21 @@ def block_entries(const unsigned char[::1] block, Py_ssize_t limit, restarts):
     `restarts`, the restart offsets, sorted, the first 0). ValueError saying which entry is
     bad: a malformed varint, a key sharing more bytes than the previous key has or sharing any
     at a restart point, an entry running past `limit`."""
+    return _walk(block, limit, restarts, None, None, None)
+
+
+def block_framed(const unsigned char[::1] block, Py_ssize_t limit, restarts, bytes prefix,
+                 bytearray out, list lengths):
+    """The keys of the entries in ``block[:limit]`` (as `block_entries`, the same checks),
+    their values appended to `out`, each after `prefix` (so that one protobuf parse of `out`
+    reads them all), and their lengths appended to `lengths`. After a ValueError the contents
+    of `out` and `lengths` are unspecified."""
+    return _walk(block, limit, restarts, prefix, out, lengths)[0]
+
+
+cdef tuple _walk(const unsigned char[::1] block, Py_ssize_t limit, restarts, bytes prefix,
+                 bytearray out, list lengths):
+    """`block_entries`, or with `out` `block_framed` (values left None)."""
     cdef Py_ssize_t n = block.shape[0]
     if limit < 0 or limit + 3 > n:
         raise ValueError(f"limit {limit} leaves no room for the restart array")
@@ -56,6 +72,11 @@ def block_entries(const unsigned char[::1] block, Py_ssize_t limit, restarts):
     cdef bytes key
     cdef Py_ssize_t last_len = 0
     cdef bint at_restart
+    cdef bint framed = out is not None
+    cdef Py_ssize_t plen = PyBytes_GET_SIZE(prefix) if framed else 0
+    cdef Py_ssize_t used = PyByteArray_GET_SIZE(out) if framed else 0
+    cdef Py_ssize_t room = used
+    cdef char* dst
     while pos < limit:
         at = pos
         shared, unshared, length = p[pos], p[pos + 1], p[pos + 2]
@@ -88,8 +109,21 @@ def block_entries(const unsigned char[::1] block, Py_ssize_t limit, restarts):
         if unshared:
             memcpy(PyBytes_AS_STRING(key) + shared, p + pos, unshared)
         keys.append(key)
-        values.append(PyBytes_FromStringAndSize(<const char*>(p + end), length))
+        if framed:
+            if used + plen + length > room:
+                room = 2 * room + plen + length + 4096
+                PyByteArray_Resize(out, room)
+            dst = PyByteArray_AS_STRING(out)
+            memcpy(dst + used, PyBytes_AS_STRING(prefix), plen)
+            if length:
+                memcpy(dst + used + plen, p + end, length)
+            used += plen + length
+            lengths.append(length)
+        else:
+            values.append(PyBytes_FromStringAndSize(<const char*>(p + end), length))
         pos = stop
         last = key
         last_len = PyBytes_GET_SIZE(key)
+    if framed and room != used:
+        PyByteArray_Resize(out, used)
     return keys, values

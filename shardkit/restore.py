@@ -110,7 +110,17 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
         reader._read_boxes_into(
             [(key, box, target) for key, target, _, box in plans if box is not None])
         done = {key for key, _, _, box in plans if box is not None} | direct
+        assigns = [(key, writeback) for key, target, writeback, _ in plans if key not in done
+                   and callable(writeback) and not target.flags.writeable]
+        if assigns:  # TensorFlow variables: read in bulk, assigned in one batch
+            from .frameworks import tensorflow as tfw
+
+            stored_all = reader._get_many([key for key, _ in assigns])
+            tfw.assign_all([(fn, stored_all[key]) for key, fn in assigns])
+        assigned = {key for key, _ in assigns}
         for key, target, writeback, _ in plans:
+            if key in assigned:
+                continue
             if key not in done:
                 stored = reader.get(key)
                 if callable(writeback) and not target.flags.writeable:

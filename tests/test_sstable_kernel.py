@@ -78,3 +78,31 @@ def test_bad_blocks_are_refused_with_the_same_words(impl, case):
     with pytest.raises(ValueError) as expected:
         twin.block_entries(raw, limit, restarts)
     assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("interval", [1, 16])
+def test_framed_values_follow_their_prefix(impl, interval):
+    """block_framed: the keys as block_entries gives them, the values appended to the buffer
+    after the prefix (after what it held already), their lengths appended to the list."""
+    raw, limit, restarts = _block(ITEMS, interval)
+    out = bytearray(b"head")
+    lengths = [7]
+    keys = impl.block_framed(raw, limit, restarts, b"\x08\x00", out, lengths)
+    assert keys == [k for k, _ in ITEMS] and all(type(k) is bytes for k in keys)
+    assert bytes(out) == b"head" + b"".join(b"\x08\x00" + v for _, v in ITEMS)
+    assert lengths == [7] + [len(v) for _, v in ITEMS]
+    empty = bytearray()
+    assert impl.block_framed(*_block([(b"", b""), (b"a", b"")])[:3], b"", empty, []) == [
+        b"", b"a"] and empty == b""
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", range(6))
+def test_framed_bad_blocks_are_refused_with_the_same_words(impl, case):
+    words, raw, limit, restarts = _bad_cases()[case]
+    with pytest.raises(ValueError, match=words) as got:
+        impl.block_framed(raw, limit, restarts, b"\x00", bytearray(), [])
+    with pytest.raises(ValueError) as expected:
+        twin.block_entries(raw, limit, restarts)
+    assert str(got.value) == str(expected.value)

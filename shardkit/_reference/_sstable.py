@@ -61,3 +61,17 @@ def block_entries(block: bytes | bytearray | memoryview, limit: int, restarts: S
         pos = stop
         last = key
     return keys, values
+
+
+def block_framed(block: bytes | bytearray | memoryview, limit: int, restarts: Sequence[int],
+                 prefix: bytes, out: bytearray, lengths: list[int]) -> list[bytes]:
+    """The keys of the entries in ``block[:limit]`` (as `block_entries`, the same checks),
+    their values appended to `out`, each after `prefix` (so that one protobuf parse of `out`
+    reads them all), and their lengths appended to `lengths`. After a ValueError the contents
+    of `out` and `lengths` are unspecified."""
+    keys, values = block_entries(block, limit, restarts)
+    for v in values:
+        out += prefix
+        out += v
+        lengths.append(len(v))
+    return keys

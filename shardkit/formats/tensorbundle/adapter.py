@@ -18,7 +18,8 @@ import math
 import operator
 import os
 from dataclasses import dataclass, field
-from typing import Any, Final
+from itertools import chain, repeat
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -46,7 +47,8 @@ from ...tensors import DEFAULT_DEVICE, _gc_paused
 from ..base import FormatAdapter, ParsedHeader
 from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
 from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
-from .table import read_table
+from .source import _align
+from .table import read_table, read_table_framed
 
 BUNDLE_VERSION: Final = 1  # kTensorBundleVersion: the producer version written, the consumer read
 BUNDLE_MIN_PRODUCER: Final = 0  # kTensorBundleMinProducer
@@ -75,6 +77,8 @@ class TensorBundleIndex(CheckpointIndex):
 
     begins: list[list[int]] = field(default_factory=list)
     num_shards: int = 0
+    aligned: list[bool] = field(default_factory=list)
+    """Per data file: every entry starts at a multiple of its dtype's alignment."""
 
     def layout(self, shard: int) -> tuple[list[str], list[str], list[tuple[int, ...]],
                                           list[int]]:
@@ -213,7 +217,8 @@ class TensorBundle(FormatAdapter):
         from .source import BundleData
 
         assert isinstance(index, TensorBundleIndex)
-        return BundleData(path, info, index.layout(i), mmap=mmap, file=file)
+        return BundleData(path, info, index.layout(i), mmap=mmap, file=file,
+                          aligned=bool(index.aligned) and index.aligned[i])
 
     def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
         from .checksums import entry_checksum
@@ -242,17 +247,18 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                   directory: CheckpointDirectory) -> TensorBundleIndex:
     """The table of the bundle whose ``.index`` bytes are `data` (file `path`); the data files
     (`prefix` + ``.data-*``) are opened through `directory` for their sizes."""
-    items = read_table(data, path)
-    if not items or items[0][0] != b"":
-        raise CorruptIndexError(f"{path}: the table has no header entry (key \"\"); not a "
-                                "TensorBundle index")
     from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
-    from .protos import BundleHeaderProto
+    from .protos import MARKS, BundleHeaderProto
 
+    raw_keys, framed, lengths = read_table_framed(data, path, MARKS)
+    if not raw_keys or raw_keys[0] != b"":
+        raise CorruptIndexError(f"{path}: the table has no header entry (key \"\"); not a "
+                                "TensorBundle index")
+    start = len(MARKS) + lengths[0]
     header = BundleHeaderProto()
     try:
-        header.ParseFromString(items[0][1])
+        header.ParseFromString(bytes(framed[len(MARKS) : start]))
     except DecodeError as e:
         raise CorruptIndexError(f"{path}: the header entry is not a parseable "
                                 f"BundleHeaderProto ({e})") from None
@@ -260,21 +266,9 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     n = header.num_shards
     if n < 0 or n > 99999:
         raise CorruptIndexError(f"{path}: num_shards {n} is out of range [0, 99999]")
-    body = items[1:]
-    from .protos import parse_entries
-
-    try:
-        # one protobuf call for all entries, their shapes left encoded (`protos`)
-        parsed = list(parse_entries([v for _, v in body]))  # wrappers made once, reused
-    except DecodeError:
-        for k, v in body:
-            _entry(k, v, path)  # the first that does not parse raises, naming its key
-        raise
-    # slice keys start with a 0 byte: in key order (checked) they come first after the header
-    if (body and body[0][0][:1] == b"\x00") or any(map(operator.attrgetter("slices"), parsed)):
-        cols = _general_columns(body, parsed, n, path)
-    else:
-        cols = _whole_columns(body, parsed, n, path)
+    cols = _framed_columns(raw_keys[1:], framed, start, lengths[1:], n, path)
+    if cols is None:  # sliced tensors, or entries that are not as TensorFlow encodes them
+        cols = _entry_columns(read_table(data, path)[1:], n, path)
     keys, dtypes, shapes, rows, texts = cols
     text_keys = [t[4] for t in texts]
     text_shapes = [t[5] for t in texts]
@@ -290,10 +284,16 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             f.close()
         shards.append(ShardInfo(file, 0, "raw", file_size))
     shard, offset, row, size, crc, order = rows.columns
-    place = np.lexsort((order, offset, shard))  # by shard, then offset, then index order
-    shard, offset, row, size, crc = shard[place], offset[place], row[place], size[place], crc[
-        place]
-    specs = [rows.specs[i] for i in place.tolist()] if rows.specs else [WHOLE] * len(place)
+    steps = shard[1:] - shard[:-1]
+    if ((steps > 0) | ((steps == 0) & (offset[1:] >= offset[:-1]))).all() and (
+            order[1:] > order[:-1]).all():
+        place = order  # in that order already (TensorFlow writes in key order): no sort
+        specs = rows.specs or [WHOLE] * len(place)
+    else:
+        place = np.lexsort((order, offset, shard))  # by shard, then offset, then index order
+        shard, offset, row, size, crc = (shard[place], offset[place], row[place], size[place],
+                                         crc[place])
+        specs = [rows.specs[i] for i in place.tolist()] if rows.specs else [WHOLE] * len(place)
     limits = np.array([s.bytes for s in shards], np.int64)
     past = np.flatnonzero(offset + size > limits[shard]) if len(place) else place
     for t in texts:
@@ -320,6 +320,15 @@ def decode_bundle(data: bytes, path: str, prefix: str,
         slice_checksum_kind=[CRC32C] * len(slice_tensor), num_shards=n)
     index.begins = [[] for _ in files]
     bounds = np.searchsorted(shard, np.arange(n + 1)).tolist()
+    alignment = {d: _align(d) for d in set(dtypes)}
+    if len(alignment) == 1:
+        step = next(iter(alignment.values()))
+    else:
+        step = np.array(list(map(alignment.__getitem__, dtypes)), np.int64)[row]
+    off = np.flatnonzero(offset % step)
+    index.aligned = [True] * n
+    for s_ in set(shard[off].tolist()):
+        index.aligned[s_] = False
     for i in range(n):
         index.begins[i] = begins[bounds[i] : bounds[i + 1]]
     if texts:
@@ -331,6 +340,164 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             sizes=[t[3] for t in texts], crcs=[t[2] for t in texts])
     _check_slices(index, path)
     return index
+
+
+def _entry_columns(body: list[tuple[bytes, bytes]], n: int, path: str) -> _Columns:
+    """The columns of the entries `body` (key, value), each entry decoded as a message of its
+    own: any bundle, and the wording of every error."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import parse_entries
+
+    try:
+        # one protobuf call for all entries, their shapes left encoded (`protos`)
+        parsed = list(parse_entries([v for _, v in body]))  # wrappers made once, reused
+    except DecodeError:
+        for k, v in body:
+            _entry(k, v, path)  # the first that does not parse raises, naming its key
+        raise
+    encoded = [f.shape for f in parsed]
+    for i in _merged_shapes([v for _, v in body]):  # protobuf merges a message field given
+        encoded[i] = _entry(*body[i], path).shape.SerializeToString()  # twice: as it does
+    # slice keys start with a 0 byte: in key order (checked) they come first after the header
+    if (body and body[0][0][:1] == b"\x00") or any(map(operator.attrgetter("slices"), parsed)):
+        return _general_columns(body, parsed, encoded, n, path)
+    count = len(parsed)
+    shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
+                                for name in ("shard_id", "offset", "size", "crc32c"))
+    return _whole_columns([k for k, _ in body], [v for _, v in body].__getitem__, encoded,
+                          [f.dtype for f in parsed], shard, offset, size, crc, n, path)
+
+
+def _merged_shapes(values: list[bytes]) -> list[int]:
+    """The entries (of encodings `values`) that hold their shape field more than once, which
+    protobuf merges: their shapes are not the last one's bytes. All of them when that cannot
+    be told (an entry holds a shape of one byte, which is none)."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import MARKS, parse_columns
+
+    try:
+        column = parse_columns(b"".join(chain.from_iterable(zip(repeat(MARKS), values)))).shape
+    except DecodeError:
+        return list(range(len(values)))
+    marks = np.flatnonzero(np.fromiter(map(len, column), np.int64, len(column)) == 1)
+    if len(marks) != len(values):
+        return list(range(len(values)))
+    return np.flatnonzero(np.diff(marks, append=len(column)) > 2).tolist()
+
+
+def _marked(column: Any, count: int, dtype: Any = np.int64) -> np.ndarray | None:
+    """Per entry, the last value of a field decoded by `protos.parse_columns` (each entry's
+    values after its mark, a 0; none: the entry's value is 0), or None when the marks do not
+    tell the entries apart (an entry stores an explicit 0, or the field twice)."""
+    values = np.array(column, dtype)
+    marks = np.flatnonzero(values == 0)
+    if len(marks) != count:
+        return None
+    if count == 0:
+        return values
+    runs = np.diff(marks, append=len(values))
+    if runs.max() > 2:
+        return None
+    return np.where(runs == 2, values[np.minimum(marks + 1, len(values) - 1)], 0).astype(
+        np.int64)
+
+
+def _marked_shapes(column: Any, count: int) -> tuple[list[bytes], np.ndarray] | None:
+    """Per entry, its encoded shape (b"" when it has none: a scalar) and whether it has one,
+    from the shapes decoded by `protos.parse_columns` (each entry's after its one-byte mark);
+    None when the marks do not tell the entries apart (a shape of one byte, which is no
+    shape, or an entry with two)."""
+    values = np.empty(len(column), object)
+    values[:] = list(column)
+    marks = np.flatnonzero(np.fromiter(map(len, values), np.int64, len(values)) == 1)
+    if len(marks) != count:
+        return None
+    if count == 0:
+        return [], np.zeros(0, bool)
+    runs = np.diff(marks, append=len(values))
+    if runs.max() > 2:
+        return None
+    present = runs == 2
+    shapes = values[np.minimum(marks + 1, len(values) - 1)]
+    shapes[~present] = b""
+    return shapes.tolist(), present
+
+
+def _varint_sizes(values: np.ndarray) -> np.ndarray:
+    """The bytes of each value as a protobuf varint (negative values: 10, two's complement)."""
+    u = values.astype(np.uint64)
+    sizes = np.ones(len(values), np.int64)
+    for k in range(1, 10):
+        sizes += u >= np.uint64(1 << (7 * k))
+    return sizes
+
+
+def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, lengths: list[int],
+                    n: int, path: str) -> _Columns | None:
+    """The columns of a bundle of whole tensors from one protobuf decode of all its entries
+    (`protos.parse_columns` of `framed` from `start`: each entry after `protos.MARKS`); None
+    when the general path must read it (`_entry_columns`): sliced tensors, or an entry that
+    is not exactly how TensorFlow (any protobuf encoder) writes it.
+
+    The fields decoded that way are the ones BundleEntryProto's own decode gives when each
+    entry holds each field at most once, in its shortest form, and nothing else: then its
+    length is the sum of its fields' encoded sizes, which is checked for every entry (an
+    entry holding more than that is longer than the fields found for it)."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    from .protos import MARKS, parse_columns
+
+    count = len(raw_keys)
+    if count and raw_keys[0][:1] == b"\x00":
+        return None  # a slice key: they sort first
+    try:
+        fields = parse_columns(memoryview(framed)[start:] if count
+                               else b"")
+    except DecodeError:
+        return None
+    if len(fields.slices):
+        return None
+    codes = _marked(fields.dtype, count)
+    shard = _marked(fields.shard_id, count)
+    offset = _marked(fields.offset, count)
+    size = _marked(fields.size, count)
+    crc = _marked(fields.crc32c, count, np.uint32)
+    if codes is None or shard is None or offset is None or size is None or crc is None:
+        return None
+    got = _marked_shapes(fields.shape, count)
+    if got is None:
+        return None
+    encoded, present = got
+    shape_bytes = np.fromiter(map(len, encoded), np.int64, count)
+    expected = present * (1 + _varint_sizes(shape_bytes) + shape_bytes) + 5 * (crc != 0)
+    for column in (codes, shard, offset, size):
+        expected += (column != 0) * (1 + _varint_sizes(column))
+    stored = np.array(lengths, np.int64)
+    if not np.array_equal(expected, stored):
+        return None
+    ends = (np.cumsum(stored + len(MARKS)) + start).tolist()
+
+    def value(i: int) -> bytes:  # entry i's bytes, for an error's wording
+        return bytes(framed[ends[i] - lengths[i] : ends[i]])
+
+    return _whole_columns(raw_keys, value, encoded, codes.tolist(), shard, offset, size, crc,
+                          n, path)
+
+
+class _Fields(NamedTuple):
+    """An entry's scalar fields, as `_stored` reads them."""
+
+    shard_id: int
+    offset: int
+    size: int
+    crc32c: int
+
+
+def _fields(shard: np.ndarray, offset: np.ndarray, size: np.ndarray, crc: np.ndarray, i: int
+            ) -> _Fields:
+    return _Fields(int(shard[i]), int(offset[i]), int(size[i]), int(crc[i]))
 
 
 @dataclass(slots=True)
@@ -347,58 +514,69 @@ _Text = tuple[int, int, int, int, str, tuple[int, ...]]
 _Columns = tuple[list[str], list[str], list[tuple[int, ...]], _Rows, list[_Text]]
 
 
-def _whole_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
-                   ) -> _Columns:
-    """The columns of a bundle whose tensors are all stored whole (no slices): the fields of
-    the entries read field by field, checked in bulk; an entry failing a check is looked at
-    alone for the error's wording."""
-    raw_keys = [k for k, _ in body]
+def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], codes: list[int],
+                   shard: np.ndarray, offset: np.ndarray, size: np.ndarray, crc: np.ndarray,
+                   n: int, path: str) -> _Columns:
+    """The columns of a bundle whose tensors are all stored whole (no slices), from its
+    entries' keys and fields (`value(i)`: entry i's bytes), checked in bulk; an entry failing
+    a check is looked at alone for the error's wording."""
     try:
         all_keys = [k.decode("utf-8") for k in raw_keys]
     except UnicodeDecodeError:
         raw = next(k for k in raw_keys if not _is_utf8(k))
         raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
-    encoded = [f.shape for f in parsed]
     shape_of = _shapes_at_once(list(dict.fromkeys(encoded)))
     if shape_of is None:  # one is bad: find it in order, for the wording
         shape_of = {}
         for i, e in enumerate(encoded):
             if e not in shape_of:
-                shape_of[e] = _dims(e, raw_keys[i], body[i][1], all_keys[i], path)
+                shape_of[e] = _dims(e, raw_keys[i], value(i), all_keys[i], path)
     all_shapes = list(map(shape_of.__getitem__, encoded))
-    codes = [f.dtype for f in parsed]
-    names = [DTYPE_OF.get(c, "") for c in codes]
-    if "" in names:
-        i = names.index("")
-        _dtype(_entry(raw_keys[i], body[i][1], path), all_keys[i], path)
-    count = len(parsed)
-    shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
-                                for name in ("shard_id", "offset", "size", "crc32c"))
+    found = list(map(DTYPE_OF.get, codes))
+    if None in found:
+        i = found.index(None)
+        _dtype(_entry(raw_keys[i], value(i), path), all_keys[i], path)
+    names: list[str] = found  # type: ignore[assignment]  # none is None: _dtype raised
     texts: list[_Text] = []
-    if STRING in names:
-        keep = [i for i, d in enumerate(names) if d != STRING]
-        for i in (i for i, d in enumerate(names) if d == STRING):
-            t = _stored(parsed[i], all_keys[i], STRING, all_shapes[i], WHOLE, all_keys[i], -1,
-                        n, path, 0)
+    if STRING in names:  # a few (the object graph): taken out of the columns
+        at = [i for i in range(len(names)) if names[i] == STRING] if names.count(
+            STRING) > 64 else _positions(names, STRING)
+        for i in at:
+            t = _stored(_fields(shard, offset, size, crc, i), all_keys[i], STRING,
+                        all_shapes[i], WHOLE, all_keys[i], -1, n, path, 0)
             texts.append((t[0], t[1], t[6], t[5], all_keys[i], all_shapes[i]))
-        at = np.array(keep, np.int64)
-        shard, offset, size, crc = shard[at], offset[at], size[at], crc[at]
-        keys = [all_keys[i] for i in keep]
-        dtypes = [names[i] for i in keep]
-        shapes = [all_shapes[i] for i in keep]
-        entries = [parsed[i] for i in keep]
+        shard, offset, size, crc = (np.delete(c, at) for c in (shard, offset, size, crc))
+        keys, dtypes, shapes = all_keys, names, all_shapes
+        for i in reversed(at):
+            del keys[i], dtypes[i], shapes[i]
     else:
-        keys, dtypes, shapes, entries = all_keys, names, all_shapes, parsed
+        keys, dtypes, shapes = all_keys, names, all_shapes
     counts = {s: math.prod(s) for s in shape_of.values()}
     sizes = {d: itemsize(d) for d in set(dtypes)}
-    expected = np.fromiter(map(operator.mul, map(counts.__getitem__, shapes),
-                               map(sizes.__getitem__, dtypes)), np.int64, len(keys))
+    expected = np.fromiter(map(counts.__getitem__, shapes), np.int64, len(keys))
+    if len(sizes) == 1:
+        expected *= next(iter(sizes.values()))
+    else:
+        expected *= np.fromiter(map(sizes.__getitem__, dtypes), np.int64, len(keys))
     bad = np.flatnonzero((size != expected) | (offset < 0) | (shard < 0) | (shard >= n))
     if len(bad):
         i = int(bad[0])
-        _stored(entries[i], keys[i], dtypes[i], shapes[i], WHOLE, keys[i], i, n, path, i)
+        _stored(_fields(shard, offset, size, crc, i), keys[i], dtypes[i], shapes[i], WHOLE,
+                keys[i], i, n, path, i)
     order = np.arange(len(keys), dtype=np.int64)
     return keys, dtypes, shapes, _Rows((shard, offset, order, size, crc, order), []), texts
+
+
+def _positions(items: list[Any], value: Any) -> list[int]:
+    """The indexes of `value` in `items` (a few: one list.index each)."""
+    out: list[int] = []
+    i = -1
+    try:
+        while True:
+            i = items.index(value, i + 1)
+            out.append(i)
+    except ValueError:
+        return out
 
 
 def _shapes_at_once(distinct: list[bytes]) -> dict[bytes, tuple[int, ...]] | None:
@@ -428,8 +606,8 @@ def _is_utf8(b: bytes) -> bool:
     return True
 
 
-def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path: str
-                     ) -> _Columns:
+def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shapes: list[bytes],
+                     n: int, path: str) -> _Columns:
     """The columns of any bundle, entry by entry: sliced tensors are reassembled from the
     entries of their slices."""
     position: dict[bytes, int] | None = None  # key -> position in body, built for slices
@@ -440,14 +618,13 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, n: int, path:
     texts: list[_Text] = []
     itemsizes = {name: (0 if name == STRING else itemsize(name)) for name in DATATYPE_OF}
     shape_of: dict[bytes, tuple[int, ...]] = {}  # encoded TensorShapeProto -> its dims
-    for (raw_key, value), flat in zip(body, parsed):
+    for (raw_key, value), flat, encoded in zip(body, parsed, encoded_shapes):
         if raw_key[:1] == b"\x00":
             continue  # a slice, read through its tensor's entry
         try:
             key = raw_key.decode("utf-8")
         except UnicodeDecodeError:
             raise CorruptIndexError(f"{path}: key {_shown(raw_key)} is not valid UTF-8") from None
-        encoded = flat.shape
         shape = shape_of.get(encoded)  # type: ignore[assignment]
         if shape is None:
             shape = shape_of[encoded] = _dims(encoded, raw_key, value, key, path)

@@ -114,13 +114,22 @@ def _build() -> dict[str, Any]:
                   _msg("BundleEntries",
                        [_field("entry", 1, MSG, _REP, ".tensorflow.BundleEntryColumns")]),
                   _msg("TensorShapes",
-                       [_field("shape", 1, MSG, _REP, ".tensorflow.TensorShapeProto")])]),
+                       [_field("shape", 1, MSG, _REP, ".tensorflow.TensorShapeProto")]),
+                  # BundleEntryProto's fields, each repeated: many entries' encodings one
+                  # after the other parse as one message whose fields list every entry's
+                  # values in order (`parse_columns`)
+                  _msg("BundleEntryFields",
+                       [_field("dtype", 1, I32, _REP), _field("shape", 2, _F.TYPE_BYTES, _REP),
+                        _field("shard_id", 3, I32, _REP), _field("offset", 4, I64, _REP),
+                        _field("size", 5, I64, _REP), _field("crc32c", 6, FX32, _REP),
+                        _field("slices", 7, _F.TYPE_BYTES, _REP)])]),
     ]
     pool = descriptor_pool.DescriptorPool()
     for f in files:
         pool.Add(f)
     names = ["BundleHeaderProto", "BundleEntryProto", "TensorShapeProto", "TensorSliceProto",
-             "VersionDef", "CheckpointState", "BundleEntries", "TensorShapes"]
+             "VersionDef", "CheckpointState", "BundleEntries", "TensorShapes",
+             "BundleEntryFields"]
     return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{n}"))
             for n in names}
 
@@ -134,6 +143,7 @@ VersionDef: Final[Any] = _CLASSES["VersionDef"]
 CheckpointState: Final[Any] = _CLASSES["CheckpointState"]
 BundleEntries: Final[Any] = _CLASSES["BundleEntries"]
 TensorShapes: Final[Any] = _CLASSES["TensorShapes"]
+BundleEntryFields: Final[Any] = _CLASSES["BundleEntryFields"]
 
 
 def _framed(values: list[bytes]) -> bytes:
@@ -174,6 +184,23 @@ def parse_shapes(values: list[bytes]) -> Any:
     return TensorShapes.FromString(_framed(values)).shape
 
 
-__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "BundleEntries", "BundleEntryProto",
+MARKS: Final = bytes.fromhex("0800" "1201ff" "1800" "2000" "2800" "3500000000")
+"""Put before each entry by `parse_columns`: an explicit zero of each scalar field of a
+BundleEntryProto (dtype, shard_id, offset, size, crc32c), and a shape of one byte (no valid
+TensorShapeProto encoding is one byte long): an encoder omits zeros and may omit an empty
+shape, so without marks nobody could tell whose values a column holds."""
+
+
+def parse_columns(framed: bytes | bytearray | memoryview) -> Any:
+    """The BundleEntryFields message of `framed`: BundleEntryProto encodings, each after
+    `MARKS`, decoded by one protobuf call. Each scalar field and the shapes then list, per
+    entry, its mark (0, or a one-byte shape) followed by the entry's own values of that field
+    (none when the entry leaves it out); the slices are listed as they come. DecodeError if
+    the bytes do not parse."""
+    return BundleEntryFields.FromString(framed)
+
+
+__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "MARKS", "BundleEntries", "BundleEntryFields",
+           "BundleEntryProto",
            "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorShapes",
-           "TensorSliceProto", "VersionDef", "parse_entries", "parse_shapes"]
+           "TensorSliceProto", "VersionDef", "parse_columns", "parse_entries", "parse_shapes"]

@@ -22,16 +22,18 @@ class BundleData(RawShard):
 
     def __init__(self, path: str, info: ShardInfo,
                  layout: tuple[list[str], list[str], list[tuple[int, ...]], list[int]], *,
-                 mmap: bool, file: Any) -> None:
+                 mmap: bool, file: Any, aligned: bool = False) -> None:
         """`layout`: the file's entries from the index (names, dtype names, shapes, begins),
         their EntryLayouts built on first use: the index is this file's only description, so
-        the source matches it by construction."""
+        the source matches it by construction. `aligned`: the index found every entry
+        aligned for its dtype (then none is checked again)."""
         super().__init__(path, info, mmap=mmap and file.size > 0, file=file,
                          header=({}, {}, 0))
         names, dtypes, shapes, begins = layout
         self._entries = None
         self._expected = names, dtypes, shapes
         self.begins = begins
+        self.aligned = aligned
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
         if entry.begin % _align(entry.dtype_name):
@@ -42,7 +44,8 @@ class BundleData(RawShard):
                      shapes: Sequence[tuple[int, ...]],
                      run: Callable[[Sequence[Callable[[], None]]], None] | None = None
                      ) -> list[np.ndarray]:
-        if self._map is None or all(b % d.alignment == 0 for b, d in zip(begins, dtypes)):
+        if self._map is None or self.aligned or all(
+                b % d.alignment == 0 for b, d in zip(begins, dtypes)):
             return super().whole_arrays(begins, dtypes, shapes, run)
         out: list[np.ndarray] = []
         for b, d, s in zip(begins, dtypes, shapes):

@@ -24,8 +24,8 @@ from __future__ import annotations
 import itertools
 import operator
 import struct
-from collections.abc import Iterable
-from typing import Final
+from collections.abc import Iterable, Iterator
+from typing import Any, Final
 
 from ..._kernels import _sstable
 from ...errors import CorruptIndexError
@@ -217,7 +217,10 @@ def _block(data: bytes, offset: int, size: int, path: str, what: str) -> memoryv
     return raw[:size]
 
 
-def _entries(block: memoryview, path: str, what: str) -> list[tuple[bytes, bytes]]:
+def _entries(block: memoryview, path: str, what: str,
+             framed: tuple[bytes, bytearray, list[int]] | None = None) -> list[Any]:
+    """The (key, value) pairs of `block`; with `framed` (prefix, out, lengths) its keys, the
+    values appended to out after the prefix (`_sstable.block_framed`)."""
     n = len(block)
     if n < 4:
         raise CorruptIndexError(f"{path}: {what} is {n} bytes, too short for a block")
@@ -231,6 +234,8 @@ def _entries(block: memoryview, path: str, what: str) -> list[tuple[bytes, bytes
             restarts) != sorted(restarts):
         raise CorruptIndexError(f"{path}: {what} has bad restart points {list(restarts)[:8]}")
     try:
+        if framed is not None:
+            return _sstable.block_framed(block, limit, restarts, *framed)  # type: ignore[no-any-return]
         keys, values = _sstable.block_entries(block, limit, restarts)
     except ValueError as e:
         raise CorruptIndexError(f"{path}: {what}: {e}") from None
@@ -240,6 +245,38 @@ def _entries(block: memoryview, path: str, what: str) -> list[tuple[bytes, bytes
 def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
     """Every (key, value) of the table `data` (file `path`), in key order; the footer, every
     block trailer (masked crc32c) and the key order are checked."""
+    items: list[tuple[bytes, bytes]] = []
+    for block in _data_blocks(data, path, None):
+        items.extend(block)
+    _check_order([k for k, _ in items], path)
+    return items
+
+
+def read_table_framed(data: bytes, path: str, prefix: bytes
+                      ) -> tuple[list[bytes], bytearray, list[int]]:
+    """`read_table`, the same checks, with the values in one buffer: the keys in key order,
+    every value after `prefix` in one bytearray, and the values' lengths; so that protobuf
+    decodes all the values in one call (`protos.parse_columns`)."""
+    out = bytearray()
+    lengths: list[int] = []
+    keys: list[bytes] = []
+    for block in _data_blocks(data, path, (prefix, out, lengths)):
+        keys.extend(block)
+    _check_order(keys, path)
+    return keys, out, lengths
+
+
+def _check_order(keys: list[bytes], path: str) -> None:
+    if any(map(operator.ge, keys, keys[1:])):
+        a, b = next((a, b) for a, b in itertools.pairwise(keys) if b <= a)
+        raise CorruptIndexError(f"{path}: keys out of order or repeated: {b!r} after {a!r}")
+
+
+def _data_blocks(data: bytes, path: str, framed: tuple[bytes, bytearray, list[int]] | None
+                 ) -> Iterator[list[Any]]:
+    """The data blocks of the table `data` in order, each as `_entries` gives it; the footer,
+    the index block and every block trailer checked, and each block's last key against its
+    index key."""
     if len(data) < FOOTER_SIZE:
         raise CorruptIndexError(f"{path}: {len(data)} bytes, too short for a TensorFlow table "
                                 f"(its footer alone is {FOOTER_SIZE})")
@@ -251,7 +288,6 @@ def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
     _, _, pos = _read_handle(data, start, start + 40, path, "the footer")  # metaindex: unused
     offset, size, _ = _read_handle(data, pos, start + 40, path, "the footer")
     index = _entries(_block(data, offset, size, path, "index block"), path, "index block")
-    items: list[tuple[bytes, bytes]] = []
     previous_end = 0
     for i, (sep, value) in enumerate(index):
         b_off, b_size, used = _read_handle(value, 0, len(value), path, f"index entry {i}")
@@ -259,13 +295,8 @@ def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
             raise CorruptIndexError(f"{path}: index entry {i}: bad block handle")
         previous_end = b_off + b_size + TRAILER_SIZE
         what = f"data block {i}"
-        block = _entries(_block(data, b_off, b_size, path, what), path, what)
-        if block and block[-1][0] > sep:  # keys increase (checked below): the last is enough
-            raise CorruptIndexError(f"{path}: {what}: key {block[-1][0]!r} is past its index "
-                                    "key")
-        items.extend(block)
-    keys = [k for k, _ in items]
-    if any(map(operator.ge, keys, keys[1:])):
-        a, b = next((a, b) for a, b in itertools.pairwise(keys) if b <= a)
-        raise CorruptIndexError(f"{path}: keys out of order or repeated: {b!r} after {a!r}")
-    return items
+        block = _entries(_block(data, b_off, b_size, path, what), path, what, framed)
+        last = (block[-1] if framed is not None else block[-1][0]) if block else None
+        if last is not None and last > sep:  # keys increase (checked later): the last is enough
+            raise CorruptIndexError(f"{path}: {what}: key {last!r} is past its index key")
+        yield block
