@@ -316,6 +316,10 @@ class CheckpointReader:
 
     def _get_many_unlocked(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
         strings = self._strings
+        if strings is not None and keys is None:  # every tensor, then every string tensor
+            every = self._get_tensors(None)
+            every.update((k, self._get_string(k)) for k in strings.keys)
+            return every
         if strings is not None:  # the string tensors apart, then in the order asked
             wanted = list(dict.fromkeys(self.keys() if keys is None else keys))
             stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`

@@ -521,7 +521,7 @@ def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], code
     entries' keys and fields (`value(i)`: entry i's bytes), checked in bulk; an entry failing
     a check is looked at alone for the error's wording."""
     try:
-        all_keys = [k.decode("utf-8") for k in raw_keys]
+        all_keys = list(map(bytes.decode, raw_keys))  # UTF-8, strict
     except UnicodeDecodeError:
         raw = next(k for k in raw_keys if not _is_utf8(k))
         raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
