@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="a 0.1 GB state (a smoke run)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--rounds-detail", action="store_true",
+                   help="also print every round's time of every contender")
     args = p.parse_args(argv)
     _check_shapes()
     import torch.multiprocessing as mp
@@ -296,6 +298,8 @@ def report(times: dict[str, list[float]], total: int, args: argparse.Namespace) 
         spread = f"{min(times[name]):.3f}..{max(times[name]):.3f}"
         print(f"  {name:<18} {med[name]:7.3f} s  {total / med[name] / 1e9:6.2f} GB/s  "
               f"({spread})")
+        if args.rounds_detail:
+            print("      rounds: " + " ".join(f"{t:.3f}" for t in times[name]))
     missed = []
     for label, (mine, ref, least) in TARGETS.items():
         ratio = med[ref] / med[mine]
