@@ -327,18 +327,14 @@ def machine() -> tuple[str, frozenset[int]]:
     return host, cores
 
 
-def writer_threads(machines: Sequence[tuple[str, frozenset[int]] | None], rank: int) -> int:
+def writer_threads(machines: Sequence[tuple[str, frozenset[int]]], rank: int) -> int:
     """The writer threads of `rank` when none are asked for: its share of its cores among the
     ranks of its machine that may run on them too (at least 1, at most 8, as
-    `writer.default_threads`). Ranks that share cores and each wrote with one thread per core
-    would oversubscribe them: two ranks of four threads on two cores write slower than two
-    of one (docs/ARCHITECTURE.md)."""
-    mine = machines[rank]
-    if mine is None:
-        return 1
-    host, cores = mine
-    sharing = sum(1 for m in machines if m is not None and m[0] == host and m[1] & cores)
-    return max(1, min(8, len(cores) // max(sharing, 1)))
+    `writer.default_threads`). Ranks that share cores and each took one thread per core would
+    oversubscribe them (docs/ARCHITECTURE.md)."""
+    host, cores = machines[rank]
+    sharing = sum(1 for h, c in machines if h == host and c & cores)  # this rank too
+    return max(1, min(8, len(cores) // sharing))
 
 
 @dataclass(frozen=True, slots=True)
