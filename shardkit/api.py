@@ -310,10 +310,10 @@ def _collective_save(coord: Any, path: str | os.PathLike[str], state: Mapping[st
                      progress: bool, started: float) -> SaveInfo:
     from .distributed.save import collective_save
 
-    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
-    with _gc_paused():
-        out = collective_save(coord, path, state, callback=callback,
-                              description=callback_description(callback), opts=opts,
+    with _gc_paused():  # without a callback: the default policy, with each rank's threads
+        out = collective_save(coord, path, state,
+                              callback=opts.experimental_sharding_callback,
+                              default_policy=DefaultShardingPolicy, opts=opts,
                               user_metadata=user_metadata, overwrite=overwrite,
                               progress=progress)
     opts.run_write_callbacks(out.path)

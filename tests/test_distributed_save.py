@@ -110,6 +110,9 @@ def _check_saved(path: str, world: int, results: list) -> None:
         reader.verify()
     with shardkit.open(path) as reader:
         index = reader.index
+    # the default policy ran with rank 0's share of the cores the ranks share on this machine
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert f"threads={max(1, min(8, (cores or 1) // world))}," in index.callback
     # every shard is written by one rank and named in one global numbering
     tasks = sorted({s.task for s in index.shards})
     assert set(tasks) <= set(range(world))
@@ -147,7 +150,7 @@ def _replicated_state(rank: int, world: int, path: str) -> tuple:
     sizes = [1000, 900, 800, 700, 600, 500, 400, 300, 200, 100, 50, 25]
     state = {f"r{i}": torch.full((n,), float(i)) for i, n in enumerate(sizes)}
     state[f"only{rank}"] = torch.zeros(100)
-    info = shardkit.save(path, state, process_group=torch.distributed.group.WORLD)
+    info = shardkit.save(path, state, process_group=torch.distributed.group.WORLD, threads=5)
     return info.files
 
 
@@ -156,6 +159,7 @@ def test_replicated_data_written_once_with_balanced_bytes(tmp_path):
     harness.raise_any(harness.run_ranks(_replicated_state, 3, path))
     with shardkit.open(path) as reader:
         index = reader.index
+        assert "threads=5," in index.callback  # threads= asked for: not the share
         per_task = {t: 0 for t in range(3)}
         for s in index.shards:
             per_task[s.task] += s.bytes
@@ -264,6 +268,16 @@ def _failures(rank: int, world: int, root: str) -> dict:
         shardkit.save(os.path.join(root, f"count{n}"), state, process_group=coord)
         counts.append(list(coord.calls))
     out["counts"] = counts
+    # payloads that fit one round and larger ones (a second round), mixed across the ranks
+    coord = TorchCoordinator()
+    big = bytes(range(256)) * 1024
+    for case in ((b"x", b"x"), (big, big), (b"x", big), (big, b"x")):
+        every = [(0, case[0]), (1, case[1])]
+        assert coord.all_gather(every[rank], "test") == every
+        assert coord.gather(every[rank], "test", dst=1) == (every if rank == 1 else None)
+        assert coord.broadcast(every[1] if rank == 1 else None, "test", src=1) == every[1]
+    out["coordinated"] = [len(p) for _, p in coord.all_gather((rank, big[: 70000 * rank]),
+                                                              "test")]
     out["final"] = shardkit.open(path).index.generation
     # compressed shards, written by each rank the same way
     shardkit.save(os.path.join(root, "zstd"), {"rep": torch.arange(64.0), f"own{rank}":
@@ -314,6 +328,7 @@ def test_failures_on_one_rank_fail_every_rank_and_keep_the_earlier_checkpoint(tm
         assert r["paths"][0] == "DistributedStateError" and "same path" in r["paths"][2]
         assert r["counts"][0] == r["counts"][1] == r["counts"][2]
         assert r["counts"][0] == ["all_gather", "all_gather", "gather", "broadcast"]
+        assert r["coordinated"] == [0, 70000]
     assert not os.path.exists(tmp_path / "p0") and not os.path.exists(tmp_path / "p1")
     zstd = shardkit.load(str(tmp_path / "zstd"))
     assert (zstd["rep"] == np.arange(64.0, dtype=np.float32)).all()
@@ -487,6 +502,24 @@ def test_assign_balances_and_checks_pieces():
     loads = [sum(4 * (1 + i % 7) for i in m) for m in mine]
     assert max(loads) - min(loads) <= 2 * 28, loads
     assert assign([_cols([], [], [], [], [])] * 2) == [[], []]
+
+
+def test_writer_threads_share_the_cores_of_a_machine_among_its_ranks():
+    from shardkit.distributed.save import machine, writer_threads
+
+    a, b = frozenset({0, 1}), frozenset({2, 3})
+    eight = frozenset(range(8))
+    # two ranks on one machine, both free to use its 8 cores: 4 threads each
+    assert [writer_threads([("h", eight), ("h", eight)], r) for r in (0, 1)] == [4, 4]
+    # ranks pinned to cores of their own do not share: each uses all of its own
+    assert [writer_threads([("h", a), ("h", b)], r) for r in (0, 1)] == [2, 2]
+    # ranks on other machines do not count; more ranks than cores: one thread each
+    assert writer_threads([("h", a), ("g", a), ("g", a)], 0) == 2
+    assert writer_threads([("h", a)] * 4, 3) == 1
+    assert writer_threads([("h", frozenset(range(64)))], 0) == 8  # at most 8
+    host, cores = machine()
+    assert host and cores and cores <= frozenset(range(4096))
+    assert machine() == (host, cores)  # the same on every call: ranks of one process agree
 
 
 def _manager(rank: int, world: int, directory: str) -> dict:

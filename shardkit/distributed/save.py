@@ -4,10 +4,13 @@ Each rank is the device task ``/job:worker/replica:0/task:<rank>``. Four collect
 whatever the number of tensors (docs/ARCHITECTURE.md):
 
 1. ``plan``: an all-gather of what each rank holds, as columns (key, slice spec, dtype, global
-   shape, bytes), with rank 0's temp directory and the generation id. From it every rank
-   computes the same de-duplication: a (key, slice) held by several ranks (Replicate, a plain
-   tensor on every rank, the replicas of a shard on a 2-D mesh) is written once, by the holder
-   with the fewest bytes so far, largest first, so that ranks write about the same bytes.
+   shape, bytes), with rank 0's temp directory and the generation id, and the machine and cores
+   of each rank. From it every rank computes the same de-duplication: a (key, slice) held by
+   several ranks (Replicate, a plain tensor on every rank, the replicas of a shard on a 2-D
+   mesh) is written once, by the holder with the fewest bytes so far, largest first, so that
+   ranks write about the same bytes; and each rank its share of the cores it shares with the
+   ranks on its machine (`writer_threads`), the writer threads (and, for the default policy,
+   the shards) it uses.
 2. ``shards``: an all-gather of each rank's shard count after its callback ran on its own
    tensors and its shards were validated, for the global file numbering.
 3. ``index``: a gather on rank 0 of each rank's index columns after its files are fsynced.
@@ -30,7 +33,7 @@ import math
 import operator
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain, count
 from typing import Any
@@ -38,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import format as fmt
-from ..callback import ShardingCallback, shard_tensors
+from ..callback import ShardingCallback, callback_description, shard_tensors
 from ..devices import DeviceSpec
 from ..dtypes import itemsize, safetensors_name
 from ..errors import DistributedError, DistributedSaveError, DistributedStateError
@@ -303,6 +306,36 @@ def _firsts(values: list[Any]) -> np.ndarray:
     return np.fromiter(map(first.setdefault, values, count()), np.int64, len(values))
 
 
+def machine() -> tuple[str, frozenset[int]]:
+    """Where this process runs, as the ``plan`` collective sends it: an id of the machine
+    (the kernel's boot id, shared by the containers of one host; else the host name) and the
+    cores it may run on."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            host = f.read().strip()
+    except OSError:
+        host = ""
+    if not host:
+        import socket
+
+        host = socket.gethostname()
+    try:
+        cores = frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = frozenset(range(os.cpu_count() or 1))
+    return host, cores
+
+
+def writer_threads(machines: Sequence[tuple[str, frozenset[int]]], rank: int) -> int:
+    """The writer threads of `rank` when none are asked for: its share of its cores among the
+    ranks of its machine that may run on them too (at least 1, at most 8, as
+    `writer.default_threads`). Ranks that share cores and each took one thread per core would
+    oversubscribe them (docs/ARCHITECTURE.md)."""
+    host, cores = machines[rank]
+    sharing = sum(1 for h, c in machines if h == host and c & cores)  # this rank too
+    return max(1, min(8, len(cores) // sharing))
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     """A rank's error, as it travels to the others."""
@@ -347,14 +380,15 @@ def collective_save(
     path: str | os.PathLike[str],
     state: Any,
     *,
-    callback: ShardingCallback,
-    description: str,
+    callback: ShardingCallback | None,
+    default_policy: Callable[[int], ShardingCallback],
     opts: CheckpointOptions,
     user_metadata: dict[str, Any],
     overwrite: bool,
     progress: bool,
 ) -> Outcome:
-    """Save `state` at `path` together with the other ranks of `coord` (module docstring)."""
+    """Save `state` at `path` together with the other ranks of `coord` (module docstring).
+    `callback` None: ``default_policy(threads)``, with this rank's writer threads."""
     rank = coord.rank
     shown = os.fspath(path)
     store = open_storage(shown)
@@ -374,7 +408,8 @@ def collective_save(
             local, failure = e, Failure.of(rank, e)
         target = store.url
         gathered = coord.all_gather(
-            (None if mine is None else mine.columns(), failure, setup, target), "plan")
+            (None if mine is None else mine.columns(), failure, setup, target, machine()),
+            "plan")
         try:
             if len({p[3] for p in gathered}) > 1:
                 raise DistributedStateError(
@@ -385,6 +420,7 @@ def collective_save(
             directory, generation = gathered[0][2]
             pieces = plan([p[0] for p in gathered])
             written = pieces.mine[rank]
+            threads = opts.threads or writer_threads([p[4] for p in gathered], rank)
             del gathered
         except Exception:
             _abort_together(coord, staging)
@@ -393,7 +429,11 @@ def collective_save(
         # 2. the callback on this rank's tensors only, validated here
         shards: list[Any] = []
         saved: SavedTensors | None = None
+        description = ""
         try:
+            if callback is None:
+                callback = default_policy(threads)
+            description = callback_description(callback)
             tensors = [ShardableTensor(mine.arrays[i], mine.arrays[i].dtype, mine.devices[i],
                                        mine.keys[i], tuple(mine.arrays[i].shape), mine.specs[i],
                                        mine.keys[i]) for i in written]
@@ -417,7 +457,7 @@ def collective_save(
         part: tuple[Any, ...] | None = None
         try:
             index, _ = write_shards(
-                directory, shards, saved, description=description, threads=opts.threads,
+                directory, shards, saved, description=description, threads=threads,
                 durable=opts.durable, checksum=opts.checksum, progress=progress,
                 compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
                 chunk_size=opts.chunk_size, generation=generation, first_shard=first,

@@ -1,11 +1,14 @@
 """`Coordinator` over a torch.distributed process group (gloo on CPU; NCCL with the same code).
 
-Payloads are pickled into uint8 tensors; each collective is a size exchange and one data
-collective, started with ``async_op=True`` and waited for with the coordinator's timeout, so a
-stuck rank raises DistributedTimeoutError instead of hanging. A rank that dies closes its
-connections and the others fail at once. For NCCL the tensors live on the current CUDA device,
-as NCCL requires. Which ranks did not answer is read from the group's store, where every rank
-records the number of the collective it has reached.
+Payloads are pickled into uint8 tensors. A collective is one torch.distributed collective of
+a fixed size per rank (`inline` bytes: the payload's length, then the payload if it fits), so
+that a small payload costs one round trip; a larger one takes a second collective of the largest
+length, which every rank knows from the first (a gather's first round is an all-gather, so that
+its senders know too). Each is started with ``async_op=True`` and waited for with the
+coordinator's timeout, so a stuck rank raises DistributedTimeoutError instead of hanging. A
+rank that dies closes its connections and the others fail at once. For NCCL the tensors live
+on the current CUDA device, as NCCL requires. Which ranks did not answer is read from the
+group's store, where every rank records the number of the collective it has reached.
 
 After a timeout, the process group is in an undefined state (torch's own rule): create a new
 one before the next collective.
@@ -23,6 +26,8 @@ from ..errors import DistributedTimeoutError
 from .base import DEFAULT_TIMEOUT, Coordinator
 
 _SEQUENCE: dict[str, int] = {}  # process group name -> collectives made through shardkit
+INLINE = 64 * 1024  # most bytes per rank of a collective's first round (1 MiB over all ranks)
+_LEN = 8  # a first round starts with the payload's length, a little-endian int64
 
 
 class TorchCoordinator(Coordinator):
@@ -93,20 +98,27 @@ class TorchCoordinator(Coordinator):
     # -- the collectives
 
     def all_gather(self, payload: Any, op: str) -> list[Any]:
-        data = _to_bytes(payload)
-        sizes = self._sizes(len(data), op)
+        self._enter(op)
         if self._world == 1:
             return [payload]
+        data = _to_bytes(payload)
+        first, sizes = self._first(data, op)
+        if max(sizes) <= self._inline() - _LEN:
+            return [_from_bytes(t, n, _LEN) for t, n in zip(first, sizes)]
         buf = self._padded(data, max(sizes))
         out = [self._torch.empty_like(buf) for _ in range(self._world)]
         self._wait(self._dist.all_gather(out, buf, group=self.group, async_op=True), op)
         return [_from_bytes(t, n) for t, n in zip(out, sizes)]
 
     def gather(self, payload: Any, op: str, dst: int = 0) -> list[Any] | None:
-        data = _to_bytes(payload)
-        sizes = self._sizes(len(data), op)
+        self._enter(op)
         if self._world == 1:
             return [payload]
+        data = _to_bytes(payload)
+        first, sizes = self._first(data, op)
+        if max(sizes) <= self._inline() - _LEN:
+            return ([_from_bytes(t, n, _LEN) for t, n in zip(first, sizes)]
+                    if self._rank == dst else None)
         buf = self._padded(data, max(sizes))
         out = [self._torch.empty_like(buf) for _ in range(self._world)] if self._rank == dst \
             else None
@@ -122,20 +134,23 @@ class TorchCoordinator(Coordinator):
         return [_from_bytes(t, n) for t, n in zip(out, sizes)]
 
     def broadcast(self, payload: Any, op: str, src: int = 0) -> Any:
-        torch = self._torch
-        data = _to_bytes(payload) if self._rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
         self._enter(op)
         if self._world == 1:
             return payload
-        self._wait(self._dist.broadcast(size, self._global(src), group=self.group,
-                                        async_op=True), op)
-        n = int(size.item())
-        buf = self._padded(data, n) if self._rank == src else torch.empty(
-            n, dtype=torch.uint8, device=self._device)
+        data = _to_bytes(payload) if self._rank == src else b""
+        inline = self._inline()
+        buf = self._head(data, inline)
         self._wait(self._dist.broadcast(buf, self._global(src), group=self.group,
                                         async_op=True), op)
-        return payload if self._rank == src else _from_bytes(buf, n)
+        n = _length(buf)
+        start = _LEN
+        if n > inline - _LEN:  # a second round, of the whole payload
+            buf = self._padded(data, n) if self._rank == src else self._torch.empty(
+                n, dtype=self._torch.uint8, device=self._device)
+            self._wait(self._dist.broadcast(buf, self._global(src), group=self.group,
+                                            async_op=True), op)
+            start = 0
+        return payload if self._rank == src else _from_bytes(buf, n, start)
 
     def barrier(self, op: str) -> None:
         self._sizes(0, op)
@@ -143,8 +158,7 @@ class TorchCoordinator(Coordinator):
     # -- plumbing
 
     def _sizes(self, n: int, op: str) -> list[int]:
-        """Every rank's payload size (an all_gather of one int64): the first half of each
-        collective, and where a missing rank is noticed."""
+        """Every rank's `n` (an all_gather of one int64): the barrier."""
         torch = self._torch
         self._enter(op)
         mine = torch.tensor([n], dtype=torch.int64, device=self._device)
@@ -153,6 +167,23 @@ class TorchCoordinator(Coordinator):
         out = [torch.empty_like(mine) for _ in range(self._world)]
         self._wait(self._dist.all_gather(out, mine, group=self.group, async_op=True), op)
         return [int(t.item()) for t in out]
+
+    def _inline(self) -> int:
+        """Bytes per rank of a first round: INLINE, less for many ranks (at least 4 KiB)."""
+        return max(4096, min(INLINE, (1 << 20) // self._world))
+
+    def _head(self, data: bytes, inline: int) -> Any:
+        """A first round's buffer: the length of `data`, then `data` if it fits."""
+        fits = len(data) <= inline - _LEN
+        return self._padded(len(data).to_bytes(_LEN, "little") + (data if fits else b""),
+                            inline)
+
+    def _first(self, data: bytes, op: str) -> tuple[list[Any], list[int]]:
+        """A first round, an all-gather: every rank's buffer and payload length."""
+        buf = self._head(data, self._inline())
+        out = [self._torch.empty_like(buf) for _ in range(self._world)]
+        self._wait(self._dist.all_gather(out, buf, group=self.group, async_op=True), op)
+        return out, [_length(t) for t in out]
 
     def _padded(self, data: bytes, size: int) -> Any:
         torch = self._torch
@@ -212,7 +243,14 @@ def _to_bytes(payload: Any) -> bytes:
     return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _from_bytes(t: Any, n: int) -> Any:
+def _from_bytes(t: Any, n: int, start: int = 0) -> Any:
     if t.device.type != "cpu":
         t = t.cpu()
-    return pickle.loads(np.asarray(t.numpy()[:n]).tobytes())
+    return pickle.loads(np.asarray(t.numpy()[start : start + n]).tobytes())
+
+
+def _length(t: Any) -> int:
+    """The payload length at the start of a first round's buffer."""
+    if t.device.type != "cpu":
+        t = t[:_LEN].cpu()
+    return int.from_bytes(np.asarray(t.numpy()[:_LEN]).tobytes(), "little")
