@@ -45,6 +45,8 @@ from .tensors import _columns_constructor, _gc_paused
 
 FORMAT_NAME: Final = "shardkit"
 FORMAT_VERSION: Final = "2.2"
+STRINGS_VERSION: Final = "2.3"  # recorded instead when there are string tensors (section 2.3)
+STRINGS_MINOR: Final = int(STRINGS_VERSION.rpartition(".")[2])
 FORMAT_MAJOR: Final = 2
 # The manifest: HuggingFace's name for a sharded checkpoint's index (format 2.2 on), then the
 # name of formats 2.0 and 2.1. `find_manifest` is the one lookup; writers write MANIFEST_FILE.
@@ -1047,9 +1049,6 @@ def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]
 def _dumps(value: Any) -> str:
     # compact: with indent, json falls back to its pure-Python encoder (20x slower)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-STRINGS_MINOR: Final = 3  # format 2.3 added string tensors (docs/FORMAT.md section 2.3)
 
 
 def parse_version(version: Any, path: str) -> tuple[int, int]:

@@ -48,8 +48,6 @@ from .errors import (
 STRING_FILE: Final = "strings.skstr"
 """The file that holds a checkpoint's string tensors (one per checkpoint)."""
 MAGIC: Final = b"SKSTRNG1"
-STRINGS_VERSION: Final = "2.3"
-"""The format version a manifest with a ``shardkit.strings`` section records."""
 STRING_DTYPE: Final = "STRING"
 """The dtype name `CheckpointReader.info` reports for a string tensor."""
 _KIND_RE: Final = re.compile(r"bytes|str|[SU][1-9][0-9]{0,8}")

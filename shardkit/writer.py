@@ -27,7 +27,7 @@ from .dtypes import safetensors_name
 from .errors import InvalidArgumentError, ShardkitError
 from .slices import parse_slice_spec
 from .storage import ShardFile, Storage, open_storage
-from .strings import STRINGS_VERSION, StringColumns
+from .strings import StringColumns
 from .tensors import ShardableTensor
 
 
@@ -142,7 +142,7 @@ def write_shards(
         index = _index(plans, saved, description, user_metadata or {}, codec, generation)
         if string_file is not None:
             index.strings = string_file
-            index.version = STRINGS_VERSION
+            index.version = fmt.STRINGS_VERSION
         return index, fmt.encode_index_parts(index)
 
     try:
