@@ -84,9 +84,10 @@ def shard_columns(task_shards: Sequence[TaskShard]) -> list[ShardColumns]:
     return out
 
 
-def default_threads() -> int:
-    """Writer threads when none are asked for: one per core, at most 8."""
-    return max(1, min(8, os.cpu_count() or 1))
+def default_threads(cores: int | None = None) -> int:
+    """Writer threads when none are asked for: one per core (of `cores`, else of the
+    machine), at least 1, at most 8."""
+    return max(1, min(8, (os.cpu_count() or 1) if cores is None else cores))
 
 
 def write_shards(

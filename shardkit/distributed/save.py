@@ -49,7 +49,7 @@ from ..options import CheckpointOptions
 from ..slices import WHOLE, format_slice_spec
 from ..storage import Staging, open_storage
 from ..tensors import ShardableTensor, flatten_columns, to_host
-from ..writer import SavedTensors, shard_columns, write_shards
+from ..writer import SavedTensors, default_threads, shard_columns, write_shards
 from .base import Coordinator
 
 OPS = ("plan", "shards", "index", "commit")  # the collectives of one save, in order
@@ -327,13 +327,13 @@ def machine() -> tuple[str, frozenset[int]]:
 
 
 def writer_threads(machines: Sequence[tuple[str, frozenset[int]]], rank: int) -> int:
-    """The writer threads of `rank` when none are asked for: its share of its cores among the
-    ranks of its machine that may run on them too (at least 1, at most 8, as
-    `writer.default_threads`). Ranks that share cores and each took one thread per core would
-    oversubscribe them (docs/ARCHITECTURE.md)."""
+    """The writer threads of `rank` when none are asked for: `writer.default_threads` of its
+    share of its cores among the ranks of its machine that may run on them too. Ranks that
+    share cores and each took one thread per core would oversubscribe them
+    (docs/ARCHITECTURE.md)."""
     host, cores = machines[rank]
     sharing = sum(1 for h, c in machines if h == host and c & cores)  # this rank too
-    return max(1, min(8, len(cores) // sharing))
+    return default_threads(len(cores) // sharing)
 
 
 @dataclass(frozen=True, slots=True)
