@@ -822,7 +822,7 @@ class CheckpointIndex:
     slice_tensor: list[int]
     slice_spec: list[str]
     slice_shard: list[int]
-    slice_xxh3: list[str | None]
+    slice_xxh3: Sequence[str | None]  # a list, or a column made on first use (TensorBundle)
     user_metadata: dict[str, Any] = field(default_factory=dict)
     version: str = FORMAT_VERSION
     generation: str | None = None  # shardkit.generation (format 2.1); every shard records it
@@ -994,7 +994,7 @@ def index_chunks(
     """`encode_index` as the pieces that, joined, are its bytes (a writer writes them as they
     are). `parts`: what `encode_index_parts` gave for this index, if it was called already."""
     head, tail = parts or encode_index_parts(index)
-    return [*head, orjson.dumps(index.slice_xxh3), *tail]
+    return [*head, orjson.dumps(index.slice_xxh3, default=list), *tail]  # list: any Sequence
 
 
 def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]]:

@@ -401,9 +401,8 @@ class CheckpointReader:
             if not isinstance(src, RawShard):
                 return None
             begins = self._begins(src, shard, r)
-            names = list(map(index.dtypes.__getitem__, rows))
-            dts = ([dtypes[names[0]]] * len(names) if len(dtypes) == 1
-                   else list(map(dtypes.__getitem__, names)))
+            dts = ([*dtypes.values()] * len(rows) if len(dtypes) == 1
+                   else list(map(dtypes.__getitem__, map(index.dtypes.__getitem__, rows))))
             views = src.whole_arrays(begins, dts, slice_shapes[r.start : r.stop],
                                      self._run_reads)
             if rows[0] == r.start and rows[-1] == r.stop - 1 and rows == list(r):

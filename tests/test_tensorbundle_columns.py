@@ -5,6 +5,8 @@ decodes to the same BundleEntryProto by another encoding."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -187,3 +189,46 @@ def test_misaligned_entries_are_copied_aligned_ones_are_views(tmp_path):
     with shardkit.open(tmp_path / "ok") as r:
         assert r.index.aligned == [True]  # shardkit's writer aligns every entry
         assert r["b"].tolist() == list(range(5))
+
+
+def test_checksum_column_spells_each_entrys_crc32c(bundle):
+    """`slice_xxh3` of a bundle is made on first use: per stored slice, the 8 hex digits of
+    its entry's crc32c as the entry itself records it; it compares, indexes, iterates and
+    encodes as the list it stands for."""
+    import orjson
+
+    prefix, _ = bundle
+    with shardkit.open(prefix) as r:
+        index = r.index
+        column = index.slice_xxh3
+        assert isinstance(column, adapter.HexColumn)
+        body = table.read_table(Path(f"{prefix}.index").read_bytes(), str(prefix))[1:]
+        crcs = {k.decode(): protos.BundleEntryProto.FromString(v).crc32c for k, v in body}
+        want = [f"{crcs[index.keys[row]]:08x}" for row in index.slice_tensor]
+        assert len(column) == len(want) and list(column) == want and column == want
+        assert column[0] == want[0] and column[-1] == want[-1] and column[1:] == want[1:]
+        assert column != want[::-1] and orjson.loads(orjson.dumps(column, default=list)) == want
+        assert r.verify() == len(want) + 1  # and the string tensor's
+
+
+def test_a_load_reads_each_string_entry_once_verify_reads_it_again(bundle, monkeypatch):
+    """The reader reads the string tensors with its shards right after the index and keeps
+    them for the load; verify never trusts that copy."""
+    from shardkit.formats.tensorbundle.strings import BundleStrings
+
+    prefix, state = bundle
+    reads = []
+    stored = BundleStrings._stored
+
+    def counted(self, directory, row):
+        reads.append(row)
+        return stored(self, directory, row)
+
+    monkeypatch.setattr(BundleStrings, "_stored", counted)
+    got = shardkit.load(prefix)
+    assert got["s"].tolist() == [b"x", b"yz"] and len(reads) == 1
+    with shardkit.open(prefix) as r:
+        assert r["s"].tolist() == [b"x", b"yz"] and r["s"].tolist() == [b"x", b"yz"]
+        assert len(reads) == 2
+        r.verify()
+        assert len(reads) == 3

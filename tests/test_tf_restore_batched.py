@@ -44,7 +44,6 @@ def test_many_variables_saved_and_restored_in_place_bit_exact(tf, tmp_path, monk
     from shardkit.frameworks import tensorflow as tfw
 
     monkeypatch.setattr(tfw, "TF_THREADS", threads)
-    monkeypatch.setattr(tfw, "_spare_core", lambda: True)
 
     values = _values(2 * tfw.READ_BATCH + 50)
     shardkit.save(tmp_path / "c", {k: tf.Variable(v) for k, v in values.items()}, durable=False)

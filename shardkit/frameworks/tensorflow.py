@@ -142,25 +142,25 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
 
 
 _POOL: list[WorkerPool] = []  # made on first use
-TF_THREADS = min(4, os.cpu_count() or 1)
-"""Threads issuing batches of TensorFlow ops (reads, assigns): TensorFlow's executor runs
-each op without the GIL, so on an idle 2-core machine two batches at a time take about 40%
-less time than one after the other (50,000 small variables); on a machine whose cores are
-busy already they take about 30% more, so they are used only when a core is spare."""
-
-
-def _spare_core() -> bool:
-    """The 1-minute load average leaves at least one core idle (True where it is unknown)."""
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform has one)."""
     try:
-        return os.getloadavg()[0] <= (os.cpu_count() or 1) - 1
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return True
+        return os.cpu_count() or 1
+
+
+TF_THREADS = min(4, _usable_cores())
+"""Threads issuing batches of TensorFlow ops (reads, assigns): TensorFlow's executor runs
+each op without the GIL, so on a 2-core machine two batches at a time take about 40% less
+time than one after the other (50,000 small variables). Like shardkit's writer threads, they
+are sized from the cores the process may use, not from how busy those cores were recently."""
 
 
 def _in_parallel(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
-    """``[fn(job) for job in jobs]``, on TF_THREADS threads when there are several jobs and a
-    spare core."""
-    if len(jobs) < 2 or TF_THREADS < 2 or not _spare_core():
+    """``[fn(job) for job in jobs]``, on TF_THREADS threads when there are several jobs (each
+    a batch of up to READ_BATCH variables) and the process may use several cores."""
+    if len(jobs) < 2 or TF_THREADS < 2:
         return [fn(job) for job in jobs]
     if not _POOL:
         _POOL.append(WorkerPool(TF_THREADS, "shardkit-tf"))

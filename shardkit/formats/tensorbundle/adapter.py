@@ -14,10 +14,13 @@ shardkit's one mechanism for string tensors.
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain, repeat
 from typing import Any, Final, NamedTuple
 
@@ -41,7 +44,7 @@ from ...format import (
     check_shard_file_name,
     entries_at,
 )
-from ...keys import check_keys
+from ...keys import RESERVED, check_keys
 from ...slices import WHOLE, format_slice_spec
 from ...tensors import DEFAULT_DEVICE, _gc_paused
 from ..base import FormatAdapter, ParsedHeader
@@ -92,6 +95,40 @@ class TensorBundleIndex(CheckpointIndex):
     def entries(self) -> list[dict[str, EntryLayout]]:
         """Per data file, entry name -> EntryLayout (offsets from the start of the file)."""
         return [entries_at(*self.layout(i)) for i in range(len(self.shards))]
+
+
+class HexColumn(Sequence[str]):
+    """Per stored slice, its crc32c as the 8 hex digits of `CheckpointIndex.slice_xxh3`,
+    spelled out on first use: a load never looks at them, and 50,000 strings cost about 7 ms
+    of a 70 ms read."""
+
+    __slots__ = ("_strings", "_values")
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
+        self._strings: list[str] | None = None
+
+    def _list(self) -> list[str]:
+        if self._strings is None:
+            hexed = self._values.astype(">u4").tobytes().hex()
+            self._strings = [hexed[i : i + 8] for i in range(0, len(hexed), 8)]
+        return self._strings
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._list()[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, HexColumn):
+            other = other._list()
+        return self._list() == other
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def prefix_of(index_name: str) -> str:
@@ -217,7 +254,8 @@ class TensorBundle(FormatAdapter):
         from .source import BundleData
 
         assert isinstance(index, TensorBundleIndex)
-        return BundleData(path, info, index.layout(i), mmap=mmap, file=file,
+        return BundleData(path, info, index.begins[i], partial(index.layout, i), mmap=mmap,
+                          file=file,
                           aligned=bool(index.aligned) and index.aligned[i])
 
     def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
@@ -272,7 +310,10 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     keys, dtypes, shapes, rows, texts = cols
     text_keys = [t[4] for t in texts]
     text_shapes = [t[5] for t in texts]
-    check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
+    if not RESERVED.isdisjoint(text_keys) or any(map(_has_key, repeat(keys), RESERVED)):
+        # the table's strict key order after the header's "" already made the keys unique
+        # and non-empty, and strict UTF-8 decoding made them valid: only this rule is left
+        check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
     files = [data_file(prefix, i, n) for i in range(n)]
     shards = []
     for file in files:
@@ -310,12 +351,11 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     slice_tensor = row.tolist()
     slice_shard = shard.tolist()
     begins = offset.tolist()
-    hexed = crc.astype(">u4").tobytes().hex()
     index = TensorBundleIndex(
         callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
         dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
         slice_tensor=slice_tensor, slice_spec=specs, slice_shard=slice_shard,
-        slice_xxh3=[hexed[i : i + 8] for i in range(0, len(hexed), 8)],
+        slice_xxh3=HexColumn(crc),
         user_metadata={}, version="", generation=None,
         slice_checksum_kind=[CRC32C] * len(slice_tensor), num_shards=n)
     index.begins = [[] for _ in files]
@@ -338,8 +378,17 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             text_keys, ["bytes"] * len(texts), text_shapes, [DEFAULT_DEVICE] * len(texts),
             files=[files[t[0]] for t in texts], offsets=[t[1] for t in texts],
             sizes=[t[3] for t in texts], crcs=[t[2] for t in texts])
-    _check_slices(index, path)
+    if rows.specs or len(row) != len(keys) or not (
+            np.bincount(row, minlength=len(keys)) == 1).all():
+        _check_slices(index, path)  # else every tensor is one whole entry, named by its key
     return index
+
+
+def _has_key(keys: list[str], key: str) -> bool:
+    """`key` is in `keys`, which are sorted (a table's order: its UTF-8 bytes' order is its
+    code points' order, which is how str compares)."""
+    at = bisect.bisect_left(keys, key)
+    return at < len(keys) and keys[at] == key
 
 
 def _entry_columns(body: list[tuple[bytes, bytes]], n: int, path: str) -> _Columns:
@@ -404,25 +453,26 @@ def _marked(column: Any, count: int, dtype: Any = np.int64) -> np.ndarray | None
         np.int64)
 
 
-def _marked_shapes(column: Any, count: int) -> tuple[list[bytes], np.ndarray] | None:
-    """Per entry, its encoded shape (b"" when it has none: a scalar) and whether it has one,
-    from the shapes decoded by `protos.parse_columns` (each entry's after its one-byte mark);
-    None when the marks do not tell the entries apart (a shape of one byte, which is no
-    shape, or an entry with two)."""
-    values = np.empty(len(column), object)
-    values[:] = list(column)
-    marks = np.flatnonzero(np.fromiter(map(len, values), np.int64, len(values)) == 1)
+def _marked_shapes(column: Any, count: int) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
+    """Per entry, its encoded shape (b"" when it has none: a scalar), whether it has one and
+    its length, from the shapes decoded by `protos.parse_columns` (each entry's after its
+    one-byte mark); None when the marks do not tell the entries apart (a shape of one byte,
+    which is no shape, or an entry with two)."""
+    values = list(column)
+    lengths = np.fromiter(map(len, values), np.int64, len(values))
+    marks = np.flatnonzero(lengths == 1)
     if len(marks) != count:
         return None
     if count == 0:
-        return [], np.zeros(0, bool)
+        return [], np.zeros(0, bool), np.zeros(0, np.int64)
     runs = np.diff(marks, append=len(values))
     if runs.max() > 2:
         return None
     present = runs == 2
-    shapes = values[np.minimum(marks + 1, len(values) - 1)]
-    shapes[~present] = b""
-    return shapes.tolist(), present
+    for i in marks[~present].tolist():  # no shape: the mark stands for b""
+        values[i] = b""
+    at = marks + present
+    return list(map(values.__getitem__, at.tolist())), present, np.where(present, lengths[at], 0)
 
 
 def _varint_sizes(values: np.ndarray) -> np.ndarray:
@@ -469,8 +519,7 @@ def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, length
     got = _marked_shapes(fields.shape, count)
     if got is None:
         return None
-    encoded, present = got
-    shape_bytes = np.fromiter(map(len, encoded), np.int64, count)
+    encoded, present, shape_bytes = got
     expected = present * (1 + _varint_sizes(shape_bytes) + shape_bytes) + 5 * (crc != 0)
     for column in (codes, shard, offset, size):
         expected += (column != 0) * (1 + _varint_sizes(column))
@@ -525,13 +574,17 @@ def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], code
     except UnicodeDecodeError:
         raw = next(k for k in raw_keys if not _is_utf8(k))
         raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
-    shape_of = _shapes_at_once(list(dict.fromkeys(encoded)))
-    if shape_of is None:  # one is bad: find it in order, for the wording
-        shape_of = {}
+    number = {e: i for i, e in enumerate(dict.fromkeys(encoded))}  # distinct shapes, numbered
+    dims = _shapes_at_once(list(number))
+    if dims is None:  # one is bad: find it in order, for the wording
+        shape_of: dict[bytes, tuple[int, ...]] = {}
         for i, e in enumerate(encoded):
             if e not in shape_of:
                 shape_of[e] = _dims(e, raw_keys[i], value(i), all_keys[i], path)
-    all_shapes = list(map(shape_of.__getitem__, encoded))
+        dims = list(shape_of.values())
+    which = np.fromiter(map(number.__getitem__, encoded), np.intp, len(encoded))
+    all_shapes = np.fromiter(dims, object, len(dims))[which].tolist()
+    counts = np.fromiter(map(math.prod, dims), np.int64, len(dims))[which]
     found = list(map(DTYPE_OF.get, codes))
     if None in found:
         i = found.index(None)
@@ -545,15 +598,15 @@ def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], code
             t = _stored(_fields(shard, offset, size, crc, i), all_keys[i], STRING,
                         all_shapes[i], WHOLE, all_keys[i], -1, n, path, 0)
             texts.append((t[0], t[1], t[6], t[5], all_keys[i], all_shapes[i]))
-        shard, offset, size, crc = (np.delete(c, at) for c in (shard, offset, size, crc))
+        shard, offset, size, crc, counts = (np.delete(c, at)
+                                            for c in (shard, offset, size, crc, counts))
         keys, dtypes, shapes = all_keys, names, all_shapes
         for i in reversed(at):
             del keys[i], dtypes[i], shapes[i]
     else:
         keys, dtypes, shapes = all_keys, names, all_shapes
-    counts = {s: math.prod(s) for s in shape_of.values()}
     sizes = {d: itemsize(d) for d in set(dtypes)}
-    expected = np.fromiter(map(counts.__getitem__, shapes), np.int64, len(keys))
+    expected = counts
     if len(sizes) == 1:
         expected *= next(iter(sizes.values()))
     else:
@@ -579,8 +632,9 @@ def _positions(items: list[Any], value: Any) -> list[int]:
         return out
 
 
-def _shapes_at_once(distinct: list[bytes]) -> dict[bytes, tuple[int, ...]] | None:
-    """The dims of each encoded TensorShapeProto, decoded by one protobuf call; None if any
+def _shapes_at_once(distinct: list[bytes]) -> list[tuple[int, ...]] | None:
+    """The dims of each encoded TensorShapeProto, in order, decoded by one protobuf call; None
+    if any
     does not decode or is not a shape shardkit reads (unknown rank, a negative or too large
     dimension)."""
     from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
@@ -595,7 +649,7 @@ def _shapes_at_once(distinct: list[bytes]) -> dict[bytes, tuple[int, ...]] | Non
     if any(m.unknown_rank for m in messages) or any(
             (d and min(d) < 0) or math.prod(d) >= 1 << 62 for d in dims):
         return None
-    return dict(zip(distinct, dims))
+    return dims
 
 
 def _is_utf8(b: bytes) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ...format import EntryLayout, ShardInfo
+from ...format import EntryLayout, ShardInfo, entries_at
 from ...sources import RawShard
 
 
@@ -20,20 +20,28 @@ class BundleData(RawShard):
     """One ``<prefix>.data-0000i-of-0000n`` file; `entries` from the ``.index`` (offsets from
     the start of the file: there is no header)."""
 
-    def __init__(self, path: str, info: ShardInfo,
-                 layout: tuple[list[str], list[str], list[tuple[int, ...]], list[int]], *,
+    def __init__(self, path: str, info: ShardInfo, begins: list[int],
+                 layout: Callable[[], tuple[list[str], list[str], list[tuple[int, ...]],
+                                            list[int]]], *,
                  mmap: bool, file: Any, aligned: bool = False) -> None:
-        """`layout`: the file's entries from the index (names, dtype names, shapes, begins),
-        their EntryLayouts built on first use: the index is this file's only description, so
-        the source matches it by construction. `aligned`: the index found every entry
+        """`begins`: where the file's entries start, from the index; `layout()`: the entries
+        (names, dtype names, shapes, begins), asked for only when their EntryLayouts are (a
+        load of every tensor never needs them): the index is this file's only description,
+        so the source matches it by construction. `aligned`: the index found every entry
         aligned for its dtype (then none is checked again)."""
         super().__init__(path, info, mmap=mmap and file.size > 0, file=file,
                          header=({}, {}, 0))
-        names, dtypes, shapes, begins = layout
         self._entries = None
-        self._expected = names, dtypes, shapes
+        self._layout = layout
         self.begins = begins
         self.aligned = aligned
+
+    @property
+    def entries(self) -> dict[str, EntryLayout]:  # type: ignore[override]
+        if self._entries is None:
+            names, dtypes, shapes, begins = self._layout()
+            self._entries = entries_at(names, dtypes, shapes, begins)
+        return self._entries
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
         if entry.begin % _align(entry.dtype_name):

@@ -116,6 +116,9 @@ class BundleStrings(StringTensors):
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)  # masked, as the BundleEntryProto holds it
+    _kept: dict[int, tuple[bytes, str]] = field(default_factory=dict, repr=False)
+    """Rows read already (a reader opens its shards, string tensors included, right after the
+    index, and reads them from here later); `verify` reads afresh."""
 
     def nbytes(self, row: int) -> int:
         return self.sizes[row]
@@ -142,7 +145,10 @@ class BundleStrings(StringTensors):
         return data, f"{path}: string tensor {self.keys[row]!r}"
 
     def read(self, directory: Any, row: int) -> np.ndarray:
-        data, where = self._stored(directory, row)
+        got = self._kept.get(row)
+        if got is None:
+            got = self._kept.setdefault(row, self._stored(directory, row))
+        data, where = got
         items, _ = decode_strings(data, math.prod(self.shapes[row]), where)
         return decode_elements("bytes", self.shapes[row], items, where)
 
