@@ -216,7 +216,7 @@ def test_a_load_reads_each_string_entry_once_verify_reads_it_again(bundle, monke
     them for the load; verify never trusts that copy."""
     from shardkit.formats.tensorbundle.strings import BundleStrings
 
-    prefix, state = bundle
+    prefix, _ = bundle
     reads = []
     stored = BundleStrings._stored
 
