@@ -85,6 +85,7 @@ from .tensors import _gc_paused
 
 MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
 _SMALL_PIECE = 1 << 20  # box pieces below this are copied on the calling thread
+_MANY_BOXES = 64  # box reads of more tensors than this build the index's TensorInfos in bulk
 LOAD_ATTEMPTS = 3  # how often `load` starts again when the checkpoint is replaced under it
 
 
@@ -599,6 +600,8 @@ class CheckpointReader:
             jobs: list[tuple[ShardSource, EntryLayout, int, int, memoryview]] = []
             copies: list[tuple[np.ndarray, np.ndarray]] = []
             rest: list[tuple[np.ndarray, str, SliceSpec]] = []
+            if len(boxes) > _MANY_BOXES:
+                self.index.tensors  # every TensorInfo at once, not one by one per box
             for key, offsets, out in boxes:
                 self._plan_box(key, tuple(int(o) for o in offsets), out, jobs, copies, rest)
             # small pieces right here: a pool task each would cost more than the copy
