@@ -601,7 +601,7 @@ class CheckpointReader:
             copies: list[tuple[np.ndarray, np.ndarray]] = []
             rest: list[tuple[np.ndarray, str, SliceSpec]] = []
             if len(boxes) > _MANY_BOXES:
-                self.index.tensors  # every TensorInfo at once, not one by one per box
+                _ = self.index.tensors  # every TensorInfo at once, not one by one per box
             for key, offsets, out in boxes:
                 self._plan_box(key, tuple(int(o) for o in offsets), out, jobs, copies, rest)
             # small pieces right here: a pool task each would cost more than the copy
