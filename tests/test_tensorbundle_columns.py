@@ -232,3 +232,22 @@ def test_a_load_reads_each_string_entry_once_verify_reads_it_again(bundle, monke
         assert len(reads) == 2
         r.verify()
         assert len(reads) == 3
+
+
+def test_keys_decode_as_utf8_strictly_newlines_and_all(tmp_path):
+    """The keys are decoded in one call unless one holds a newline: both ways give every key
+    back exactly, and a key that is not valid UTF-8 is refused by name either way."""
+    state = {"a\nb": np.arange(3, dtype=np.int32), "plain": np.ones(2, np.float32),
+             "é/ü": np.zeros(1, np.int8)}
+    for keys in (["plain", "é/ü"], list(state)):
+        prefix = tmp_path / f"ck{len(keys)}"
+        shardkit.save(prefix, {k: state[k] for k in keys}, format="tensorflow", durable=False)
+        got = shardkit.load(prefix)
+        assert sorted(got) == sorted(keys)
+        assert all(np.array_equal(got[k], state[k]) for k in keys)
+        path = prefix.parent / f"{prefix.name}.index"
+        items = table.read_table(path.read_bytes(), str(path))
+        bad = [(b"\xc3" if k == "é/ü".encode() else k, v) for k, v in items]
+        path.write_bytes(table.build_table(bad))
+        with pytest.raises(CorruptIndexError, match=r"key .*\\xc3.* is not valid UTF-8"):
+            shardkit.load(prefix)

@@ -414,8 +414,9 @@ def _entry_columns(body: list[tuple[bytes, bytes]], n: int, path: str) -> _Colum
     count = len(parsed)
     shard, offset, size, crc = (np.fromiter([getattr(f, name) for f in parsed], np.int64, count)
                                 for name in ("shard_id", "offset", "size", "crc32c"))
-    return _whole_columns([k for k, _ in body], [v for _, v in body].__getitem__, encoded,
-                          [f.dtype for f in parsed], shard, offset, size, crc, n, path)
+    return _whole_columns([k for k, _ in body], [v for _, v in body].__getitem__,
+                          _numbered(encoded), [f.dtype for f in parsed], shard, offset, size, crc,
+                          n, path)
 
 
 def _merged_shapes(values: list[bytes]) -> list[int]:
@@ -453,26 +454,42 @@ def _marked(column: Any, count: int, dtype: Any = np.int64) -> np.ndarray | None
         np.int64)
 
 
-def _marked_shapes(column: Any, count: int) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
-    """Per entry, its encoded shape (b"" when it has none: a scalar), whether it has one and
-    its length, from the shapes decoded by `protos.parse_columns` (each entry's after its
-    one-byte mark); None when the marks do not tell the entries apart (a shape of one byte,
-    which is no shape, or an entry with two)."""
+_Numbered = tuple[list[bytes], np.ndarray]
+"""Encoded shapes, each entry's as a number: (the distinct encodings, each entry's number)."""
+
+
+def _numbered(encoded: list[bytes]) -> _Numbered:
+    """`encoded` (one per entry) as distinct encodings and a number per entry."""
+    number = {e: i for i, e in enumerate(dict.fromkeys(encoded))}
+    return list(number), np.fromiter(map(number.__getitem__, encoded), np.intp, len(encoded))
+
+
+def _marked_shapes(column: Any, count: int) -> tuple[_Numbered, np.ndarray, np.ndarray] | None:
+    """Per entry, its encoded shape (b"" when it has none: a scalar) as a number into the
+    distinct encodings, whether it has one and its length, from the shapes decoded by
+    `protos.parse_columns` (each entry's after its one-byte mark); None when the marks do not
+    tell the entries apart (a shape of one byte, which is no shape, or an entry with two)."""
+    from .protos import SHAPE_MARK
+
     values = list(column)
-    lengths = np.fromiter(map(len, values), np.int64, len(values))
+    # numbers 0 and 1 are no shape and the mark, whichever come first in the column
+    number = {e: i for i, e in enumerate(dict.fromkeys(chain((b"", SHAPE_MARK), values)))}
+    which = np.fromiter(map(number.__getitem__, values), np.intp, len(values))
+    distinct = list(number)
+    lengths = np.fromiter(map(len, distinct), np.int64, len(distinct))[which]
     marks = np.flatnonzero(lengths == 1)
     if len(marks) != count:
         return None
     if count == 0:
-        return [], np.zeros(0, bool), np.zeros(0, np.int64)
+        return ([b""], np.zeros(0, np.intp)), np.zeros(0, bool), np.zeros(0, np.int64)
     runs = np.diff(marks, append=len(values))
     if runs.max() > 2:
         return None
     present = runs == 2
-    for i in marks[~present].tolist():  # no shape: the mark stands for b""
-        values[i] = b""
     at = marks + present
-    return list(map(values.__getitem__, at.tolist())), present, np.where(present, lengths[at], 0)
+    distinct[1] = b""  # the mark is no entry's shape: decoded as an empty one, never used
+    return ((distinct, np.where(present, which[at], 0)), present,
+            np.where(present, lengths[at], 0))
 
 
 def _varint_sizes(values: np.ndarray) -> np.ndarray:
@@ -519,7 +536,7 @@ def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, length
     got = _marked_shapes(fields.shape, count)
     if got is None:
         return None
-    encoded, present, shape_bytes = got
+    numbered, present, shape_bytes = got
     expected = present * (1 + _varint_sizes(shape_bytes) + shape_bytes) + 5 * (crc != 0)
     for column in (codes, shard, offset, size):
         expected += (column != 0) * (1 + _varint_sizes(column))
@@ -531,7 +548,7 @@ def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, length
     def value(i: int) -> bytes:  # entry i's bytes, for an error's wording
         return bytes(framed[ends[i] - lengths[i] : ends[i]])
 
-    return _whole_columns(raw_keys, value, encoded, codes.tolist(), shard, offset, size, crc,
+    return _whole_columns(raw_keys, value, numbered, codes.tolist(), shard, offset, size, crc,
                           n, path)
 
 
@@ -563,26 +580,25 @@ _Text = tuple[int, int, int, int, str, tuple[int, ...]]
 _Columns = tuple[list[str], list[str], list[tuple[int, ...]], _Rows, list[_Text]]
 
 
-def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], codes: list[int],
+def _whole_columns(raw_keys: list[bytes], value: Any, numbered: _Numbered, codes: list[int],
                    shard: np.ndarray, offset: np.ndarray, size: np.ndarray, crc: np.ndarray,
                    n: int, path: str) -> _Columns:
     """The columns of a bundle whose tensors are all stored whole (no slices), from its
-    entries' keys and fields (`value(i)`: entry i's bytes), checked in bulk; an entry failing
-    a check is looked at alone for the error's wording."""
+    entries' keys, shapes (`numbered`) and fields (`value(i)`: entry i's bytes), checked in
+    bulk; an entry failing a check is looked at alone for the error's wording."""
     try:
-        all_keys = list(map(bytes.decode, raw_keys))  # UTF-8, strict
+        all_keys = _decoded(raw_keys)
     except UnicodeDecodeError:
         raw = next(k for k in raw_keys if not _is_utf8(k))
         raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
-    number = {e: i for i, e in enumerate(dict.fromkeys(encoded))}  # distinct shapes, numbered
-    dims = _shapes_at_once(list(number))
-    if dims is None:  # one is bad: find it in order, for the wording
-        shape_of: dict[bytes, tuple[int, ...]] = {}
-        for i, e in enumerate(encoded):
-            if e not in shape_of:
-                shape_of[e] = _dims(e, raw_keys[i], value(i), all_keys[i], path)
-        dims = list(shape_of.values())
-    which = np.fromiter(map(number.__getitem__, encoded), np.intp, len(encoded))
+    distinct, which = numbered
+    dims = _shapes_at_once(distinct)
+    if dims is None:  # one is bad: the first entry that has it raises, with the wording
+        checked: dict[int, tuple[int, ...]] = {}
+        for i, k in enumerate(which.tolist()):
+            if k not in checked:
+                checked[k] = _dims(distinct[k], raw_keys[i], value(i), all_keys[i], path)
+        dims = [checked.get(k, ()) for k in range(len(distinct))]
     all_shapes = np.fromiter(dims, object, len(dims))[which].tolist()
     counts = np.fromiter(map(math.prod, dims), np.int64, len(dims))[which]
     found = list(map(DTYPE_OF.get, codes))
@@ -618,6 +634,13 @@ def _whole_columns(raw_keys: list[bytes], value: Any, encoded: list[bytes], code
                 keys[i], i, n, path, i)
     order = np.arange(len(keys), dtype=np.int64)
     return keys, dtypes, shapes, _Rows((shard, offset, order, size, crc, order), []), texts
+
+
+def _decoded(raw_keys: list[bytes]) -> list[str]:
+    """The keys as str (UTF-8, strict): decoded in one call where no key holds a newline (an
+    ASCII byte, so joining changes no key's validity), else one by one."""
+    keys = b"\n".join(raw_keys).decode().split("\n")
+    return keys if len(keys) == len(raw_keys) else list(map(bytes.decode, raw_keys))
 
 
 def _positions(items: list[Any], value: Any) -> list[int]:

@@ -184,7 +184,9 @@ def parse_shapes(values: list[bytes]) -> Any:
     return TensorShapes.FromString(_framed(values)).shape
 
 
-MARKS: Final = bytes.fromhex("0800" "1201ff" "1800" "2000" "2800" "3500000000")
+SHAPE_MARK: Final = b"\xff"  # the shape in MARKS: one byte, which no TensorShapeProto is
+MARKS: Final = bytes.fromhex("0800" "1201") + SHAPE_MARK + bytes.fromhex(
+    "1800" "2000" "2800" "3500000000")
 """Put before each entry by `parse_columns`: an explicit zero of each scalar field of a
 BundleEntryProto (dtype, shard_id, offset, size, crc32c), and a shape of one byte (no valid
 TensorShapeProto encoding is one byte long): an encoder omits zeros and may omit an empty
@@ -200,7 +202,7 @@ def parse_columns(framed: bytes | bytearray | memoryview) -> Any:
     return BundleEntryFields.FromString(framed)
 
 
-__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "MARKS", "BundleEntries", "BundleEntryFields",
-           "BundleEntryProto",
+__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "MARKS", "SHAPE_MARK", "BundleEntries",
+           "BundleEntryFields", "BundleEntryProto",
            "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorShapes",
            "TensorSliceProto", "VersionDef", "parse_columns", "parse_entries", "parse_shapes"]
