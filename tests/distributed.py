@@ -106,7 +106,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
                     raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} of "
                                        f"{world} not done within {timeout} s")
                 try:
-                    rank, payload = results.get(timeout=min(left, 1.0))
+                    rank, payload = results.get(timeout=min(left, 0.25))
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs)
                             if r not in got and p.exitcode is not None]

@@ -412,6 +412,16 @@ def _mlp() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
 
 
+def _fsdp2_mlp(mesh: Any) -> tuple[Any, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
 def _adam_step(model: Any, opt: Any, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
@@ -421,17 +431,12 @@ def _adam_step(model: Any, opt: Any, seed: int) -> None:
 
 
 def fsdp2_read(rank: int, world: int, path: str) -> None:
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, init_device_mesh
 
     from shardkit.checkpoint import Checkpoint
 
     mesh = init_device_mesh("cpu", (world,))
-    model = _mlp()
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = _fsdp2_mlp(mesh)
     _adam_step(model, opt, seed=99)  # other data: every value differs from the saved ones
     params = [p.to_local().data_ptr() for p in model.parameters()]
     moments = [opt.state[p]["exp_avg"].to_local().data_ptr() for p in model.parameters()]
@@ -525,16 +530,6 @@ def saved_and_resharded(rank: int, world: int, tmp: str) -> None:
 TOTAL_STEPS = 8
 SAVE_EVERY = 2
 KILL_AT = 5  # rank 1 dies in the middle of this step (index), before saving step 6
-
-
-def _fsdp2_mlp(mesh: Any) -> tuple[Any, Any]:
-    from torch.distributed.fsdp import fully_shard
-
-    model = _mlp()
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
 def _local_digest(model: Any, opt: Any) -> str:
