@@ -137,10 +137,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
 
 
 def raise_any(results: list[Any]) -> list[Any]:
-    """`results`, after raising the first exception among them."""
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    """`results`, after raising the first exception among them (the other ranks' ones, often
+    the cause, as notes on it)."""
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for other in errors[1:]:
+        errors[0].add_note("and " + "".join(traceback.format_exception_only(other)))
+    if errors:
+        raise errors[0]
     return results
 
 
