@@ -5,8 +5,10 @@
 spawns `world` processes (``torch.multiprocessing`` spawn context), each joins a gloo process
 group on 127.0.0.1 through a FileStore in a fresh temp directory (no ports to collide), calls
 ``fn(rank, world, *args)`` and sends back what it returned, or the exception it raised. The
-call returns the list of results in rank order (exceptions as values, see `raise_any`), and
-fails the test if a rank is not done within `timeout` seconds (every rank is killed then).
+call returns the list of results in rank order (exceptions as values, with the rank's traceback
+as a note; see `raise_any`), and fails the test if a rank is not done within `timeout` seconds
+(every rank is killed then). With ``stop_on_kill=True`` a rank that dies of a signal tears the
+job down, as a launcher does: the other ranks are killed at once.
 `fn` and its arguments must be picklable (module-level functions). Spawning costs about 2 s per
 process (importing torch), so a test should run several cases per spawn.
 
@@ -31,7 +33,16 @@ GROUP_TIMEOUT = 60.0  # seconds; gloo's own timeout for the process group
 
 
 class RankError(Exception):
-    """A rank's exception that could not be pickled back, as text."""
+    """A rank's exception that could not be pickled back, as text; or a rank that exited
+    without a result (`exitcode` set: negative, the signal that killed it)."""
+
+    exitcode: int | None = None
+
+
+def _exited(rank: int, exitcode: int | None) -> RankError:
+    error = RankError(f"rank {rank} exited with code {exitcode}")
+    error.exitcode = exitcode
+    return error
 
 
 def init_group(rank: int, world: int, store_file: str, timeout: float = GROUP_TIMEOUT) -> None:
@@ -54,6 +65,7 @@ def _worker(rank: int, world: int, store_file: str | None, results: Any,
             init_group(rank, world, store_file)
         value: Any = fn(rank, world, *args)
     except BaseException as e:
+        e.add_note(f"in rank {rank} of {world}:\n" + "".join(traceback.format_exception(e)))
         value = e
     try:
         payload = pickle.dumps(value)
@@ -70,9 +82,11 @@ def _worker(rank: int, world: int, store_file: str | None, results: Any,
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0,
-              init: bool = True) -> list[Any]:
+              init: bool = True, stop_on_kill: bool = False) -> list[Any]:
     """``fn(rank, world, *args)`` on `world` spawned ranks; results (or exceptions) by rank.
-    With ``init=False`` no process group is created (for `forked_rounds`)."""
+    With ``init=False`` no process group is created (for `forked_rounds`). With
+    ``stop_on_kill=True``, once a rank has died of a signal the others are killed, each rank
+    without a result reported as a `RankError` with its exit code."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -92,7 +106,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
                     raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} of "
                                        f"{world} not done within {timeout} s")
                 try:
-                    rank, payload = results.get(timeout=min(left, 1.0))
+                    rank, payload = results.get(timeout=min(left, 0.25))
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs)
                             if r not in got and p.exitcode is not None]
@@ -101,9 +115,16 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
                         while not results.empty():
                             rank, payload = results.get()
                             got[rank] = pickle.loads(payload)
+                        if stop_on_kill and any(r not in got and (procs[r].exitcode or 0) < 0
+                                                for r in dead):
+                            for p in procs:
+                                if p.is_alive():
+                                    p.kill()
+                            for p in procs:
+                                p.join(timeout=5)
+                            dead = [r for r in range(world) if r not in got]
                         for r in dead:
-                            got.setdefault(r, RankError(
-                                f"rank {r} exited with code {procs[r].exitcode}"))
+                            got.setdefault(r, _exited(r, procs[r].exitcode))
                     continue
                 got[rank] = pickle.loads(payload)
         finally:
@@ -116,10 +137,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
 
 
 def raise_any(results: list[Any]) -> list[Any]:
-    """`results`, after raising the first exception among them."""
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    """`results`, after raising the first exception among them (the other ranks' ones, often
+    the cause, as notes on it)."""
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for other in errors[1:]:
+        errors[0].add_note("and " + "".join(traceback.format_exception_only(other)))
+    if errors:
+        raise errors[0]
     return results
 
 

@@ -1,7 +1,7 @@
 """Restore into DTensors with resharding: every rank reads only its box of each stored tensor.
 
-Ranks are spawned with torch.multiprocessing (spawn), gloo on 127.0.0.1, one spawn per test with
-several cases in it, each spawn bounded by an explicit timeout. Checkpoints are written in the
+Ranks are spawned by the harness of tests/distributed.py (gloo on 127.0.0.1), one spawn per test
+with several cases in it, each spawn bounded by an explicit timeout. Checkpoints are written in the
 test process: whole tensors (a single-process save), and tensors stored as the slices a Shard(0)
 over N ranks holds, one shard file per rank (the layout of a distributed save), by a sharding
 callback. Every restored local tensor is compared byte for byte with the same shard of a
@@ -16,11 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import struct
-import traceback
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +27,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is an optional dependency")
 
+import distributed as harness  # noqa: E402  (tests/distributed.py)
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import shardkit  # noqa: E402
 from shardkit.callback import ShardingCallback  # noqa: E402
@@ -130,70 +127,6 @@ def corrupt_slices(ckpt: str, keep: Callable[[str, str], bool]) -> int:
             f.write(b"\xff" * (end - begin))
         done += 1
     return done
-
-
-# --- running ranks ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-               results: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank on this machine
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, None, out))
-    except BaseException:
-        results.put((rank, traceback.format_exc(), None))
-
-
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
-              timeout: float = SPAWN_TIMEOUT) -> list[Any]:
-    """Run fn(rank, world, *args) on `world` spawned ranks in one gloo group; return each rank's
-    result; fail with the rank's traceback if one raised, or when `timeout` passes (the ranks
-    are killed)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    import time
-
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    got: dict[int, Any] = {}
-    errors = []
-    while not results.empty():
-        rank, error, out = results.get()
-        if error is not None:
-            errors.append(f"rank {rank}:\n{error}")
-        got[rank] = out
-    if errors:
-        pytest.fail("\n".join(errors))
-    if hung:
-        pytest.fail(f"ranks {hung} did not finish within {timeout} s")
-    assert sorted(got) == list(range(world)), f"exit codes {[p.exitcode for p in procs]}"
-    return [got[r] for r in range(world)]
 
 
 # --- what the ranks do --------------------------------------------------------------------------
@@ -315,7 +248,8 @@ def test_world4_placements_bytes_read_and_distributed_saves(tmp_path: Path) -> N
     """One spawn of 4 ranks: `placements_world4`, then `saved_and_resharded`."""
     paths = write_checkpoints(tmp_path)
     (tmp_path / "saves").mkdir()
-    counted = run_ranks(4, world4, paths, str(tmp_path / "saves"))
+    counted = harness.raise_any(harness.run_ranks(world4, 4, paths, str(tmp_path / "saves"),
+                                                  timeout=SPAWN_TIMEOUT))
     state = global_state()
     total = sum(a.nbytes for a in state.values())
     replicated = state["scalar"].nbytes  # every rank reads the replicated scalar
@@ -444,7 +378,7 @@ def test_world2_reshard_corrupt_others_errors_fsdp2(tmp_path: Path) -> None:
     from shardkit.checkpoint import Checkpoint
 
     Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "trained"))
-    run_ranks(2, world2, paths, str(tmp_path))
+    harness.raise_any(harness.run_ranks(world2, 2, paths, str(tmp_path), timeout=SPAWN_TIMEOUT))
 
 
 def world2(rank: int, world: int, paths: dict[str, str], tmp: str) -> None:
@@ -478,6 +412,16 @@ def _mlp() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
 
 
+def _fsdp2_mlp(mesh: Any) -> tuple[Any, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
 def _adam_step(model: Any, opt: Any, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
@@ -487,17 +431,12 @@ def _adam_step(model: Any, opt: Any, seed: int) -> None:
 
 
 def fsdp2_read(rank: int, world: int, path: str) -> None:
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, init_device_mesh
 
     from shardkit.checkpoint import Checkpoint
 
     mesh = init_device_mesh("cpu", (world,))
-    model = _mlp()
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = _fsdp2_mlp(mesh)
     _adam_step(model, opt, seed=99)  # other data: every value differs from the saved ones
     params = [p.to_local().data_ptr() for p in model.parameters()]
     moments = [opt.state[p]["exp_avg"].to_local().data_ptr() for p in model.parameters()]
@@ -591,16 +530,6 @@ def saved_and_resharded(rank: int, world: int, tmp: str) -> None:
 TOTAL_STEPS = 8
 SAVE_EVERY = 2
 KILL_AT = 5  # rank 1 dies in the middle of this step (index), before saving step 6
-
-
-def _fsdp2_mlp(mesh: Any) -> tuple[Any, Any]:
-    from torch.distributed.fsdp import fully_shard
-
-    model = _mlp()
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
 def _local_digest(model: Any, opt: Any) -> str:
@@ -712,46 +641,17 @@ def resumed_run(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def run_job_until_killed(world: int, fn: Callable[..., Any], *args: Any,
-                         timeout: float = SPAWN_TIMEOUT) -> list[int | None]:
-    """Run a job of `world` ranks until one dies of a signal; the others are then killed too
-    (as a launcher tears a job down). Returns the exit codes; what the survivors raised
-    meanwhile (their collectives fail once the peer is gone) is the expected outcome, not
-    checked: the caller checks what they logged."""
-    import time
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if any(p.exitcode is not None and p.exitcode < 0 for p in procs):
-                break
-            if all(p.exitcode is not None for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    return [p.exitcode for p in procs]
-
-
 def test_kill_and_resume_2_ranks(tmp_path: Path) -> None:
     """A 2-rank FSDP2 loop with Adam killed mid-step (rank 1 SIGKILLed, the job torn down),
     restarted: each mode restores its latest checkpoint into fresh models and continues."""
     root, log = str(tmp_path / "ckpts"), str(tmp_path / "log")
-    codes = run_job_until_killed(2, killed_run, root, log)
-    assert codes[1] == -9, codes  # rank 1 SIGKILLed itself, rank 0 was torn down
+    # the job torn down once rank 1 is gone: what rank 0 raised meanwhile (its collectives
+    # fail without the peer) is the expected outcome, not checked; what it logged is
+    died = harness.run_ranks(killed_run, 2, root, log, timeout=SPAWN_TIMEOUT, stop_on_kill=True)
+    assert isinstance(died[1], harness.RankError) and died[1].exitcode == -9, died
     records = [[json.loads(line) for line in Path(f"{log}{r}").read_text().splitlines()]
                for r in range(2)]
-    results = run_ranks(2, resumed_run, root)
+    results = harness.raise_any(harness.run_ranks(resumed_run, 2, root, timeout=SPAWN_TIMEOUT))
     with shardkit.open(os.path.join(root, "collective", "ckpt-4")) as reader:
         # every rank wrote its own rows: the weights are stored as 2 slices
         assert len(reader.info("model/0.weight").slices) == 2

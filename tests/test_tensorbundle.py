@@ -1,5 +1,5 @@
 """TensorFlow's TensorBundle checkpoints, read and written by shardkit, checked against real
-TensorFlow (imported once per module: the `tf` fixture)."""
+TensorFlow (imported on first use: the `tf` fixture of conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+from tfhelpers import keras_model
 
 import shardkit
 from shardkit import cli
@@ -26,13 +27,6 @@ from shardkit.errors import (
 from shardkit.formats.tensorbundle import names, protos, table
 from shardkit.formats.tensorbundle.crc import crc32c, mask, unmask
 from shardkit.formats.tensorbundle.strings import decode_strings, encode_strings
-
-
-@pytest.fixture(scope="module")
-def tf():
-    import tensorflow
-
-    return tensorflow
 
 
 def _state() -> dict[str, np.ndarray]:
@@ -250,19 +244,12 @@ def test_string_tensors_both_ways(tf, tmp_path):
         shardkit.open(tmp_path / "sk").verify()
 
 
-def test_tensorflow_objects_saved_by_shardkit_are_restored_by_tensorflow(tf, tmp_path):
+def test_tensorflow_objects_saved_by_shardkit_are_restored_by_tensorflow(tf, keras, tmp_path):
     """A Keras model trained a few steps, saved by each side and restored by the other, gives
     the same predictions; TensorFlow's restore consumes every value shardkit wrote."""
-    keras = tf.keras
     x = np.random.default_rng(0).standard_normal((32, 5)).astype(np.float32)
     y = x @ np.arange(5, dtype=np.float32)[:, None]
-
-    def model():
-        m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-        return m
-
-    trained = model()
+    trained, _ = keras_model(keras, 5, 4, 1)
     trained.fit(x, y, epochs=2, batch_size=8, verbose=0)
     want = trained.predict(x, verbose=0)
     ck = tf.train.Checkpoint(model=trained, optimizer=trained.optimizer)
@@ -270,13 +257,11 @@ def test_tensorflow_objects_saved_by_shardkit_are_restored_by_tensorflow(tf, tmp
     shardkit.save(tmp_path / "sk", ck, format="tensorflow")
     assert (tf.train.list_variables(str(tmp_path / "sk"))
             == tf.train.list_variables(ck.write(str(tmp_path / "tf"))))
-    fresh = model()
-    fresh.optimizer.build(fresh.trainable_variables)
+    fresh, _ = keras_model(keras, 5, 4, 1)
     tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(
         str(tmp_path / "sk")).assert_consumed()
     assert np.array_equal(fresh.predict(x, verbose=0), want)
-    other = model()
-    other.optimizer.build(other.trainable_variables)
+    other, _ = keras_model(keras, 5, 4, 1)
     target = tf.train.Checkpoint(model=other, optimizer=other.optimizer)
     assert int(target.save_counter) == 0
     shardkit.restore_into(tmp_path / "tf", target).assert_consumed()

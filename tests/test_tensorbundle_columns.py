@@ -81,8 +81,7 @@ def test_tensorflow_encodings_take_the_one_decode(bundle, general):
             v.tolist()), k
 
 
-def test_tensorflows_own_files_take_the_one_decode(tmp_path, general):
-    tf = pytest.importorskip("tensorflow")
+def test_tensorflows_own_files_take_the_one_decode(tf, tmp_path, general):
     calls, both = general
     variables = {f"v{i}": tf.Variable(np.full((i % 3 + 1,), i, np.float32)) for i in range(40)}
     prefix = tf.train.Checkpoint(**variables).write(str(tmp_path / "tf" / "ck"))
@@ -173,10 +172,9 @@ def test_a_crc32c_of_zero_and_a_dtype_of_zero(bundle, general):
     assert "'b'" in str(e.value)
 
 
-def test_misaligned_entries_are_copied_aligned_ones_are_views(tmp_path):
+def test_misaligned_entries_are_copied_aligned_ones_are_views(tf, tmp_path):
     """TensorFlow packs entries back to back: a float64 after a 3-byte tensor starts at an odd
     offset; that file is marked not aligned, and its values still come back right."""
-    tf = pytest.importorskip("tensorflow")
     state = {"a": np.arange(3, dtype=np.int8), "b": np.arange(5, dtype=np.float64)}
     tf.raw_ops.SaveV2(prefix=str(tmp_path / "ck"), tensor_names=list(state),
                       shape_and_slices=["", ""], tensors=list(state.values()))

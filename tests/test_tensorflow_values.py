@@ -11,6 +11,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from tfhelpers import bits, keras_model, module
 
 import shardkit
 from shardkit.errors import (
@@ -25,20 +26,6 @@ if importlib.util.find_spec("tensorflow") is None:
 GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
-@pytest.fixture(scope="module")
-def tf():
-    import tensorflow
-
-    return tensorflow
-
-
-@pytest.fixture(scope="module")
-def keras(tf):
-    import keras
-
-    return keras
-
-
 def test_import_shardkit_does_not_import_tensorflow():
     code = ("import sys, numpy as np, shardkit, tempfile, os\n"
             "d = tempfile.mkdtemp()\n"
@@ -46,11 +33,6 @@ def test_import_shardkit_does_not_import_tensorflow():
             "shardkit.load(os.path.join(d, 'c'))\n"
             "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return (a.dtype, a.shape, a.tolist() if a.dtype.kind == "O" else a.tobytes())
 
 
 def _all_dtypes(tf):
@@ -81,12 +63,12 @@ def test_every_dtype_bit_exact_as_variables_and_tensors(tf, tmp_path):
     got = shardkit.load(tmp_path / "c")
     for kind in ("var", "const"):
         for k, v in values.items():
-            assert _bits(got[f"{kind}/{k}"]) == _bits(v), (kind, k)
+            assert bits(got[f"{kind}/{k}"]) == bits(v), (kind, k)
     as_tf = shardkit.load(tmp_path / "c", framework="tensorflow")
     for k, v in values.items():
         t = as_tf[f"var/{k}"]
         assert isinstance(t, tf.Tensor) and t.dtype == state["var"][k].dtype, k
-        assert _bits(t.numpy()) == _bits(v), k
+        assert bits(t.numpy()) == bits(v), k
     with shardkit.open(tmp_path / "c") as r:
         assert r.get("var/str", framework="tensorflow").dtype == tf.string
         assert r.get_slice("var/f64", slice(1, 3), framework="tensorflow").shape == (2,)
@@ -97,7 +79,7 @@ def test_every_dtype_bit_exact_as_variables_and_tensors(tf, tmp_path):
     ids = {k: id(v) for k, v in fresh.items()}
     shardkit.restore_into(tmp_path / "c", {"var": fresh}, partial=True)
     for k, v in values.items():
-        assert id(fresh[k]) == ids[k] and _bits(fresh[k].numpy()) == _bits(v), k
+        assert id(fresh[k]) == ids[k] and bits(fresh[k].numpy()) == bits(v), k
 
 
 def test_tf_values_were_refused_and_a_device_string_gives_the_task(tf, tmp_path):
@@ -159,13 +141,9 @@ def test_batched_host_arrays_fast_path_bytes_devices_and_no_copy(tf):
 
 
 def _module(tf, scale=1.0):
-    root = tf.Module()
-    root.child = tf.Module()
-    root.child.w = tf.Variable(tf.ones((2, 3)) * scale)
-    root.child.b = tf.Variable(tf.zeros(3) + scale)
-    root.step = tf.Variable(7 if scale == 1.0 else 0, dtype=tf.int64)
-    root.names = tf.Variable([b"a", b"bc"] if scale == 1.0 else [b"", b""])
-    return root
+    return module(tf, child=module(tf, w=tf.ones((2, 3)) * scale, b=tf.zeros(3) + scale),
+                  step=tf.Variable(7 if scale == 1.0 else 0, dtype=tf.int64),
+                  names=[b"a", b"bc"] if scale == 1.0 else [b"", b""])
 
 
 def test_module_keys_and_object_graph_are_tensorflows(tf, tmp_path):
@@ -215,13 +193,7 @@ def test_module_restored_in_place(tf, tmp_path):
 
 
 def _keras_model(keras, seed):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(2)])
-    opt = keras.optimizers.Adam(learning_rate=0.01)
-    model.compile(opt, "mse")
-    opt.build(model.trainable_variables)
-    return model, opt
+    return keras_model(keras, 4, 8, 2, activation="relu", seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import warnings
 
 import numpy as np
 import pytest
+from tfhelpers import module
 
 import shardkit
 from shardkit.errors import InvalidArgumentTypeError, ShardingValidationError
@@ -24,13 +25,6 @@ if importlib.util.find_spec("tensorflow") is None:
 
 V0 = "v0/.ATTRIBUTES/VARIABLE_VALUE"
 V1 = "v1/.ATTRIBUTES/VARIABLE_VALUE"
-
-
-@pytest.fixture(scope="module")
-def tf():
-    import tensorflow
-
-    return tensorflow
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +75,8 @@ def test_tensorflow_policies_are_accepted_was_a_type_error(tf, policies, tmp_pat
 
 @pytest.fixture(scope="module")
 def root_1d(tf):
-    root = tf.Module()
-    root.v0 = tf.Variable([0.0, 1.0, 2.0, 3.0], dtype=tf.float32)
-    root.v1 = tf.Variable([[4], [5], [6], [7]], dtype=tf.int32)
-    return root
+    return module(tf, v0=tf.Variable([0.0, 1.0, 2.0, 3.0], dtype=tf.float32),
+                  v1=tf.Variable([[4], [5], [6], [7]], dtype=tf.int32))
 
 
 # TensorFlow's test_MaxShardSizePolicy_1D: max_shard_size -> (slice specs of v0, of v1), one
@@ -116,10 +108,8 @@ def test_max_shard_size_policy_1d(policies, root_1d, tmp_path, size):
 
 @pytest.fixture(scope="module")
 def root_2d(tf):
-    root = tf.Module()
-    root.v0 = tf.Variable([[0, 1], [2, 3], [4, 5]])
-    root.v1 = tf.Variable([[[6.0], [7.0]], [[8.0], [9.0]], [[10.0], [11.0]]])
-    return root
+    return module(tf, v0=[[0, 1], [2, 3], [4, 5]],
+                  v1=[[[6.0], [7.0]], [[8.0], [9.0]], [[10.0], [11.0]]])
 
 
 # TensorFlow's test_MaxShardSizePolicy_2D: size -> shard keys, and the stored slices
@@ -157,10 +147,8 @@ def test_string_variables_are_stored_apart_from_the_callback(tf, policies, tmp_p
     """TensorFlow's test_MaxShardSizePolicy_Strings / _LargeScalar: shardkit keeps string
     tensors in its string file, so the callback sees only the numeric ones and the strings
     come back whole."""
-    root = tf.Module()
-    root.v0 = tf.Variable([b"ABCDEFGHIJ", b"0123456789", b"KLMNOPQRST", b"9876543210"])
-    root.v1 = tf.Variable(b"0123456789")
-    root.v2 = tf.Variable([1.0, 2.0])
+    root = module(tf, v0=[b"ABCDEFGHIJ", b"0123456789", b"KLMNOPQRST", b"9876543210"],
+                  v1=b"0123456789", v2=[1.0, 2.0])
     seen = []
 
     class Recording(policies.MaxShardSizePolicy):
@@ -333,9 +321,7 @@ def test_shardkit_policy_in_tensorflow_checkpoint_write(tf, root_2d, tmp_path, p
             experimental_sharding_callback=shardkit.as_tensorflow_callback(policy)))
     data = sorted(p.name for p in (tmp_path / "tf").iterdir() if ".data-" in p.name)
     assert len(data) == files
-    fresh = tf.Module()
-    fresh.v0 = tf.Variable(tf.zeros((3, 2), tf.int32))
-    fresh.v1 = tf.Variable(tf.zeros((3, 2, 1)))
+    fresh = module(tf, v0=tf.zeros((3, 2), tf.int32), v1=tf.zeros((3, 2, 1)))
     tf.train.Checkpoint(fresh).read(prefix).assert_consumed()
     assert fresh.v0.numpy().tolist() == root_2d.v0.numpy().tolist()
     assert fresh.v1.numpy().tolist() == root_2d.v1.numpy().tolist()

@@ -6,16 +6,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from tfhelpers import bits
 
 import shardkit
 from shardkit.errors import RestoreMismatchError
-
-
-@pytest.fixture(scope="module")
-def tf():
-    import tensorflow
-
-    return tensorflow
 
 
 def _values(count: int) -> dict[str, np.ndarray]:
@@ -28,11 +22,6 @@ def _values(count: int) -> dict[str, np.ndarray]:
         a = rng.standard_normal(shape) * 100
         out[f"v{i:04d}"] = (a > 0) if kind is np.bool_ else a.astype(kind)
     return out
-
-
-def _bits(a) -> tuple:
-    a = np.asarray(a)
-    return a.dtype.str, a.shape, a.tobytes()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -48,7 +37,7 @@ def test_many_variables_saved_and_restored_in_place_bit_exact(tf, tmp_path, monk
     values = _values(2 * tfw.READ_BATCH + 50)
     shardkit.save(tmp_path / "c", {k: tf.Variable(v) for k, v in values.items()}, durable=False)
     stored = shardkit.load(tmp_path / "c")
-    assert all(_bits(stored[k]) == _bits(v) for k, v in values.items())
+    assert all(bits(stored[k]) == bits(v) for k, v in values.items())
     fresh = {k: tf.Variable(np.zeros_like(v)) for k, v in values.items()}
     ids = {k: id(v) for k, v in fresh.items()}
     handles = {k: v.handle for k, v in fresh.items()}
@@ -56,15 +45,14 @@ def test_many_variables_saved_and_restored_in_place_bit_exact(tf, tmp_path, monk
     status.assert_consumed()
     for k, v in values.items():
         assert id(fresh[k]) == ids[k] and fresh[k].handle is handles[k], k
-        assert _bits(fresh[k].numpy()) == _bits(v), k
+        assert bits(fresh[k].numpy()) == bits(v), k
 
 
-def test_other_variable_types_and_a_single_assign(tf, tmp_path):
+def test_other_variable_types_and_a_single_assign(tf, keras, tmp_path):
     from shardkit.frameworks import tensorflow as tfw
 
     values = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(3)}
     shardkit.save(tmp_path / "c", values, durable=False)
-    keras = pytest.importorskip("keras")
     kv = keras.Variable(np.zeros((2, 3), np.float32))
     plain = tf.Variable(np.zeros(3, np.int64))
     shardkit.restore_into(tmp_path / "c", {"a": kv, "b": plain})
