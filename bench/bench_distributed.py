@@ -34,9 +34,8 @@ third in a round slower (measured: three identical 1.47 GB writers in a row took
 5.3 s; deleting each one's files, discarded with the ``discard`` mount option, evens them out).
 The loads therefore read checkpoints written once, untimed, before the first round (page cache
 warm, for both). The first round of each group checks that every restore is byte for byte.
-Prints the
-medians, and the ratios against the targets: save >= 2x DCP and >= 0.9x the floor, load >= 3x
-DCP, reshard >= 3x DCP. With ``--check`` the exit status is 1 when one is missed.
+Prints the medians, and the ratios against the targets: save >= 2x DCP and >= 0.9x the floor,
+load >= 3x DCP, reshard >= 3x DCP. With ``--check`` the exit status is 1 when one is missed.
 """
 
 from __future__ import annotations
