@@ -104,12 +104,14 @@ def _bomb(path: Path) -> int:
     layouts = fmt.layout_entries([("f", np.dtype(np.float32), (f32_items,)),
                                   ("u", np.dtype(np.uint8), ((n - 1) * chunk,))])
     frame = _zero_frame(chunk)
-    start = len(skz.encode_skz_header(layouts, chunk, True))
+    generation = fmt.new_generation()
+    meta = {fmt.GENERATION_KEY: generation}
+    start = len(skz.encode_skz_header(layouts, chunk, True, None, meta))
     frames = np.zeros(n, skz.FRAME_DTYPE)
     for i in range(n):
         frames[i] = (start + i * len(frame), len(frame), chunk, skz.KIND_ZSTD, 0,
                      xxhash.xxh3_64_intdigest(frame))
-    data = skz.encode_skz_header(layouts, chunk, True, frames) + frame * n
+    data = skz.encode_skz_header(layouts, chunk, True, frames, meta) + frame * n
     path.mkdir()
     name = fmt.shard_file_name(0, 1, "zstd")
     (path / name).write_bytes(data)
@@ -120,7 +122,7 @@ def _bomb(path: Path) -> int:
                             [fmt.SliceInfo("", 0, "u", _zeros_xxh3((n - 1) * chunk))]),
     }
     index = fmt.CheckpointIndex.from_tensors(
-        "bomb", [fmt.ShardInfo(name, 0, "zstd", len(data))], tensors)
+        "bomb", [fmt.ShardInfo(name, 0, "zstd", len(data))], tensors, generation=generation)
     (path / MANIFEST_FILE).write_bytes(fmt.encode_index(index))
     return n * chunk
 

@@ -665,7 +665,9 @@ def test_corrupt_frame_through_the_reader_names_shard_and_key(tmp_path):
         api.load(tmp_path / "c")
 
 
-def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path):
+def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path, monkeypatch):
+    generation = "0123456789abcdef0123456789abcdef"  # both saves': their shards make one
+    monkeypatch.setattr(fmt, "new_generation", lambda: generation)
     rng = np.random.default_rng(15)
     raw_part = {"r/w": rng.standard_normal((64, 8)).astype(np.float32), "r/n": np.arange(5)}
     zstd_part = {"z/w": rng.standard_normal((32, 32)).astype(ml_dtypes.bfloat16),
@@ -685,7 +687,7 @@ def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path):
         tensors[key] = replace(t, slices=[replace(s, shard=1) for s in t.slices])
     index = fmt.CheckpointIndex.from_tensors(
         "merged", [replace(ia.shards[0], file=names[0]), replace(ib.shards[0], file=names[1])],
-        tensors)
+        tensors, generation=generation)
     (out / MANIFEST_FILE).write_bytes(fmt.encode_index(index))
     assert codecs(out) == ["raw", "zstd"]
     assert_same(api.load(out, verify=True), {**raw_part, **zstd_part})

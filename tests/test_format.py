@@ -839,6 +839,7 @@ def test_decode_index_rejects_bad_json(data, match):
 def test_newer_minor_version_is_accepted_and_unknown_fields_ignored():
     def newer(doc):
         doc["format_version"] = "2.7"
+        doc["shardkit"]["generation"] = GENERATION  # from 2.1 on, every manifest has one
         doc["added_later"] = {"x": 1}
         doc["shardkit"]["added_later"] = [1]
         doc["shardkit"]["tensors"]["added_later"] = ["one", "value", "per", "row"]
@@ -846,7 +847,7 @@ def test_newer_minor_version_is_accepted_and_unknown_fields_ignored():
         doc["shardkit"]["shards"][0]["added_later"] = None
 
     index = fmt.decode_index(_mutated(newer), "i.json")
-    assert index.version == "2.7"
+    assert index.version == "2.7" and index.generation == GENERATION
     assert index.tensors == _index().tensors
     assert json.loads(fmt.encode_index(index))["format_version"] == "2.7"
 
@@ -1115,3 +1116,22 @@ def test_a_shard_may_not_be_named_like_a_manifest(name):
 
     with pytest.raises(ShardPathError, match=rf"{re.escape(name)}' is not a plain file name"):
         fmt.decode_index(_mutated(change), "ckpt/m.json")
+
+
+@pytest.mark.parametrize("version", ["2.1", "2.2", "2.7"])
+def test_from_2_1_on_a_manifest_without_its_generation_is_corrupt(version):
+    """Format 2.1 added the generation, and every writer since records it: a manifest of 2.1
+    or later without one has lost it, and read as it is no shard would be checked against the
+    save it belongs to. A 2.0 manifest has none and is read without the check."""
+    def lost(doc):
+        doc["format_version"] = version
+        del doc["shardkit"]["generation"]
+
+    data = json.dumps(_doc_2_1()).encode()
+    assert fmt.decode_index(data, "i.json").generation == GENERATION
+    doc = _doc_2_1()
+    lost(doc)
+    with pytest.raises(CorruptIndexError, match=rf"i\.json: format_version {version} records the "
+                       r"checkpoint's generation, but shardkit\.generation is missing"):
+        fmt.decode_index(json.dumps(doc).encode(), "i.json")
+    assert fmt.decode_index(fmt.encode_index(_index()), "i.json").generation is None  # 2.0

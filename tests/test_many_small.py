@@ -7,6 +7,7 @@ import json
 import math
 import os
 import struct
+from dataclasses import replace
 from typing import Any
 
 import ml_dtypes
@@ -117,8 +118,18 @@ def _inputs(split: bool) -> tuple[str, list[fmt.ShardInfo], dict[str, fmt.Tensor
     return "cb \"quoted\"", shards, tensors, {"n": [1, {"x": None}], "f": 0.5}
 
 
+GENERATION = "0123456789abcdef0123456789abcdef"
+
+
+def _of_generation(index: fmt.CheckpointIndex) -> fmt.CheckpointIndex:
+    """`index` with its shards recording its generation, as a decoded index's do."""
+    index.shards = [replace(s, generation=index.generation) for s in index.shards]
+    return index
+
+
 def _index(split: bool) -> fmt.CheckpointIndex:
-    return fmt.CheckpointIndex.from_tensors(*_inputs(split))
+    return _of_generation(fmt.CheckpointIndex.from_tensors(*_inputs(split),
+                                                           generation=GENERATION))
 
 
 def _reference_document(split: bool) -> dict[str, Any]:
@@ -126,8 +137,8 @@ def _reference_document(split: bool) -> dict[str, Any]:
 
 
 def _document_of(callback: str, shards: list[fmt.ShardInfo], tensors: dict[str, fmt.TensorInfo],
-                 user_metadata: dict) -> dict[str, Any]:
-    """The 2.0 document of an index, built from the per-tensor objects by the rules of
+                 user_metadata: dict, generation: str = GENERATION) -> dict[str, Any]:
+    """The document of an index, built from the per-tensor objects by the rules of
     docs/FORMAT.md section 2 (from_tensors lists each shard's slices in tensor order)."""
     keys = list(tensors)
     devices = list(dict.fromkeys(t.device for t in tensors.values()))
@@ -135,12 +146,13 @@ def _document_of(callback: str, shards: list[fmt.ShardInfo], tensors: dict[str, 
                     key=lambda x: x[:2])
     return {
         "format": "shardkit",
-        "format_version": fmt.FORMAT_VERSION,  # 2.1, without a generation here
+        "format_version": fmt.FORMAT_VERSION,
         "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
         "weight_map": {key: shards[t.slices[0].shard].file for key, t in tensors.items()
                        if len(t.slices) == 1 and t.slices[0].spec == ""},
         "shardkit": {
             "callback": callback,
+            "generation": generation,
             "devices": devices,
             "shards": [{"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes}
                        for s in shards],
@@ -204,7 +216,8 @@ def test_index_bytes_equal_json_dumps_for_any_text(keys, devices, callback, user
         )
         for key in keys for shard in (data.draw(st.integers(0, 1)),)
     }
-    index = fmt.CheckpointIndex.from_tensors(callback, shards, tensors, user_metadata)
+    index = _of_generation(fmt.CheckpointIndex.from_tensors(callback, shards, tensors,
+                                                            user_metadata, GENERATION))
     encoded = fmt.encode_index(index)
     doc = _document_of(callback, shards, tensors, user_metadata)
     assert encoded == json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
@@ -448,14 +461,15 @@ def test_entries_not_aligned_to_their_item_size_load_correctly(tmp_path):
     layouts = [fmt.EntryLayout("u", "U8", (3,), 0, 3, 0),
                fmt.EntryLayout("f", "F32", (4,), 3, 19, 1),
                fmt.EntryLayout("s", "F32", (), 19, 23, 2)]
-    data = fmt.encode_safetensors_header(layouts) + a.tobytes() + b.tobytes() + c.tobytes()
+    data = (fmt.encode_safetensors_header(layouts, {fmt.GENERATION_KEY: GENERATION})
+            + a.tobytes() + b.tobytes() + c.tobytes())
     (tmp_path / "c").mkdir()
     name = fmt.shard_file_name(0, 1)
     (tmp_path / "c" / name).write_bytes(data)
     tensors = {e.name: fmt.TensorInfo(e.dtype_name, e.shape, "d", [
         fmt.SliceInfo("", 0, e.name, None)]) for e in layouts}
     shards = [fmt.ShardInfo(name, 0, "raw", len(data))]
-    index = fmt.CheckpointIndex.from_tensors("x", shards, tensors)
+    index = fmt.CheckpointIndex.from_tensors("x", shards, tensors, generation=GENERATION)
     (tmp_path / "c" / MANIFEST_FILE).write_bytes(fmt.encode_index(index))
     loaded = shardkit.load(tmp_path / "c")
     assert _same(loaded["u"], a) and _same(loaded["f"], b) and _same(loaded["s"], np.asarray(c))

@@ -19,6 +19,7 @@ FORMAT_VERSION: Final = "2.2"
 STRINGS_VERSION: Final = "2.3"  # recorded instead when there are string tensors (section 2.3)
 STRINGS_MINOR: Final = int(STRINGS_VERSION.rpartition(".")[2])
 FORMAT_MAJOR: Final = 2
+GENERATION_MINOR: Final = 1  # from format 2.1 on, every manifest records its generation (2.1)
 # The manifest: HuggingFace's name for a sharded checkpoint's index (format 2.2 on), then the
 # name of formats 2.0 and 2.1. `find_manifest` is the one lookup; writers write MANIFEST_FILE.
 MANIFEST_FILE: Final = "model.safetensors.index.json"

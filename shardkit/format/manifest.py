@@ -34,6 +34,7 @@ from .common import (
     FORMAT_NAME,
     FORMAT_VERSION,
     GENERATION_KEY,
+    GENERATION_MINOR,
     LEGACY_MANIFEST_FILE,
     MANIFEST_FILE,
     MANIFEST_FILES,
@@ -426,6 +427,11 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
         raise CorruptIndexError(
             f"{path}: field shardkit.{GENERATION_KEY} must be a string of 1 to 64 letters, "
             f"digits, '_', '.' or '-', found {_shown(generation)}")
+    if generation is None and minor >= GENERATION_MINOR:  # the version implies the field:
+        raise CorruptIndexError(  # without it no shard would be checked against this save
+            f"{path}: format_version {version} records the checkpoint's generation, but "
+            f"shardkit.{GENERATION_KEY} is missing (its shards could not be told from another "
+            "save's)")
     user_metadata = _field(sk, "user_metadata", dict, path, "shardkit.")
     shards = _decode_shards(_field(sk, "shards", list, path, "shardkit."), path, generation)
     device_names = _str_list(sk, "devices", path, "shardkit.")
