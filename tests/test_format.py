@@ -1,7 +1,7 @@
 """shardkit.format: shard header and index.json encode/decode, layout, golden bytes.
 
-`write_checkpoint` below builds checkpoints from format.py's encoders alone (no writer module), so
-the reader tests (test_reader.py, test_bad_input.py) import it from here.
+`write_checkpoint` below builds checkpoints from shardkit.format's encoders alone (no writer
+module), so the reader tests (test_reader.py, test_bad_input.py) import it from here.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def write_checkpoint(
     generation: str | None = None,
     legacy: bool = False,
 ) -> fmt.CheckpointIndex:
-    """Write shards + the manifest with format.py's encoders. Items in save order; like the
+    """Write shards + the manifest with shardkit.format's encoders. Items in save order; like the
     writer, the manifest lists each shard's slices in data-region order (docs/FORMAT.md section
     2). Without a `generation` the manifest says format 2.0 (no generation anywhere).
     `legacy`: exactly as formats 2.0 / 2.1 wrote checkpoints (2.1 with a `generation`):

@@ -1,4 +1,5 @@
-"""shardkit.reader: CheckpointReader, load, restore_into on checkpoints written by format.py."""
+"""shardkit.reader: CheckpointReader, load, restore_into on checkpoints written by the encoders
+of shardkit.format."""
 
 from __future__ import annotations
 
