@@ -9,11 +9,21 @@ of its own, in the background.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
+
+
+def usable_cores() -> frozenset[int]:
+    """The cores this process may run on: its CPU affinity, or every core of the machine where
+    the platform has none."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return frozenset(range(os.cpu_count() or 1))
 
 
 class WorkerPool(Executor):

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import format as fmt
+from .._threads import usable_cores
 from ..callback import ShardingCallback, callback_description, shard_tensors
 from ..devices import DeviceSpec
 from ..dtypes import itemsize, safetensors_name
@@ -319,11 +320,7 @@ def machine() -> tuple[str, frozenset[int]]:
         import socket
 
         host = socket.gethostname()
-    try:
-        cores = frozenset(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = frozenset(range(os.cpu_count() or 1))
-    return host, cores
+    return host, usable_cores()
 
 
 def writer_threads(machines: Sequence[tuple[str, frozenset[int]]], rank: int) -> int:

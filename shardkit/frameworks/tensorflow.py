@@ -15,7 +15,6 @@ gives the ``_CHECKPOINTABLE_OBJECT_GRAPH`` proto stored as a string tensor, as T
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +28,7 @@ from tensorflow.python.ops import (  # type: ignore[import-untyped]
     resource_variable_ops,
 )
 
-from .._threads import WorkerPool
+from .._threads import WorkerPool, usable_cores
 from ..devices import DeviceSpec
 from ..errors import InvalidArgumentError, RestoreMismatchError, UnsupportedDTypeError
 
@@ -142,19 +141,11 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
 
 
 _POOL: list[WorkerPool] = []  # made on first use
-def _usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-TF_THREADS = min(4, _usable_cores())
+TF_THREADS = min(4, len(usable_cores()))
 """Threads issuing batches of TensorFlow ops (reads, assigns): TensorFlow's executor runs
 each op without the GIL, so on a 2-core machine two batches at a time take about 40% less
-time than one after the other (50,000 small variables). Like shardkit's writer threads, they
-are sized from the cores the process may use, not from how busy those cores were recently."""
+time than one after the other (50,000 small variables). Sized from the cores the process may
+use (as a collective save's writers are), not from how busy they were recently."""
 
 
 def _in_parallel(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:

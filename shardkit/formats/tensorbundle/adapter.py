@@ -310,7 +310,7 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     keys, dtypes, shapes, rows, texts = cols
     text_keys = [t[4] for t in texts]
     text_shapes = [t[5] for t in texts]
-    if not RESERVED.isdisjoint(text_keys) or any(map(_has_key, repeat(keys), RESERVED)):
+    if not RESERVED.isdisjoint(text_keys) or any(_has_key(keys, k) for k in RESERVED):
         # the table's strict key order after the header's "" already made the keys unique
         # and non-empty, and strict UTF-8 decoding made them valid: only this rule is left
         check_keys(keys + text_keys, error=CorruptIndexError, where=f"{path}: ")
@@ -471,18 +471,16 @@ def _marked_shapes(column: Any, count: int) -> tuple[_Numbered, np.ndarray, np.n
     tell the entries apart (a shape of one byte, which is no shape, or an entry with two)."""
     from .protos import SHAPE_MARK
 
-    values = list(column)
-    # numbers 0 and 1 are no shape and the mark, whichever come first in the column
-    number = {e: i for i, e in enumerate(dict.fromkeys(chain((b"", SHAPE_MARK), values)))}
-    which = np.fromiter(map(number.__getitem__, values), np.intp, len(values))
-    distinct = list(number)
+    values = [b"", SHAPE_MARK, *column]  # numbered 0 (no shape) and 1 (the mark) first
+    distinct, which = _numbered(values)
+    which = which[2:]
     lengths = np.fromiter(map(len, distinct), np.int64, len(distinct))[which]
     marks = np.flatnonzero(lengths == 1)
     if len(marks) != count:
         return None
     if count == 0:
         return ([b""], np.zeros(0, np.intp)), np.zeros(0, bool), np.zeros(0, np.int64)
-    runs = np.diff(marks, append=len(values))
+    runs = np.diff(marks, append=len(which))
     if runs.max() > 2:
         return None
     present = runs == 2
