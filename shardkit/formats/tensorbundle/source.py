@@ -39,8 +39,7 @@ class BundleData(RawShard):
     @property
     def entries(self) -> dict[str, EntryLayout]:  # type: ignore[override]
         if self._entries is None:
-            names, dtypes, shapes, begins = self._layout()
-            self._entries = entries_at(names, dtypes, shapes, begins)
+            self._entries = entries_at(*self._layout())
         return self._entries
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
