@@ -9,7 +9,7 @@ OSError) for failures; `main` turns those into a one-line message and exit code 
     shardkit plan FILE.safetensors|FILE.npz|CHECKPOINT [--plot sizes.png]
     shardkit inspect CHECKPOINT
     shardkit verify CHECKPOINT
-    shardkit convert SRC DST [--to tensorflow|shardkit] [--overwrite]
+    shardkit convert SRC DST [--to tensorflow|shardkit] [--overwrite] [--no-verify]
     shardkit gc URL [--older-than SECONDS]
 
 CHECKPOINT is anything the reader opens: a shardkit checkpoint, a HuggingFace sharded
@@ -432,9 +432,11 @@ def _add_convert_parser(sub: Any) -> None:
             "Read the checkpoint SRC (anything the reader opens) and write it as DST: a\n"
             "TensorFlow checkpoint (DST is a prefix: DST.index + DST.data-*) or a shardkit\n"
             "checkpoint directory. --to defaults to shardkit for a TensorFlow SRC, else\n"
-            "tensorflow. Tensors are memory-mapped and written one by one from the maps, so\n"
-            "memory stays bounded by the page cache, not by the checkpoint's size. Sliced\n"
-            "tensors are written whole."
+            "tensorflow. Every checksum SRC stores is checked first (as `shardkit verify`\n"
+            "does): a corrupt SRC is an error naming the file and the entry, and DST is not\n"
+            "written (--no-verify skips the check). Tensors are memory-mapped and written one\n"
+            "by one from the maps, so memory stays bounded by the page cache, not by the\n"
+            "checkpoint's size. Sliced tensors are written whole."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -443,6 +445,8 @@ def _add_convert_parser(sub: Any) -> None:
     p.add_argument("--to", choices=("tensorflow", "shardkit"), default=None,
                    help="format of DST (default: the other one)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not check SRC's checksums before writing DST")
     p.set_defaults(func=cmd_convert)
 
 
@@ -453,9 +457,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     with open_checkpoint(args.src) as reader:
         to = args.to or ("shardkit" if reader.format == "tensorbundle" else "tensorflow")
         count = len(reader)
-    state = load(args.src)  # views of the source's maps: read as they are written
+        unchecked = reader.format != "shardkit" and not reader.layout.checksums
+    # views of the source's maps, read as they are written; checked first, so that nothing
+    # corrupt is written out under fresh checksums
+    state = load(args.src, verify=args.verify)
     info = save(args.dst, state, format=to, overwrite=args.overwrite)
-    print(f"{args.src} -> {info.path} ({to}): {count} tensors, {human_size(info.bytes)}")
+    note = ""
+    if not args.verify:
+        note = " (not verified)"
+    elif unchecked:
+        note = " (no checksums stored in the source: its structure was checked only)"
+    print(f"{args.src} -> {info.path} ({to}): {count} tensors, {human_size(info.bytes)}{note}")
     return 0
 
 

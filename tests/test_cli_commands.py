@@ -1,6 +1,7 @@
-"""`shardkit demo`, `inspect` and `verify`."""
+"""`shardkit demo`, `inspect`, `verify` and `convert`."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from shardkit.cli import main
 from shardkit.errors import SplitTensorsWarning
 from shardkit.format import MANIFEST_FILE
 from shardkit.policies import MaxShardSizePolicy
+from shardkit.reader import load
 
 
 @pytest.fixture
@@ -165,3 +167,94 @@ def test_demo_holds_no_second_copy_of_the_state(tmp_path, monkeypatch):
 def test_demo_unknown_dtype(tmp_path, capsys):
     assert main(["demo", "--model", "llm-tiny", "--dtype", "nope", "--dir", str(tmp_path)]) == 1
     assert "unknown dtype 'nope'; valid dtypes: float64, float32" in capsys.readouterr().err
+
+
+# --- convert verifies what it reads ------------------------------------------------------------
+
+
+def _flip(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _corrupt_shardkit(path, codec):
+    """A shardkit checkpoint whose tensor 'w' has one byte flipped in its shard's data region
+    (a raw shard's entry, or an .skz shard's last frame); returns (path, the shard file)."""
+    state = {"w": np.arange(4096, dtype=np.float32), "b": np.ones(7, np.int16)}
+    save(path, state, compression=None if codec == "raw" else "zstd")
+    shard = next(p for p in path.iterdir() if p.name.startswith("model-"))
+    data_start = 8 + int.from_bytes(shard.read_bytes()[:8], "little")  # 'w' comes first
+    _flip(shard, data_start + 100 if codec == "raw" else -40)
+    return path, shard.name
+
+
+def _corrupt_bundle(prefix):
+    save(prefix, {"w": np.arange(4096, dtype=np.float32), "b": np.ones(7, np.int16)},
+         format="tensorflow")
+    data = prefix.parent / f"{prefix.name}.data-00000-of-00001"
+    _flip(data, 100)  # inside 'w', the first entry (largest item size first)
+    return prefix, data.name
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_convert_refuses_a_corrupt_shardkit_source(tmp_path, capsys, codec):
+    src, shard = _corrupt_shardkit(tmp_path / "src", codec)
+    assert main(["verify", str(src)]) == 1
+    capsys.readouterr()
+    dst = tmp_path / "out" / "ck"
+    assert main(["convert", str(src), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert shard in err and ("'w'" if codec == "raw" else "frame") in err, err
+    assert not dst.parent.exists() or os.listdir(dst.parent) == []
+    # --no-verify is the explicit opt-out: raw bytes are converted as they are (a corrupt zstd
+    # frame does not decode at all, so that still fails, and writes nothing either).
+    if codec == "zstd":
+        assert main(["convert", str(src), str(dst), "--no-verify"]) == 1
+        assert not dst.parent.exists() or os.listdir(dst.parent) == []
+        return
+    assert main(["convert", str(src), str(dst), "--no-verify"]) == 0
+    assert "(not verified)" in capsys.readouterr().out
+    assert main(["verify", str(dst)]) == 0  # the fresh checksums are of the corrupt bytes
+
+
+def test_convert_refuses_a_corrupt_tensorflow_source(tmp_path, capsys):
+    src, data = _corrupt_bundle(tmp_path / "tf" / "ck")
+    assert main(["verify", str(src)]) == 1
+    capsys.readouterr()
+    dst = tmp_path / "sk"
+    assert main(["convert", str(src), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert data in err and "'w'" in err and "crc32c" in err, err
+    assert not dst.exists() and os.listdir(tmp_path) == ["tf"]
+    assert main(["convert", str(src), str(dst), "--no-verify"]) == 0
+    assert main(["verify", str(dst)]) == 0
+
+
+def test_convert_of_a_corrupt_source_keeps_the_earlier_destination(tmp_path, capsys):
+    good = {"w": np.arange(4096, dtype=np.float32), "b": np.ones(7, np.int16)}
+    save(tmp_path / "good", good)
+    dst = tmp_path / "out" / "ck"
+    assert main(["convert", str(tmp_path / "good"), str(dst)]) == 0
+    before = {p.name: p.read_bytes() for p in dst.parent.iterdir()}
+    src, _ = _corrupt_shardkit(tmp_path / "src", "raw")
+    assert main(["convert", str(src), str(dst), "--overwrite"]) == 1
+    assert {p.name: p.read_bytes() for p in dst.parent.iterdir()} == before
+    got = load(dst, verify=True)
+    assert all(got[k].tobytes() == v.tobytes() for k, v in good.items())
+
+
+def test_convert_of_an_intact_source_checks_it(tmp_path, capsys):
+    src = tmp_path / "src"
+    save(src, {"w": np.arange(10.0)})
+    assert main(["convert", str(src), str(tmp_path / "ck")]) == 0
+    assert "1 tensors" in capsys.readouterr().out
+    # A HuggingFace source stores no checksums: its structure is checked, and the output says so.
+    import safetensors.numpy
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors.numpy.save_file({"w": np.arange(10.0)}, str(hf / "model.safetensors"))
+    assert main(["convert", str(hf), str(tmp_path / "fromhf"), "--to", "shardkit"]) == 0
+    assert "no checksums stored" in capsys.readouterr().out
+    assert load(tmp_path / "fromhf", verify=True)["w"].tobytes() == np.arange(10.0).tobytes()
