@@ -22,6 +22,7 @@ behind its fd is gone) and starts again with a new name.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -45,6 +46,9 @@ from .format import FORMAT_NAME, MANIFEST_FILE, find_manifest
 
 TMP_MARK: Final = ".shardkit-tmp-"
 OLD_MARK: Final = ".shardkit-old-"
+ASIDE_MARK: Final = ".old."
+"""How TensorBundle saves of earlier releases named the replaced checkpoint's files that they
+moved into their temp directory (``.old.<prefix>.index`` first)."""
 
 _RENAME_NOREPLACE: Final = 1
 _RENAME_EXCHANGE: Final = 2
@@ -106,7 +110,7 @@ class Staging:
         self.generation = fmt.new_generation()  # the save's id, in every file it writes
         self.store: Any = None  # where its files go: set by storage.LocalStorage.stage
         self._lock_fd: int | None
-        self.path, self._lock_fd = _make_locked_tmp(target)
+        self.path, self._lock_fd = locked_tmp(target)
 
     def __enter__(self) -> Staging:
         return self
@@ -119,7 +123,7 @@ class Staging:
         """Remove the temp directory and release its lock. Idempotent."""
         if self._lock_fd is not None:
             try:
-                _remove_tree(self.path)
+                remove_tree(self.path)
             finally:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -147,7 +151,17 @@ class Staging:
         if self.durable:
             fsync_dir(self.target.parent)
         if old is not None:
-            _remove_tree(old)
+            _discard(old)
+
+
+def _discard(old: Path) -> None:
+    """Remove a replaced checkpoint, its manifest first: a removal cut short leaves a directory
+    that is no checkpoint, which neither `recover` nor anyone else takes for one."""
+    name = find_manifest(old)
+    if name is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(old / name)
+    remove_tree(old)
 
 
 def stage(path: str | os.PathLike[str], *, overwrite: bool, durable: bool) -> Staging:
@@ -197,12 +211,20 @@ def check_target(path: str | os.PathLike[str], overwrite: bool) -> None:
 def recover(path: str | os.PathLike[str]) -> bool:
     """Finish an interrupted fallback overwrite: if `path` is missing but an old checkpoint was
     set aside under ``.<name>.shardkit-old-<random>``, rename it back. True if it did.
+
+    Called by every save and by the reader of a missing local path. Nothing is renamed while a
+    save of `path` runs (it holds the lock of a temp directory of that name): it may be between
+    its two renames and is about to put its new checkpoint in place.
     """
     target = Path(os.path.abspath(os.fspath(path)))
     if os.path.lexists(target) or not target.parent.is_dir():
         return False
+    entries = _scan(target.parent)
+    running = f".{target.name}{TMP_MARK}"
+    if any(e.name.startswith(running) and _locked(e.path) for e in entries):
+        return False
     prefix = f".{target.name}{OLD_MARK}"
-    for entry in _scan(target.parent):
+    for entry in entries:
         if entry.name.startswith(prefix) and is_checkpoint(entry.path):
             try:
                 os.rename(entry.path, target)
@@ -219,8 +241,10 @@ def cleanup_stale(parent: str | os.PathLike[str]) -> list[str]:
     """Remove temp directories of crashed saves in `parent`; returns the names removed.
 
     Only directories named by shardkit (``.<name>.shardkit-tmp-*`` / ``-old-*``) whose lock is
-    free are removed. A set-aside old checkpoint (``-old-``) is kept while its checkpoint path is
-    missing, because `recover` still needs it.
+    free are removed. Nothing that is the only copy of a checkpoint is: a set-aside old
+    checkpoint (``-old-``) is kept while its checkpoint path is missing, because `recover` still
+    needs it; a temp directory holding the files of a TensorBundle an earlier release set aside
+    there (``.old.*``) while its prefix has no ``.index`` gets them moved back first.
     """
     removed = []
     for entry in _scan(Path(parent)):
@@ -229,7 +253,7 @@ def cleanup_stale(parent: str | os.PathLike[str]) -> list[str]:
             continue
         if OLD_MARK in name:
             original = name[1 : name.rindex(OLD_MARK)]
-            if not os.path.lexists(os.path.join(parent, original)):
+            if not os.path.lexists(os.path.join(parent, original)) and is_checkpoint(entry.path):
                 continue
         try:
             fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -240,11 +264,44 @@ def cleanup_stale(parent: str | os.PathLike[str]) -> list[str]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a running save holds it
-            _remove_tree(Path(entry.path))
+            if TMP_MARK in name:
+                _restore_aside(entry.path, Path(parent), name[1 : name.rindex(TMP_MARK)])
+            remove_tree(Path(entry.path))
             removed.append(name)
         finally:
             os.close(fd)
     return removed
+
+
+def _restore_aside(tmp: str, parent: Path, name: str) -> bool:
+    """Move the files of the TensorBundle at prefix `name` back from the stale temp directory
+    `tmp` (``.old.<file>``) when the prefix has no ``.index``: they are its only copy (a save
+    of an earlier release killed while replacing it). The index goes last. True if it did."""
+    index = ASIDE_MARK + name + ".index"
+    try:
+        aside = [e for e in os.listdir(tmp) if e.startswith(ASIDE_MARK)]
+    except OSError:
+        return False
+    if index not in aside or os.path.lexists(parent / index[len(ASIDE_MARK):]):
+        return False
+    for e in sorted(aside, key=lambda e: e == index):
+        os.rename(os.path.join(tmp, e), parent / e[len(ASIDE_MARK):])
+    return True
+
+
+def _locked(path: str) -> bool:
+    """Whether a save holds the lock of the temp directory `path`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock, if taken
+    return False
 
 
 def _scan(parent: Path) -> list[os.DirEntry[str]]:
@@ -268,7 +325,10 @@ def _new_dir(parent: Path, prefix: str) -> Path:
     raise ShardkitError(f"could not create a directory named {prefix}* in {parent}")
 
 
-def _make_locked_tmp(target: Path) -> tuple[Path, int]:
+def locked_tmp(target: Path) -> tuple[Path, int]:
+    """A new temp directory ``.<name>.shardkit-tmp-<random>`` next to `target`, and the
+    descriptor holding its lock (the caller closes it). Stale-temp clean-up leaves it alone
+    while the lock is held."""
     for _ in range(100):
         path = _new_dir(target.parent, f".{target.name}{TMP_MARK}")
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -294,7 +354,7 @@ def _same_inode(path: Path, fd: int) -> bool:
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """rmtree that tolerates entries vanishing under it (a concurrent cleanup)."""
 
     def tolerate_missing(func: object, p: str, exc: BaseException) -> None:

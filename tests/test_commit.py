@@ -411,3 +411,88 @@ def test_save_into_a_data_directory_gives_no_overwrite_hint(tmp_path):
     with pytest.raises(CheckpointExistsError) as info:
         shardkit.save(tmp_path / "data", {"w": np.zeros(3)})
     assert "overwrite=True" in str(info.value) and "pass overwrite=True" not in str(info.value)
+
+
+def test_a_tensorbundle_set_aside_by_an_earlier_release_is_moved_back(tmp_path):
+    """Earlier releases moved the old bundle's files into their temp directory (``.old.*``,
+    the index first) before renaming the new ones in; killed there, the temp directory held
+    the only copy, and the next save's clean-up deleted it."""
+    import numpy as np
+
+    import shardkit
+
+    old = {"a": np.arange(5.0), "b": np.ones(3, np.int32)}
+    shardkit.save(tmp_path / "ck", old, format="tensorflow")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    stale = tmp_path / ".ck.shardkit-tmp-k1ll3d"
+    stale.mkdir()
+    for name in ["ck.index", *sorted(n for n in before if n != "ck.index")]:
+        os.rename(tmp_path / name, stale / f".old.{name}")
+    (stale / "ck.index").write_bytes(b"the new index, never renamed in")
+    (tmp_path / "ck.data-00000-of-00001").write_bytes(b"the new data file, renamed in")
+    shardkit.save(tmp_path / "other", {"x": np.zeros(1)}, format="tensorflow")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()
+            if p.name.startswith("ck")} == before
+    assert not [n for n in os.listdir(tmp_path) if ".shardkit-" in n]
+    got = shardkit.load(tmp_path / "ck", verify=True)
+    assert all(got[k].tobytes() == v.tobytes() for k, v in old.items())
+
+
+def test_set_aside_files_are_not_restored_over_a_published_index(tmp_path):
+    (tmp_path / "ck.index").write_bytes(b"new")
+    stale = tmp_path / ".ck.shardkit-tmp-done"
+    stale.mkdir()
+    (stale / ".old.ck.index").write_bytes(b"old")
+    assert commit.cleanup_stale(tmp_path) == [stale.name]
+    assert _listing(tmp_path) == ["ck.index"] and (tmp_path / "ck.index").read_bytes() == b"new"
+
+
+def test_recover_waits_for_a_running_save_of_that_path(tmp_path):
+    target = tmp_path / "ckpt"
+    _save(target, "old")
+    os.rename(target, tmp_path / ".ckpt.shardkit-old-a1")  # a fallback between its renames
+    running = tmp_path / ".ckpt.shardkit-tmp-r1"
+    running.mkdir()
+    fd = os.open(running, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert commit.recover(target) is False  # that save puts its checkpoint there next
+    finally:
+        os.close(fd)
+    assert commit.recover(target) is True  # it died: the old one goes back
+    assert (target / "data").read_text() == "old"
+
+
+def test_a_reader_of_a_path_left_missing_by_the_fallback_finds_the_old_checkpoint(tmp_path):
+    import numpy as np
+
+    import shardkit
+
+    shardkit.save(tmp_path / "ck", {"a": np.arange(3.0)})
+    os.rename(tmp_path / "ck", tmp_path / ".ck.shardkit-old-a1")  # killed between the renames
+    assert shardkit.load(tmp_path / "ck", verify=True)["a"].tolist() == [0.0, 1.0, 2.0]
+    assert _listing(tmp_path) == ["ck"]
+
+
+def test_a_replaced_checkpoint_loses_its_manifest_first(tmp_path, monkeypatch):
+    """Its removal cut short must not leave something `recover` would take for a checkpoint."""
+    target = tmp_path / "ckpt"
+    _save(target, "old")
+    seen = []
+    real = commit.remove_tree
+
+    def remove_tree(path):
+        seen.append(sorted(os.listdir(path)))
+        real(path)
+
+    monkeypatch.setattr(commit, "remove_tree", remove_tree)
+    _save(target, "new", overwrite=True)
+    assert seen == [["data"]]
+
+
+def test_a_partly_removed_old_dir_is_not_recovered(tmp_path):
+    aside = tmp_path / ".ckpt.shardkit-old-b2"
+    aside.mkdir()
+    (aside / "data").write_text("half of a deleted checkpoint")
+    assert commit.recover(tmp_path / "ckpt") is False
+    assert commit.cleanup_stale(tmp_path) == [aside.name]

@@ -1,14 +1,18 @@
-"""A save killed with SIGKILL at a random moment never leaves a partial checkpoint behind.
+"""A save killed with SIGKILL never leaves a partial checkpoint behind.
 
 A child process overwrites an earlier checkpoint and is killed at a random delay spread over the
-measured duration of its save. Afterwards the path must load, with checksums verified, as exactly
-the earlier checkpoint or exactly the new one; and the next save must clean up the leftovers.
+measured duration of its save; and, with tests/killsteps.py, just before each step of its
+commit in turn (every rename, link, unlink, fsync, object write), in every format and storage.
+Afterwards the path must load, with checksums verified, as exactly the earlier checkpoint or
+exactly the new one; and the next save must clean up the leftovers without losing it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -16,9 +20,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import killsteps
 import numpy as np
 import pytest
+from s3server import S3Server
 
+import shardkit
 from shardkit import api, commit
 from shardkit.reader import load
 
@@ -118,3 +125,140 @@ def test_sigkill_during_overwrite_by_exchange(tmp_path):
 def test_sigkill_during_overwrite_by_fallback(tmp_path):
     outcomes = _kill_rounds(tmp_path, rounds=6, exchange=False)
     assert len(outcomes) == 6
+
+
+# --- killed just before each step of the commit ------------------------------------------------
+
+HELPER = Path(__file__).with_name("killsteps.py")
+OLD, NEW = 1, 2
+REPLY_TIMEOUT = 300.0  # seconds for one save in the helper (a loaded machine)
+
+
+class _Helper:
+    """tests/killsteps.py in a process of its own: `save` forks one save there."""
+
+    def __init__(self, kind: str, path: str, options: dict | None = None) -> None:
+        import shardkit as package
+
+        env = {**os.environ, "PYTHONPATH": str(Path(package.__file__).parents[1])}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER), kind, path, json.dumps(options or {})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def save(self, seed: int, shards: int, kill_at: int = 0) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{seed} {shards} {kill_at}\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], REPLY_TIMEOUT)
+        assert ready, "the helper did not answer"
+        reply = self.proc.stdout.readline().strip()
+        assert reply == "killed" or reply.startswith("done"), reply
+        return reply
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            assert self.proc.stdout is not None
+            self.proc.stdout.close()
+
+
+def _outcome(path: object) -> str:
+    """"old" or "new": what the path holds, loaded with every checksum verified."""
+    loaded = load(path, verify=True)
+    for name, seed in (("old", OLD), ("new", NEW)):
+        if killsteps.same(loaded, killsteps.state(seed)):
+            return name
+    pytest.fail(f"{path} holds neither the old nor the new checkpoint")
+
+
+def _kill_every_step(helper: _Helper, old_shards: int, new_shards: int, path: object,
+                     after_kill: object, after_reset: object) -> list[str]:
+    assert helper.save(OLD, old_shards).startswith("done")
+    count = int(helper.save(NEW, new_shards).split()[1])
+    assert count > 3
+    assert helper.save(OLD, old_shards).startswith("done")
+    outcomes = []
+    for k in range(1, count + 1):
+        assert helper.save(NEW, new_shards, kill_at=k) == "killed"
+        got = _outcome(path)
+        after_kill(got)  # the next save there cleans up; the checkpoint is still the same
+        assert _outcome(path) == got, f"killed before step {k}: lost by the next save"
+        assert helper.save(OLD, old_shards).startswith("done")
+        after_reset()
+        outcomes.append(got)
+    # before the first step nothing was published; after the commit the new one is there
+    assert outcomes[0] == "old" and outcomes[-1] == "new", outcomes
+    return outcomes
+
+
+@pytest.mark.parametrize(("kind", "old_shards", "new_shards"), [
+    ("raw", 2, 2), ("zstd", 2, 3), ("fallback", 2, 2),
+    ("tensorflow", 2, 2),  # the same data-file names: the new files come in under others first
+    ("tensorflow", 1, 3), ("tensorflow", 3, 1),
+])
+def test_sigkill_before_every_step_of_a_local_overwrite(tmp_path, kind, old_shards, new_shards):
+    parent = tmp_path / "dir"
+    parent.mkdir()
+    path = parent / "ck"
+    tf = kind == "tensorflow"
+    other = parent / "other"
+
+    def after_kill(_got: str) -> None:
+        shardkit.save(other, {"x": np.zeros(1)}, overwrite=True, durable=False,
+                      **({"format": "tensorflow"} if tf else {}))
+        assert not [n for n in os.listdir(parent) if ".shardkit-" in n], os.listdir(parent)
+
+    def after_reset() -> None:
+        if tf:
+            expected = ["ck.index", *(f"ck.data-{i:05d}-of-{old_shards:05d}"
+                                      for i in range(old_shards))]
+            assert sorted(n for n in os.listdir(parent) if n.startswith("ck.")) == sorted(expected)
+        else:
+            assert sorted(os.listdir(parent)) == ["ck", "other"]
+
+    helper = _Helper(kind, str(path))
+    try:
+        _kill_every_step(helper, old_shards, new_shards, path, after_kill, after_reset)
+    finally:
+        helper.close()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server().start()
+    shardkit.set_storage_options("s3://", **server.options)
+    try:
+        yield server
+    finally:
+        shardkit.set_storage_options("s3://")
+        server.stop()
+
+
+def test_sigkill_before_every_step_of_an_s3_overwrite(s3):
+    from shardkit.storage import open_storage
+    from shardkit.storage.layout import SHARDS_PREFIX
+
+    url = f"s3://{s3.bucket()}/ck"
+    store = open_storage(url)
+
+    def generations() -> set[str]:
+        return {s.name.split("/")[0] for s in store.list(SHARDS_PREFIX)}
+
+    def after_kill(_got: str) -> None:
+        pass  # the next save is the reset below: it deletes every other generation
+
+    def after_reset() -> None:
+        names = {s.name for s in store.list("")}
+        assert "model.safetensors.index.json" in names and len(generations()) == 1, names
+
+    helper = _Helper("s3", url, s3.options)
+    try:
+        _kill_every_step(helper, 2, 2, url, after_kill, after_reset)
+    finally:
+        helper.close()

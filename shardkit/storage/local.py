@@ -109,6 +109,8 @@ class LocalStorage(Storage):
         return native._write_strings(Path(self.path), strings, generation, checksum, durable)
 
     def open_checkpoint(self, *, follow_symlinks: bool, pool: Any) -> LocalCheckpoint:
+        if not os.path.lexists(self.path) and not os.path.lexists(self.path + ".index"):
+            commit.recover(self.path)  # an overwrite killed between the fallback's renames
         return LocalCheckpoint(self.path, follow_symlinks, pool)
 
     def children(self) -> list[tuple[str, str]]:

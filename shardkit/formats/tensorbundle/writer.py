@@ -11,23 +11,18 @@ Every entry carries its masked crc32c.
 
 Commit (what "atomic" means for a prefix, whose files share a directory with others): all files
 are written into a hidden temp directory next to the prefix (``.<name>.shardkit-tmp-*``, locked
-like shardkit's own saves, so a crashed save's leftovers are cleaned by the next save there),
-fsynced (`durable`), then the data files are renamed into place and the ``.index`` last, and
-the directory is fsynced. A reader sees no checkpoint at the prefix until the ``.index`` lands,
-and then all of it. Replacing a checkpoint (`overwrite`) first moves the old one (its
-``.index`` first, then its data files) into the temp directory: in between, readers see no
-checkpoint at that prefix, never a mix of old and new files. If the publication fails, the old
-files are moved back; once it succeeds they are deleted with the temp directory. (A crash in
-that window leaves the old files in the temp directory, which the next save there cleans up.)
+like shardkit's own saves, so a crashed save's leftovers are cleaned by the next save there) and
+fsynced (`durable`); `publish.publish` then moves them in with the ``.index`` renamed last, as
+the one commit step, and removes the old checkpoint's data files after it. The old files are
+never moved: at every instant the prefix holds the complete old or the complete new checkpoint.
 The ``checkpoint`` state file is not written (``tf.train.Checkpoint.write`` does not write it
 either).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +38,9 @@ from ...errors import CheckpointExistsError, InvalidArgumentError, ShardIOError
 from ...slices import WHOLE, parse_slice_spec
 from .adapter import DATATYPE_OF, STRING
 from .crc import crc32c_extend, mask
-from .names import INDEX_SUFFIX, data_file, encode_slice_key, index_file
+from .names import data_file, encode_slice_key, index_file
 from .protos import BundleEntryProto, BundleHeaderProto
+from .publish import publish
 from .strings import as_bytes_list, encode_strings
 from .table import build_table
 
@@ -160,7 +156,7 @@ def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, thr
     parent.mkdir(parents=True, exist_ok=True)
     commit.cleanup_stale(parent)
     n = max(1, len(shards))
-    tmp, lock_fd = commit._make_locked_tmp(target)
+    tmp, lock_fd = commit.locked_tmp(target)
     try:
         files = [_DataFile(data_file(target.name, i, n), tmp / data_file(target.name, i, n))
                  for i in range(n)]
@@ -206,62 +202,20 @@ def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, thr
                 items[e.key] = proto.SerializeToString()
         for kb, proto in full.items():
             items[kb] = proto.SerializeToString()
-        header = BundleHeaderProto(num_shards=n, endianness=0)
-        header.version.producer = 1
-        table = build_table([(b"", header.SerializeToString()),
-                             *sorted(items.items())])
-        index_name = target.name + INDEX_SUFFIX
-        fd = os.open(tmp / index_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
-        try:
-            _gather.write_arrays(fd, [np.frombuffer(table, np.uint8)], 0)
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if durable:
-            os.fsync(lock_fd)
-        _publish(tmp, parent, target.name, [f.name for f in files], index_name, overwrite,
-                 durable)
+        entries = sorted(items.items())
+
+        @functools.cache
+        def table(num_shards: int) -> bytes:
+            header = BundleHeaderProto(num_shards=num_shards, endianness=0)
+            header.version.producer = 1
+            return build_table([(b"", header.SerializeToString()), *entries])
+
+        publish(tmp, parent, target.name, n, table, overwrite=overwrite, durable=durable)
     finally:
         try:
-            commit._remove_tree(tmp)
+            commit.remove_tree(tmp)
         finally:
             os.close(lock_fd)
     names = [str(parent / f.name) for f in files] + [str(parent / index_file(target.name))]
-    return names, sum(f.size for f in files) + len(table)
+    return names, sum(f.size for f in files) + len(table(n))
 
-
-def _publish(tmp: Path, parent: Path, name: str, data: list[str], index_name: str,
-             overwrite: bool, durable: bool) -> None:
-    """Rename the data files, then the index, from `tmp` into `parent`. An old checkpoint at
-    the prefix (`overwrite`) is moved into `tmp` first, index first, and moved back if this
-    fails before the new index is in place; it goes with `tmp` afterwards."""
-    final_index = parent / index_name
-    moved: list[tuple[Path, Path]] = []  # renames of the old checkpoint, to undo on failure
-    placed: list[Path] = []
-    try:
-        if os.path.lexists(final_index):
-            if not overwrite:
-                raise CheckpointExistsError(f"{final_index} was created by someone else while "
-                                            "this save ran; pass overwrite=True to replace it")
-            mine = re.compile(re.escape(name) + r"\.data-\d{5}-of-\d{5}")
-            for old in [index_name, *(e for e in os.listdir(parent) if mine.fullmatch(e))]:
-                aside = tmp / f".old.{old}"
-                os.rename(parent / old, aside)  # the index first: the old checkpoint leaves
-                moved.append((parent / old, aside))
-        for d in data:
-            os.rename(tmp / d, parent / d)
-            placed.append(parent / d)
-        if durable:
-            commit.fsync_dir(parent)
-        os.rename(tmp / index_name, final_index)  # the checkpoint appears whole
-    except BaseException:
-        for p in placed:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-        for original, aside in reversed(moved):
-            with contextlib.suppress(OSError):
-                os.rename(aside, original)
-        raise
-    if durable:
-        commit.fsync_dir(parent)

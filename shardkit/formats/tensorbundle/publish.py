@@ -1,0 +1,138 @@
+"""Publishing a TensorBundle at its prefix: the ``.index`` is the commit point.
+
+A prefix's files share a directory with other checkpoints, so there is no directory to swap:
+the one atomic step is the rename of the new ``<prefix>.index`` over the old. Until it, every
+file the old index names must stay as it is; from it on, every file the new index names must
+be in place. The data files' names follow from the prefix and the shard count
+(``<prefix>.data-00000-of-0000N``), so a new checkpoint with the old one's shard count has the
+very names the old index reads. Then the new data files go in first under another count M
+(hard links, plus an empty file for each shard past N), named by an index that differs from the
+new one only in its header's ``num_shards``; that index is the commit. Once it is in place the
+old names are no longer read: the new data files take them, and the new index replaces the
+interim one (the same checkpoint under its own names). At every instant the prefix is the
+complete old or the complete new checkpoint (docs/FORMAT.md, section 12).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ... import commit
+from ..._kernels import _gather
+from ...errors import CheckpointExistsError, InvalidArgumentError
+from .names import data_file, index_file
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_MAX_SHARDS = 99999  # the %05d of TensorFlow's file names
+
+
+def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], bytes], *,
+            overwrite: bool, durable: bool) -> None:
+    """Publish the bundle whose `n` data files are in `tmp` at the prefix ``parent/name``.
+
+    Args:
+        tmp: the save's locked temp directory, holding ``data_file(name, i, n)`` for i < n.
+        parent: the prefix's directory.
+        name: the prefix's file name.
+        n: the number of data files.
+        index: the ``.index`` table's bytes for a given ``num_shards`` (the same entries).
+        overwrite: whether an existing checkpoint at the prefix may be replaced.
+        durable: fsync each file and the directory after every step.
+
+    Raises:
+        CheckpointExistsError: a checkpoint appeared at the prefix meanwhile and `overwrite`
+            is False.
+        OSError: a rename failed; before the commit, every file moved in is removed again and
+            the old checkpoint is as it was.
+    """
+    final_index = parent / index_file(name)
+    live = os.path.lexists(final_index)
+    if live and not overwrite:
+        raise CheckpointExistsError(f"{final_index} was created by someone else while this "
+                                    "save ran; pass overwrite=True to replace it")
+    present = _data_files(parent, name)
+    new = [data_file(name, i, n) for i in range(n)]
+    placed: list[Path] = []  # moved into `parent` before the commit: removed if it fails
+    committed = False
+    try:
+        if live and not present.isdisjoint(new):  # the old index may read these very names
+            m = _interim_count(n, present, final_index)
+            for i in range(m):
+                f = data_file(name, i, m)
+                if i < n:
+                    os.link(tmp / new[i], tmp / f)
+                else:
+                    _write(tmp / f, b"", durable)
+            placed += _move_in(tmp, parent, [data_file(name, i, m) for i in range(m)], durable)
+            _commit_index(tmp, final_index, index(m), durable)
+            committed = True
+        placed += _move_in(tmp, parent, new, durable)
+        _commit_index(tmp, final_index, index(n), durable)
+        committed = True
+    except BaseException:
+        if not committed:
+            for p in placed:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+        raise
+    for f in sorted(_data_files(parent, name) - set(new)):  # the old ones, the interim ones
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(parent / f)
+    if durable:
+        commit.fsync_dir(parent)
+
+
+def _data_files(parent: Path, name: str) -> set[str]:
+    """The data files of prefix `name` in `parent`, of any shard count."""
+    mine = re.compile(re.escape(name) + r"\.data-\d{5}-of-\d{5}")
+    return {e for e in os.listdir(parent) if mine.fullmatch(e)}
+
+
+def _interim_count(n: int, present: set[str], where: Path) -> int:
+    """A shard count over `n` that names no data file present (the old index's among them)."""
+    used = {int(f[-5:]) for f in present}
+    m = n + 1
+    while m in used:
+        m += 1
+    if m > _MAX_SHARDS:
+        raise InvalidArgumentError(f"{where}: no free shard count above {n} to replace the "
+                                   "checkpoint under (TensorFlow's names stop at 99999)")
+    return m
+
+
+def _move_in(tmp: Path, parent: Path, files: list[str], durable: bool) -> list[Path]:
+    moved = []
+    for f in files:
+        os.rename(tmp / f, parent / f)
+        moved.append(parent / f)
+    if durable:
+        commit.fsync_dir(parent)
+    return moved
+
+
+def _commit_index(tmp: Path, final_index: Path, table: bytes, durable: bool) -> None:
+    """Write the index into `tmp` and rename it over `final_index` (the commit step)."""
+    staged = tmp / final_index.name
+    _write(staged, table, durable)
+    if durable:
+        commit.fsync_dir(tmp)
+    os.rename(staged, final_index)
+    if durable:
+        commit.fsync_dir(final_index.parent)
+
+
+def _write(path: Path, data: bytes, durable: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    try:
+        if data:
+            _gather.write_arrays(fd, [np.frombuffer(data, np.uint8)], 0)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
