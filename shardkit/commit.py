@@ -11,7 +11,8 @@ directories are swapped in one ``renameat2(RENAME_EXCHANGE)`` and the old one (n
 name) is deleted afterwards. Where the exchange is unsupported, the fallback renames the old
 checkpoint aside to ``.<name>.shardkit-old-<random>``, renames the new one in, and deletes the old.
 A crash between those two renames leaves the path missing but both checkpoints complete on disk;
-`recover` (called by every save, callable by readers) renames the old one back.
+`recover` (called by every save, and by the reader of a missing local path) renames the old one
+back. Stale-temp clean-up never deletes the only copy of a checkpoint (docs/FORMAT.md section 8).
 
 Concurrency: every temp directory is locked with ``flock`` on its own directory fd for as long as
 its save runs. Stale-directory cleanup only removes directories whose lock it can take without

@@ -363,6 +363,37 @@ def test_a_failed_publish_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
     assert _same(shardkit.load(prefix, verify=True)["a"], np.ones(3))
 
 
+def test_an_overwrite_stopped_after_its_commit_is_the_new_checkpoint_for_tensorflow(
+        tf, tmp_path, monkeypatch):
+    """The same data file names: the commit is an index naming the new files under a free
+    shard count; TensorFlow reads that interim checkpoint (docs/FORMAT.md section 12)."""
+    prefix = tmp_path / "ck"
+    shardkit.save(prefix, {"a": np.ones(3)}, format="tensorflow")
+    real = os.rename
+    commits = []
+
+    def failing(src, dst, *args, **kwargs):
+        if str(dst) == f"{prefix}.index":
+            commits.append(src)
+            if len(commits) == 2:  # the final index, after the interim one was committed
+                raise OSError(5, "Input/output error")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="Input/output"):
+        shardkit.save(prefix, {"a": np.zeros(3), "b": np.ones(1)}, format="tensorflow",
+                      overwrite=True)
+    monkeypatch.undo()
+    assert {"ck.data-00000-of-00002", "ck.data-00001-of-00002"} <= set(os.listdir(tmp_path))
+    reader = tf.train.load_checkpoint(str(prefix))
+    assert _same(reader.get_tensor("a"), np.zeros(3)) and _same(reader.get_tensor("b"), np.ones(1))
+    got = shardkit.load(prefix, verify=True)
+    assert _same(got["a"], np.zeros(3)) and _same(got["b"], np.ones(1))
+    shardkit.save(prefix, {"a": np.ones(3)}, format="tensorflow", overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["ck.data-00000-of-00001", "ck.index"]
+    assert _same(tf.train.load_checkpoint(str(prefix)).get_tensor("a"), np.ones(3))
+
+
 def test_convert_both_ways(tf, tmp_path, capsys):
     state = _state()
     _savev2(tf, str(tmp_path / "tf"), state)
