@@ -554,3 +554,22 @@ def test_every_malformed_input_is_a_shardkit_error(bundle):
             shardkit.load(prefix, verify=True)
         except ShardkitError:
             pass
+
+
+def test_an_overwrite_without_hard_links_keeps_the_interim_names(tmp_path, monkeypatch):
+    prefix = tmp_path / "ck"
+    shardkit.save(prefix, {"a": np.ones(3)}, format="tensorflow")
+
+    def no_links(src, dst, *args, **kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    info = shardkit.save(prefix, {"a": np.zeros(3), "b": np.ones(1)}, format="tensorflow",
+                         overwrite=True)
+    monkeypatch.undo()
+    files = ["ck.data-00000-of-00002", "ck.data-00001-of-00002", "ck.index"]
+    assert sorted(os.listdir(tmp_path)) == files
+    assert sorted(os.path.basename(f) for f in info.files) == files
+    assert (tmp_path / "ck.data-00001-of-00002").stat().st_size == 0
+    got = shardkit.load(prefix, verify=True)
+    assert _same(got["a"], np.zeros(3)) and _same(got["b"], np.ones(1))

@@ -16,6 +16,7 @@ complete old or the complete new checkpoint (docs/FORMAT.md, section 12).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from collections.abc import Callable
@@ -33,7 +34,7 @@ _MAX_SHARDS = 99999  # the %05d of TensorFlow's file names
 
 
 def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], bytes], *,
-            overwrite: bool, durable: bool) -> None:
+            overwrite: bool, durable: bool) -> list[str]:
     """Publish the bundle whose `n` data files are in `tmp` at the prefix ``parent/name``.
 
     Args:
@@ -44,6 +45,10 @@ def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], b
         index: the ``.index`` table's bytes for a given ``num_shards`` (the same entries).
         overwrite: whether an existing checkpoint at the prefix may be replaced.
         durable: fsync each file and the directory after every step.
+
+    Returns:
+        The names of the data files published: `n` of them, or, on a file system without hard
+        links replacing a checkpoint of the same count, those of the interim count.
 
     Raises:
         CheckpointExistsError: a checkpoint appeared at the prefix meanwhile and `overwrite`
@@ -59,22 +64,21 @@ def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], b
     present = _data_files(parent, name)
     new = [data_file(name, i, n) for i in range(n)]
     placed: list[Path] = []  # moved into `parent` before the commit: removed if it fails
-    committed = False
+    committed = done = False
     try:
         if live and not present.isdisjoint(new):  # the old index may read these very names
             m = _interim_count(n, present, final_index)
-            for i in range(m):
-                f = data_file(name, i, m)
-                if i < n:
-                    os.link(tmp / new[i], tmp / f)
-                else:
-                    _write(tmp / f, b"", durable)
-            placed += _move_in(tmp, parent, [data_file(name, i, m) for i in range(m)], durable)
+            interim = [data_file(name, i, m) for i in range(m)]
+            linked = _stage_interim(tmp, new, interim, durable)
+            placed += _move_in(tmp, parent, interim, durable)
             _commit_index(tmp, final_index, index(m), durable)
             committed = True
-        placed += _move_in(tmp, parent, new, durable)
-        _commit_index(tmp, final_index, index(n), durable)
-        committed = True
+            if not linked:  # no hard links here: the checkpoint keeps the interim names
+                new, done = interim, True
+        if not done:
+            placed += _move_in(tmp, parent, new, durable)
+            _commit_index(tmp, final_index, index(n), durable)
+            committed = True
     except BaseException:
         if not committed:
             for p in placed:
@@ -86,6 +90,7 @@ def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], b
             os.unlink(parent / f)
     if durable:
         commit.fsync_dir(parent)
+    return new
 
 
 def _data_files(parent: Path, name: str) -> set[str]:
@@ -104,6 +109,27 @@ def _interim_count(n: int, present: set[str], where: Path) -> int:
         raise InvalidArgumentError(f"{where}: no free shard count above {n} to replace the "
                                    "checkpoint under (TensorFlow's names stop at 99999)")
     return m
+
+
+def _stage_interim(tmp: Path, new: list[str], interim: list[str], durable: bool) -> bool:
+    """The interim names in `tmp`: hard links of the new data files, then empty files. On a
+    file system without hard links the new files are renamed instead; returns whether they
+    were linked."""
+    try:
+        for f, g in zip(new, interim):
+            os.link(tmp / f, tmp / g)
+        linked = True
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+            raise
+        for f, g in zip(new, interim):
+            if os.path.lexists(tmp / g):
+                os.unlink(tmp / g)  # a link made before the failure
+            os.rename(tmp / f, tmp / g)
+        linked = False
+    for g in interim[len(new):]:
+        _write(tmp / g, b"", durable)
+    return linked
 
 
 def _move_in(tmp: Path, parent: Path, files: list[str], durable: bool) -> list[Path]:

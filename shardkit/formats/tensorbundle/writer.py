@@ -210,12 +210,13 @@ def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, thr
             header.version.producer = 1
             return build_table([(b"", header.SerializeToString()), *entries])
 
-        publish(tmp, parent, target.name, n, table, overwrite=overwrite, durable=durable)
+        published = publish(tmp, parent, target.name, n, table, overwrite=overwrite,
+                            durable=durable)
     finally:
         try:
             commit.remove_tree(tmp)
         finally:
             os.close(lock_fd)
-    names = [str(parent / f.name) for f in files] + [str(parent / index_file(target.name))]
-    return names, sum(f.size for f in files) + len(table(n))
+    names = [str(parent / f) for f in published] + [str(parent / index_file(target.name))]
+    return names, sum(f.size for f in files) + len(table(len(published)))
 
