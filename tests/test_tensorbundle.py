@@ -573,3 +573,21 @@ def test_an_overwrite_without_hard_links_keeps_the_interim_names(tmp_path, monke
     assert (tmp_path / "ck.data-00001-of-00002").stat().st_size == 0
     got = shardkit.load(prefix, verify=True)
     assert _same(got["a"], np.zeros(3)) and _same(got["b"], np.ones(1))
+
+
+def test_a_publish_failing_halfway_removes_the_files_it_moved_in(tmp_path, monkeypatch):
+    prefix = tmp_path / "ck"
+    shardkit.save(prefix, {"a": np.ones(3)}, format="tensorflow")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = os.rename
+
+    def failing(src, dst, *args, **kwargs):
+        if os.path.basename(dst) == "ck.data-00001-of-00002":  # the second interim file
+            raise OSError(28, "No space left on device")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="No space"):
+        shardkit.save(prefix, {"a": np.zeros(3)}, format="tensorflow", overwrite=True)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

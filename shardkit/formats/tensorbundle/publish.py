@@ -70,13 +70,13 @@ def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], b
             m = _interim_count(n, present, final_index)
             interim = [data_file(name, i, m) for i in range(m)]
             linked = _stage_interim(tmp, new, interim, durable)
-            placed += _move_in(tmp, parent, interim, durable)
+            _move_in(tmp, parent, interim, placed, durable)
             _commit_index(tmp, final_index, index(m), durable)
             committed = True
             if not linked:  # no hard links here: the checkpoint keeps the interim names
                 new, done = interim, True
         if not done:
-            placed += _move_in(tmp, parent, new, durable)
+            _move_in(tmp, parent, new, placed, durable)
             _commit_index(tmp, final_index, index(n), durable)
             committed = True
     except BaseException:
@@ -132,14 +132,14 @@ def _stage_interim(tmp: Path, new: list[str], interim: list[str], durable: bool)
     return linked
 
 
-def _move_in(tmp: Path, parent: Path, files: list[str], durable: bool) -> list[Path]:
-    moved = []
+def _move_in(tmp: Path, parent: Path, files: list[str], placed: list[Path],
+             durable: bool) -> None:
+    """Rename `files` from `tmp` into `parent`, each added to `placed` once it is there."""
     for f in files:
         os.rename(tmp / f, parent / f)
-        moved.append(parent / f)
+        placed.append(parent / f)
     if durable:
         commit.fsync_dir(parent)
-    return moved
 
 
 def _commit_index(tmp: Path, final_index: Path, table: bytes, durable: bool) -> None:
