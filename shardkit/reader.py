@@ -42,6 +42,7 @@ from .errors import (
     CorruptHeaderError,
     CorruptIndexError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     KeyNotFoundError,
     MissingShardError,
     Problem,
@@ -333,18 +334,23 @@ class CheckpointReader:
 
     def _get_tensors(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
         index = self.index
-        if keys is None:
-            everything = self._get_everything()
-            if everything is not None:
-                return everything
+        picked: np.ndarray | None = None
+        if keys is not None:
+            keys = list(dict.fromkeys(keys))
+            try:
+                picked = np.fromiter(map(index.rows().__getitem__, keys), np.intp, len(keys))
+            except (KeyError, TypeError):
+                for key in keys:
+                    self._tensor(key)  # raises KeyNotFoundError, with a hint
+                raise
+        whole = self._get_whole(keys, picked)
+        if whole is not None:
+            return whole
+        if keys is None or picked is None:
             keys = index.keys
-        keys = list(dict.fromkeys(keys))
-        try:
-            rows = list(map(index.rows().__getitem__, keys))
-        except (KeyError, TypeError):
-            for key in keys:
-                self._tensor(key)  # raises KeyNotFoundError, with a hint
-            raise
+            rows = list(range(len(keys)))
+        else:
+            rows = picked.tolist()
         self._check_open()
         results: list[Any] = [None] * len(keys)
         counts = index.slice_counts()[rows].tolist()
@@ -382,36 +388,54 @@ class CheckpointReader:
                 results[i] = self._get(keys[i])
         return dict(zip(keys, results))
 
-    def _get_everything(self) -> dict[str, np.ndarray] | None:
-        """Every tensor, when each is stored whole in a raw shard: views of the maps (or arrays
-        read in runs, with ``mmap=False``) made shard by shard straight from the index columns.
-        None otherwise (the general path decides)."""
+    def _get_whole(self, keys: list[str] | None, rows: np.ndarray | None
+                   ) -> dict[str, np.ndarray] | None:
+        """The tensors `keys` (distinct, at index `rows`; None: every tensor), when every
+        tensor is stored whole in a raw shard: views of the maps (or arrays read in runs, with
+        ``mmap=False``) made shard by shard, in data-region order, straight from the index
+        columns; the dict is in the order asked. None otherwise (the general path decides)."""
         index = self.index
         if len(index.slice_tensor) != len(index.keys) or any(index.slice_spec):
             return None
         self._check_open()
-        results: list[Any] = [None] * len(index.keys)
+        shards = range(len(index.shards))
+        if rows is None:
+            keys, slice_rows, at = index.keys, index.slice_tensor, index.slice_tensor
+            ids: Sequence[int] = range(len(slice_rows))  # the slices read, shard by shard
+            ends = [index.shard_range(shard).stop for shard in shards]
+        else:
+            assert keys is not None
+            firsts = index.first_slice()[rows]  # a tensor's one stored slice
+            order = np.argsort(firsts, kind="stable")
+            sorted_ids = firsts[order]
+            ends = np.searchsorted(sorted_ids, [index.shard_range(s).stop for s in shards]
+                                   ).tolist()
+            ids, slice_rows, at = sorted_ids.tolist(), rows[order].tolist(), order.tolist()
+        results: list[Any] = [None] * len(keys)
         dtypes = {name: numpy_dtype(name) for name in set(index.dtypes)}
         slice_shapes = index.slice_shapes()
-        for shard in range(len(index.shards)):
-            r = index.shard_range(shard)
-            if not r:
+        lo = 0
+        for shard, hi in zip(shards, ends):
+            if lo == hi:
                 continue
-            rows = index.slice_tensor[r.start : r.stop]
-            src = self._shard_for(index.keys[rows[0]], shard)
+            part = slice_rows[lo:hi]  # the tensor rows read from this shard
+            src = self._shard_for(index.keys[part[0]], shard)
             if not isinstance(src, RawShard):
                 return None
-            begins = self._begins(src, shard, r)
-            dts = ([*dtypes.values()] * len(rows) if len(dtypes) == 1
-                   else list(map(dtypes.__getitem__, map(index.dtypes.__getitem__, rows))))
-            views = src.whole_arrays(begins, dts, slice_shapes[r.start : r.stop],
-                                     self._run_reads)
-            if rows[0] == r.start and rows[-1] == r.stop - 1 and rows == list(r):
-                results[r.start : r.stop] = views
+            begins = self._begins(src, shard, ids[lo:hi])
+            dts = ([*dtypes.values()] * len(part) if len(dtypes) == 1
+                   else list(map(dtypes.__getitem__, map(index.dtypes.__getitem__, part))))
+            shapes = (slice_shapes[lo:hi] if rows is None
+                      else list(map(slice_shapes.__getitem__, ids[lo:hi])))
+            views = src.whole_arrays(begins, dts, shapes, self._run_reads)
+            where = at[lo:hi]  # the views' places in `results`
+            if where[0] == lo and where[-1] == hi - 1 and where == list(range(lo, hi)):
+                results[lo:hi] = views
             else:
-                for row, view in zip(rows, views):
-                    results[row] = view
-        return dict(zip(index.keys, results))
+                for i, view in zip(where, views):
+                    results[i] = view
+            lo = hi
+        return dict(zip(keys, results))
 
     def _begins(self, src: RawShard, shard: int, slice_ids: Sequence[int]) -> list[int]:
         """Where the entries of stored slices `slice_ids` (all in `shard`) start."""
@@ -419,7 +443,9 @@ class CheckpointReader:
             lo = self.index.shard_range(shard).start
             if isinstance(slice_ids, range) and slice_ids == range(lo, lo + len(src.begins)):
                 return src.begins
-            return [src.begins[j - lo] for j in slice_ids]
+            if lo:
+                slice_ids = [j - lo for j in slice_ids]
+            return list(map(src.begins.__getitem__, slice_ids))
         names = self.index.entry_names()
         return [src.entries[names[j]].begin for j in slice_ids]
 
@@ -919,10 +945,41 @@ class CheckpointReader:
                        strings.devices[row], strings.nbytes(row),
                        (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
 
-    def _check_key(self, key: str) -> None:
-        """KeyNotFoundError (with a hint) unless `key` is a tensor or a string tensor."""
-        if not self._is_string(key):
-            self._tensor(key)
+    def _check_keys(self, keys: Sequence[str]) -> None:
+        """KeyNotFoundError (with a hint) for the first of `keys` that is neither a tensor nor
+        a string tensor; one set difference, not a lookup of each key's TensorInfo."""
+        try:
+            absent = set(keys).difference(self.index.rows())
+        except TypeError:  # an unhashable key: named by the per-key check
+            absent = set(map(str, keys))
+        if absent and self._strings is not None:
+            absent.difference_update(self._strings.keys)
+        for key in keys if absent else ():
+            if not self._is_string(key):
+                self._tensor(key)
+
+    def _keys_under(self, prefix: str) -> tuple[str, list[str]]:
+        """(`prefix` ending in one "/", the keys under it, in saved order) for a ``prefix=``
+        argument: "model" and "model/" both select ``model/...`` (a key component boundary:
+        never ``modelx/...``, nor the key "model" itself). KeyNotFoundError, naming the prefix
+        and the nearest prefixes stored, when no key is under it."""
+        if not isinstance(prefix, str):
+            raise InvalidArgumentTypeError(f"prefix must be a str, got {prefix!r}")
+        start = prefix.rstrip("/") + "/"
+        if start == "/":
+            raise InvalidArgumentError(f"prefix must name a key component, got {prefix!r}")
+        keys = self.keys()
+        under = [k for k in keys if k.startswith(start)]
+        if not under:
+            depth = start.count("/")
+            stored = dict.fromkeys("/".join(k.split("/", depth)[:depth]) + "/"
+                                   for k in keys if k.count("/") >= depth)
+            close = difflib.get_close_matches(start, list(stored), n=3, cutoff=0.5)
+            near = close or list(stored)[:3]
+            hint = f"; prefixes stored: {', '.join(map(repr, near))}" if near else ""
+            raise KeyNotFoundError(f"no key under prefix {prefix!r} in checkpoint {self.path} "
+                                   f"({len(self)} tensors){hint}")
+        return start, under
 
     def _tensor(self, key: str) -> TensorInfo:
         self._check_open()
@@ -1010,10 +1067,12 @@ class CheckpointReader:
             shards: Iterable[int] = range(len(index.shards))
         else:
             if strings is not None:
-                keys = [k for k in keys if k not in strings]
-            rows = index.rows()
-            slices = index.slices_of()
-            shards = sorted({index.slice_shard[j] for k in keys for j in slices[rows[k]]})
+                stored = set(strings.keys).intersection(keys)
+                keys = [k for k in keys if k not in stored] if stored else keys
+            wanted = np.zeros(len(index.keys), bool)
+            wanted[list(map(index.rows().__getitem__, keys))] = True
+            held = wanted[np.asarray(index.slice_tensor, np.intp)]  # their stored slices
+            shards = np.unique(np.asarray(index.slice_shard, np.intp)[held]).tolist()
         for i in shards:
             self._source(i)
 
@@ -1210,11 +1269,11 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
-         device: Any = ...) -> dict[str, np.ndarray]: ...
+         device: Any = ..., prefix: str | None = ...) -> dict[str, np.ndarray]: ...
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
-         device: Any = ...) -> dict[str, Any]: ...
+         device: Any = ..., prefix: str | None = ...) -> dict[str, Any]: ...
 
 
 def load(
@@ -1226,6 +1285,7 @@ def load(
     follow_symlinks: bool = False,
     framework: str = "numpy",
     device: Any = None,
+    prefix: str | None = None,
 ) -> dict[str, Any]:
     """Read `keys` (default: all, in saved order) into a flat dict key -> array.
 
@@ -1241,6 +1301,15 @@ def load(
     platform string, jax's default device by default). torch tensors on the CPU share the
     loaded memory (writable, copy-on-write: in-place ops never reach the files); jax arrays
     are immutable copies. Framework and device are checked before anything is read.
+
+    `prefix` takes a sub-tree: the keys under it, with the prefix stripped (``prefix="model"``
+    or ``"model/"`` returns ``model/0.weight`` as ``0.weight``; a key component boundary, so
+    never ``modelx/...``); `keys` are then relative to it. KeyNotFoundError names the prefix
+    and the nearest stored ones when no key is under it.
+
+    Raises:
+        KeyNotFoundError: a key (or the prefix) is not in the checkpoint.
+        CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
     """
     conv = converter(framework, device)  # checked before anything is read
     if isinstance(keys, str):
@@ -1250,17 +1319,22 @@ def load(
     for attempt in range(1, LOAD_ATTEMPTS + 1):
         try:
             with CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks) as reader:
-                if keys is not None:
-                    for key in keys:
-                        reader._check_key(key)  # fail on a missing key before reading anything
+                wanted = keys
+                if prefix is not None:
+                    start, under = reader._keys_under(prefix)
+                    wanted = under if keys is None else [start + k for k in keys]
+                if wanted is not None:
+                    reader._check_keys(wanted)  # fail on a missing key before reading anything
                 if reader._strings is not None:
-                    for key in reader._strings.keys if keys is None else keys:
-                        if reader._is_string(key):
-                            check_string_framework(framework, key)
-                reader._open_shards(keys)  # right after the index: the window for a replace
+                    stored = reader._strings.keys
+                    for key in stored if wanted is None else set(stored).intersection(wanted):
+                        check_string_framework(framework, key)
+                reader._open_shards(wanted)  # right after the index: the window for a replace
                 if verify:
-                    reader.verify(keys)
-                arrays = reader._get_many(keys)
+                    reader.verify(wanted)
+                arrays = reader._get_many(wanted)
+            if prefix is not None:
+                arrays = {k[len(start):]: a for k, a in arrays.items()}
             return arrays if conv is None else convert_all(arrays, conv)
         except CheckpointReplacedError:
             if attempt == LOAD_ATTEMPTS:
