@@ -144,8 +144,7 @@ def check_prefix(prefix: str, overwrite: bool) -> Path:
         raise InvalidArgumentError(f"{prefix}: a directory exists at the prefix; a TensorFlow "
                                    "checkpoint is files named <prefix>.index and <prefix>.data-*")
     if os.path.lexists(index_file(prefix)) and not overwrite:
-        raise CheckpointExistsError(f"{index_file(prefix)} exists; pass overwrite=True to "
-                                    "replace that checkpoint")
+        raise CheckpointExistsError(f"{index_file(prefix)} exists", "to replace that checkpoint")
     return path
 
 
@@ -243,7 +242,7 @@ def _publish(tmp: Path, parent: Path, name: str, data: list[str], index_name: st
         if os.path.lexists(final_index):
             if not overwrite:
                 raise CheckpointExistsError(f"{final_index} was created by someone else while "
-                                            "this save ran; pass overwrite=True to replace it")
+                                            "this save ran", "to replace it")
             mine = re.compile(re.escape(name) + r"\.data-\d{5}-of-\d{5}")
             for old in [index_name, *(e for e in os.listdir(parent) if mine.fullmatch(e))]:
                 aside = tmp / f".old.{old}"
