@@ -305,18 +305,21 @@ class CheckpointReader:
             self._end_read()
         return array if conv is None else conv(array, key)
 
-    def _get_many(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def _get_many(self, keys: Sequence[str] | None, rows: np.ndarray | None = None
+                  ) -> dict[str, np.ndarray]:
         """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
         pass per shard; whole tensors stored in compressed shards are read in one batch, so
-        that every chunk is decoded once and the chunks are decoded in parallel."""
+        that every chunk is decoded once and the chunks are decoded in parallel. `rows`: the
+        keys' `_rows_of`, when the caller has them."""
         self._begin_read()
         try:
             with _gc_paused():  # one GC pass at the end, not one per ~700 new arrays
-                return self._get_many_unlocked(keys)
+                return self._get_many_unlocked(keys, rows)
         finally:
             self._end_read()
 
-    def _get_many_unlocked(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def _get_many_unlocked(self, keys: Sequence[str] | None, rows: np.ndarray | None
+                           ) -> dict[str, np.ndarray]:
         strings = self._strings
         if strings is not None and keys is None:  # every tensor, then every string tensor
             every = self._get_tensors(None)
@@ -330,19 +333,25 @@ class CheckpointReader:
                 rest = self._get_tensors(None if keys is None else
                                          [k for k in wanted if k not in texts])
                 return {k: texts[k] if k in texts else rest[k] for k in wanted}
-        return self._get_tensors(keys)
+        return self._get_tensors(keys, rows)
 
-    def _get_tensors(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def _get_tensors(self, keys: Sequence[str] | None, rows: np.ndarray | None = None
+                     ) -> dict[str, np.ndarray]:
         index = self.index
         picked: np.ndarray | None = None
         if keys is not None:
-            keys = list(dict.fromkeys(keys))
-            try:
-                picked = np.fromiter(map(index.rows().__getitem__, keys), np.intp, len(keys))
-            except (KeyError, TypeError):
-                for key in keys:
-                    self._tensor(key)  # raises KeyNotFoundError, with a hint
-                raise
+            keys = list(keys)
+            if rows is None:
+                try:
+                    rows = np.fromiter(map(index.rows().__getitem__, keys), np.intp, len(keys))
+                except (KeyError, TypeError):
+                    for key in keys:
+                        self._tensor(key)  # raises KeyNotFoundError, with a hint
+                    raise
+            picked = rows
+            if len(rows) and np.bincount(rows).max() > 1:  # each key once, where first asked
+                first = np.sort(np.unique(rows, return_index=True)[1])
+                keys, picked = [keys[i] for i in first.tolist()], rows[first]
         whole = self._get_whole(keys, picked)
         if whole is not None:
             return whole
@@ -945,18 +954,17 @@ class CheckpointReader:
                        strings.devices[row], strings.nbytes(row),
                        (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
 
-    def _check_keys(self, keys: Sequence[str]) -> None:
-        """KeyNotFoundError (with a hint) for the first of `keys` that is neither a tensor nor
-        a string tensor; one set difference, not a lookup of each key's TensorInfo."""
+    def _rows_of(self, keys: Sequence[str]) -> np.ndarray:
+        """The index row of each of `keys` (-1 for a string tensor), looked up once for the
+        whole read; KeyNotFoundError (with a hint) for the first key that is neither."""
         try:
-            absent = set(keys).difference(self.index.rows())
+            rows = np.fromiter(map(self.index.rows().get, keys, repeat(-1)), np.intp, len(keys))
         except TypeError:  # an unhashable key: named by the per-key check
-            absent = set(map(str, keys))
-        if absent and self._strings is not None:
-            absent.difference_update(self._strings.keys)
-        for key in keys if absent else ():
-            if not self._is_string(key):
-                self._tensor(key)
+            rows = np.full(len(keys), -1, np.intp)
+        for i in np.flatnonzero(rows < 0).tolist():
+            if not self._is_string(keys[i]):
+                self._tensor(keys[i])
+        return rows
 
     def _keys_under(self, prefix: str) -> tuple[str, list[str]]:
         """(`prefix` ending in one "/", the keys under it, in saved order) for a ``prefix=``
@@ -1055,24 +1063,29 @@ class CheckpointReader:
                 self._sources[i] = src
             return src
 
-    def _open_shards(self, keys: Sequence[str] | None) -> None:
-        """Open (and map) every shard holding `keys` (default: all) now rather than on first
-        read, so a concurrent overwrite has only this short window to delete them."""
+    def _open_shards(self, keys: Sequence[str] | None, rows: np.ndarray | None = None) -> None:
+        """Open (and map) every shard holding `keys` (default: all; `rows`: their `_rows_of`)
+        now rather than on first read, so a concurrent overwrite has only this short window to
+        delete them."""
         index = self.index
         strings = self._strings
+        if keys is not None and rows is None:
+            rows = self._rows_of(keys)
         if strings is not None and strings.keys and (
-                keys is None or any(k in strings for k in keys)):
+                rows is None or bool((rows < 0).any())):
             self._get_string(strings.keys[0])  # reads (and keeps) the string file now
-        if keys is None:
+        if rows is None:
             shards: Iterable[int] = range(len(index.shards))
         else:
-            if strings is not None:
-                stored = set(strings.keys).intersection(keys)
-                keys = [k for k in keys if k not in stored] if stored else keys
-            wanted = np.zeros(len(index.keys), bool)
-            wanted[list(map(index.rows().__getitem__, keys))] = True
-            held = wanted[np.asarray(index.slice_tensor, np.intp)]  # their stored slices
-            shards = np.unique(np.asarray(index.slice_shard, np.intp)[held]).tolist()
+            rows = rows[rows >= 0]
+            if bool((index.slice_counts()[rows] == 1).all()):  # each stored whole: one slice
+                slice_ids = index.first_slice()[rows]
+            else:
+                wanted = np.zeros(len(index.keys), bool)
+                wanted[rows] = True
+                slice_ids = np.flatnonzero(wanted[np.asarray(index.slice_tensor, np.intp)])
+            stops = [index.shard_range(i).stop for i in range(len(index.shards))]
+            shards = np.unique(np.searchsorted(stops, slice_ids, side="right")).tolist()
         for i in shards:
             self._source(i)
 
@@ -1323,16 +1336,16 @@ def load(
                 if prefix is not None:
                     start, under = reader._keys_under(prefix)
                     wanted = under if keys is None else [start + k for k in keys]
-                if wanted is not None:
-                    reader._check_keys(wanted)  # fail on a missing key before reading anything
+                # rows: fail on a missing key before reading anything
+                rows = None if wanted is None else reader._rows_of(wanted)
                 if reader._strings is not None:
                     stored = reader._strings.keys
                     for key in stored if wanted is None else set(stored).intersection(wanted):
                         check_string_framework(framework, key)
-                reader._open_shards(wanted)  # right after the index: the window for a replace
+                reader._open_shards(wanted, rows)  # right after the index: a replace's window
                 if verify:
                     reader.verify(wanted)
-                arrays = reader._get_many(wanted)
+                arrays = reader._get_many(wanted, rows)
             if prefix is not None:
                 arrays = {k[len(start):]: a for k, a in arrays.items()}
             return arrays if conv is None else convert_all(arrays, conv)
