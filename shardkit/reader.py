@@ -352,22 +352,20 @@ class CheckpointReader:
             if len(rows) and np.bincount(rows).max() > 1:  # each key once, where first asked
                 first = np.sort(np.unique(rows, return_index=True)[1])
                 keys, picked = [keys[i] for i in first.tolist()], rows[first]
-        whole = self._get_whole(keys, picked)
-        if whole is not None:
-            return whole
+        views = self._get_whole(keys, picked)
+        if views is not None:
+            return views
         if keys is None or picked is None:
             keys = index.keys
-            rows = list(range(len(keys)))
-        else:
-            rows = picked.tolist()
+            picked = np.arange(len(keys))
         self._check_open()
         results: list[Any] = [None] * len(keys)
-        counts = index.slice_counts()[rows].tolist()
-        firsts = index.first_slice()[rows].tolist()
+        counts = index.slice_counts()[picked].tolist()
+        firsts = index.first_slice()[picked].tolist()
         shards = list(map(index.slice_shard.__getitem__, firsts))
         whole = [i for i, c in enumerate(counts) if c == 1]
         whole.sort(key=shards.__getitem__)  # stable: by shard, then in the order asked
-        dtype_names = list(map(index.dtypes.__getitem__, rows))
+        dtype_names = list(map(index.dtypes.__getitem__, picked.tolist()))
         dtypes = {name: numpy_dtype(name) for name in set(dtype_names)}
         entry_names = index.entry_names()
         slice_shapes = index.slice_shapes()

@@ -44,15 +44,15 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     targets = expand_targets(state)  # TensorFlow objects: their variables, TensorFlow's keys
     leaves = flatten(targets)
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
-        start, stored = "", reader.keys()
+        start, candidates = "", reader.keys()
         if prefix is not None:
-            start, stored = reader._keys_under(prefix)
+            start, candidates = reader._keys_under(prefix)
             leaves = [(start + key, leaf) for key, leaf in leaves]
         wanted = {key for key, _ in leaves}
         if targets is not state:  # the object graph is TensorFlow's bookkeeping, not a value
             wanted.add(start + OBJECT_GRAPH_KEY)
         missing = [key for key, _ in leaves if key not in reader]
-        unexpected = [key for key in stored if key not in wanted]
+        unexpected = [key for key in candidates if key not in wanted]
         if not partial:
             check_complete(str(reader.path), missing, unexpected)
         elif missing:
