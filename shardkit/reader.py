@@ -169,7 +169,8 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, mmap: bool = True,
-                 verify: bool = False, follow_symlinks: bool = False) -> None:
+                 verify: bool = False, follow_symlinks: bool = False,
+                 prefix: str | None = None) -> None:
         self.path = os.fspath(path)
         self._mmap = bool(mmap)
         self._follow = bool(follow_symlinks)
@@ -201,12 +202,15 @@ class CheckpointReader:
         self._active = 0  # reads in flight; close() waits for them before releasing files
         self._pool: WorkerPool | None = None
         self._closed = False
-        if verify:
-            try:
+        self._prefix, self._under = "", None  # a sub-tree's prefix and its keys (`prefix`)
+        try:
+            if prefix is not None:
+                self._prefix, self._under = self._keys_under(prefix)
+            if verify:
                 self.verify()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     # -- mapping-like API
 
@@ -228,18 +232,34 @@ class CheckpointReader:
         return self.index.user_metadata
 
     def keys(self) -> list[str]:
-        """Checkpoint keys in the order they were saved (string tensors last)."""
+        """Checkpoint keys in the order they were saved (string tensors last); with a `prefix`,
+        the keys under it, the prefix stripped."""
+        if self._under is not None:
+            n = len(self._prefix)
+            return [k[n:] for k in self._under]
+        return self._stored_keys()
+
+    def _stored_keys(self) -> list[str]:
         if self._strings is not None:
             return [*self.index.keys, *self._strings.keys]
         return list(self.index.keys)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.keys()) if self._strings is not None else iter(self.index.keys)
+        if self._strings is None and self._under is None:
+            return iter(self.index.keys)
+        return iter(self.keys())
 
     def __len__(self) -> int:
+        if self._under is not None:
+            return len(self._under)
         return len(self.index.keys) + (0 if self._strings is None else len(self._strings.keys))
 
+    def _full(self, key: Any) -> Any:
+        """The stored key of `key` as the caller names it (under `prefix`)."""
+        return self._prefix + key if self._prefix and isinstance(key, str) else key
+
     def __contains__(self, key: object) -> bool:
+        key = self._full(key)
         try:
             self.index.row(key)  # type: ignore[arg-type]
         except (KeyError, TypeError):
@@ -268,12 +288,13 @@ class CheckpointReader:
 
         A string tensor reports dtype name ``"STRING"``, the numpy dtype of its kind (object for
         bytes / str), the bytes of its block and one placement, in the string file."""
+        named, key = key, self._full(key)
         if self._is_string(key):
-            return self._string_info(key)
+            return dataclasses.replace(self._string_info(key), key=named)
         t = self._tensor(key)
         shards = self.index.shards
         return KeyInfo(
-            key, numpy_dtype(t.dtype), t.dtype, t.shape, t.device, t.nbytes,
+            named, numpy_dtype(t.dtype), t.dtype, t.shape, t.device, t.nbytes,
             tuple(SlicePlacement(s.spec, s.shard, shards[s.shard].file, s.entry, s.xxh3)
                   for s in t.slices),
         )
@@ -294,6 +315,7 @@ class CheckpointReader:
         ``reader[key]`` is always a numpy array.
         """
         conv = converter(framework, device)  # checked before anything is read
+        key = self._full(key)
         self._begin_read()
         try:
             if self._is_string(key):
@@ -326,7 +348,7 @@ class CheckpointReader:
             every.update((k, self._get_string(k)) for k in strings.keys)
             return every
         if strings is not None:  # the string tensors apart, then in the order asked
-            wanted = list(dict.fromkeys(self.keys() if keys is None else keys))
+            wanted = list(dict.fromkeys(self._stored_keys() if keys is None else keys))
             stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
             texts = {k: self._get_string(k) for k in wanted if k in stored}
             if texts:
@@ -532,6 +554,7 @@ class CheckpointReader:
         `mmap` is on, else a new array; `framework` and `device` as for `get`.
         """
         conv = converter(framework, device)  # checked before anything is read
+        key = self._full(key)
         self._begin_read()
         try:
             if self._is_string(key):
@@ -735,7 +758,10 @@ class CheckpointReader:
         """What `verify` checks, returned instead of raised: every distinct problem once, in
         shard order, each blaming the file that is inconsistent (the manifest when it records
         a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
-        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`)."""
+        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`). With a
+        `prefix`, `keys` are under it; without `keys` the whole checkpoint is checked."""
+        if keys is not None and self._prefix:
+            keys = [self._full(k) for k in ([keys] if isinstance(keys, str) else keys)]
         self._begin_read()
         try:
             return self._verify(keys)
@@ -974,7 +1000,7 @@ class CheckpointReader:
         start = prefix.rstrip("/") + "/"
         if start == "/":
             raise InvalidArgumentError(f"prefix must name a key component, got {prefix!r}")
-        keys = self.keys()
+        keys = self._stored_keys()
         under = [k for k in keys if k.startswith(start)]
         if not under:
             depth = start.count("/")
@@ -1272,9 +1298,11 @@ def _xxh3_of(src: ShardSource, entry: EntryLayout) -> str:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
-                    follow_symlinks: bool = False) -> CheckpointReader:
-    """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``)."""
-    return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks)
+                    follow_symlinks: bool = False, prefix: str | None = None
+                    ) -> CheckpointReader:
+    """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``);
+    `prefix` shows the sub-tree under it, keys relative to it (as `load`'s)."""
+    return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks, prefix=prefix)
 
 
 @overload

@@ -182,3 +182,21 @@ def test_restore_into_a_sub_tree_checks_only_keys_under_it(saved):
     status = shardkit.restore_into(saved, {"step": np.zeros((), np.int64)}, prefix="opt",
                                    partial=True)
     assert status.unexpected_keys == ["empty"]
+
+
+def test_open_with_a_prefix_reads_the_sub_tree(saved):
+    full = shardkit.load(saved)
+    with shardkit.open(saved, prefix="model") as reader:
+        names = [k[len("model/"):] for k in full if k.startswith("model/")]
+        assert reader.keys() == names and list(reader) == names and len(reader) == len(names)
+        assert "embed" in reader and "model/embed" not in reader and "opt/step" not in reader
+        assert np.array_equal(reader["embed"], full["model/embed"])
+        assert np.array_equal(reader.get_slice("embed", np.s_[3:9]), full["model/embed"][3:9])
+        assert np.array_equal(reader.get("names"), full["model/names"])
+        assert reader.info("layers/0/w").key == "layers/0/w"
+        assert reader.info("names").key == "names"
+        assert reader.verify(["embed", "names"]) >= 2
+        with pytest.raises(KeyNotFoundError, match="'model/step'"):
+            reader.get("step")
+    with pytest.raises(KeyNotFoundError, match="prefix 'nothing'"):
+        shardkit.open(saved, prefix="nothing")
