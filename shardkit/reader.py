@@ -1361,7 +1361,8 @@ def load(
                 wanted = keys
                 if prefix is not None:
                     start, under = reader._keys_under(prefix)
-                    wanted = under if keys is None else [start + k for k in keys]
+                    wanted = under if keys is None else [
+                        start + k if isinstance(k, str) else k for k in keys]
                 # rows: fail on a missing key before reading anything
                 rows = None if wanted is None else reader._rows_of(wanted)
                 if reader._strings is not None:

@@ -147,6 +147,8 @@ def test_prefix_with_keys_is_relative_and_strings_come_along(saved):
     assert list(shardkit.load(saved, "step", prefix="opt")) == ["step"]
     with pytest.raises(KeyNotFoundError, match="'model/step'"):
         shardkit.load(saved, ["step"], prefix="model")
+    with pytest.raises(KeyNotFoundError, match="key 3 is not in checkpoint"):
+        shardkit.load(saved, [3], prefix="model")
 
 
 def test_no_key_under_a_prefix_names_it_and_the_nearest(saved):
