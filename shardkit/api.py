@@ -35,6 +35,7 @@ from .errors import (
     SplitTensorsWarning,
 )
 from .options import CheckpointOptions, check_threads
+from .policies import register_policy
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
@@ -165,6 +166,8 @@ class DefaultShardingPolicy(ShardingCallback):
             starts.append(i)
         return list(zip(starts, [*starts[1:], n]))
 
+
+register_policy("default", DefaultShardingPolicy)  # get_policy("default"), plan --policy default
 
 _tensor_of = operator.attrgetter("tensor")
 _nbytes_of = operator.attrgetter("nbytes")

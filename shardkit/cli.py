@@ -31,12 +31,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import __version__
-from .api import DefaultShardingPolicy
 from .callback import ShardingCallback
-from .errors import PolicyError, ShardkitError
+from .errors import CheckpointExistsError, PolicyError, ShardkitError
 from .models import MODELS, load_state_file, synthetic_state
 from .policies import POLICIES, get_policy, parse_size
-from .profiling import format_table, human_size, plot_shard_sizes, profile
+from .profiling import format_table, human_size, plot_shard_sizes, plural, profile
 from .tensors import shardable_tensors
 
 __all__ = [
@@ -45,6 +44,10 @@ __all__ = [
 ]
 
 PROG = "shardkit"
+CHECKPOINT_HELP = ("checkpoint directory or file (shardkit's, HuggingFace's, a .safetensors "
+                   "file, a TensorFlow checkpoint's prefix or .index file)")
+"""What a checkpoint argument takes: anything the reader opens (commands that read through the
+reader also take a checkpoint URL)."""
 DEFAULT_NUM_SHARDS = 8
 DEFAULT_POLICY = "default"
 """The name `plan` and `demo` give `DefaultShardingPolicy`, the policy `save` uses."""
@@ -65,9 +68,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return 141  # what a shell reports for a command ended by SIGPIPE
     except (ShardkitError, OSError) as e:
-        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        message = " ".join(line.strip() for line in _worded(e).splitlines() if line.strip())
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 1
+
+
+FLAGS = {"overwrite": "--overwrite"}
+"""The flag of each keyword argument an error may tell the caller to pass."""
+
+
+def _worded(e: BaseException) -> str:
+    """The message of `e`, naming this command's flags where it names an API argument."""
+    if isinstance(e, CheckpointExistsError) and e.keyword in FLAGS:
+        return e.worded(FLAGS[e.keyword])
+    return str(e)
 
 
 def _silence_stdout() -> None:
@@ -122,8 +136,7 @@ def _add_plan_parser(sub: Any) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "file", nargs="?", metavar="FILE",
-        help="a .safetensors or .npz file, or a checkpoint directory (shardkit's or "
-        "HuggingFace's), to plan for"
+        help=f"a .npz file, or what a reader opens ({CHECKPOINT_HELP}), to plan for"
     )
     source.add_argument("--model", metavar="NAME", help="a built-in synthetic model (see below)")
     p.add_argument("--dtype", help="dtype of the built-in model (default: float32)")
@@ -176,7 +189,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     specs = args.policies or _policy_names()
     policies = {spec: make_policy(spec, defaults) for spec in specs}
     print(f"{source}: {len(tensors)} tensors, {human_size(total)}")
-    print(f"defaults: max shard size {human_size(max_size)}{how}, {args.num_shards} shards\n")
+    print(f"defaults: max shard size {human_size(max_size)}{how}, "
+          f"{plural(args.num_shards, 'shard')}\n")
     profiles = profile(tensors, policies)
     print(format_table(profiles))
     if args.plot:
@@ -211,7 +225,7 @@ def auto_max_shard_size(total_bytes: int) -> int:
 
 
 def _policy_names() -> list[str]:
-    return [DEFAULT_POLICY, *POLICIES]
+    return [DEFAULT_POLICY, *(name for name in POLICIES if name != DEFAULT_POLICY)]
 
 
 def make_policy(spec: str, defaults: dict[str, Any]) -> ShardingCallback:
@@ -224,7 +238,7 @@ def make_policy(spec: str, defaults: dict[str, Any]) -> ShardingCallback:
     if name == DEFAULT_POLICY:
         if sep:
             raise PolicyError(f"policy {name!r} takes no argument, got {spec!r}")
-        return DefaultShardingPolicy()
+        return get_policy(name)  # as save uses it: no argument from `defaults`
     if name not in POLICIES:
         raise PolicyError(
             f"unknown policy {name!r} in {spec!r}; known: {', '.join(_policy_names())}"
@@ -309,24 +323,27 @@ def _add_inspect_parser(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("path", metavar="CHECKPOINT", help="checkpoint directory")
+    p.add_argument("path", metavar="CHECKPOINT", help=f"{CHECKPOINT_HELP}, or its URL")
     p.set_defaults(func=cmd_inspect)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import math
+
     from .reader import open_checkpoint
+    from .slices import parse_slice_spec
 
     with open_checkpoint(args.path) as reader:
         index = reader.index
         total = sum(s.bytes for s in index.shards)
         if reader.format == "shardkit":
-            print(f"{args.path}: format {index.version}, {len(reader)} tensors, "
-                  f"{len(index.shards)} shards, {human_size(total)}")
+            print(f"{args.path}: format {index.version}, {plural(len(reader), 'tensor')}, "
+                  f"{plural(len(index.shards), 'shard')}, {human_size(total)}")
             print(f"callback: {index.callback}")
             print(f"generation: {index.generation or 'none (format 2.0)'}")
         else:
-            print(f"{args.path}: {reader.layout.description}, {len(reader)} tensors, "
-                  f"{len(index.shards)} shards, {human_size(total)}")
+            print(f"{args.path}: {reader.layout.description}, {plural(len(reader), 'tensor')}, "
+                  f"{plural(len(index.shards), 'shard')}, {human_size(total)}")
             kinds = sorted(set(index.slice_checksum_kind or ())) if reader.layout.checksums else []
             print(f"checksums: {', '.join(kinds)}" if kinds
                   else "checksums: none stored (the format has none)")
@@ -343,12 +360,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for key in reader.keys():
             info = reader.info(key)
             for s in info.slices:
+                nbytes = info.nbytes  # a whole tensor's, or a string tensor's block
                 if s.shard < 0:  # a string tensor: in the string file, not in a shard
                     where = s.file
                 else:
                     where = f"[{s.shard}] {s.entry}" if s.entry != key else f"[{s.shard}]"
+                    if s.spec:  # this slice's own bytes
+                        lengths = parse_slice_spec(s.spec, info.shape).lengths
+                        nbytes = math.prod(lengths) * info.dtype.itemsize
                 rows.append((key, info.dtype_name, str(list(info.shape)), s.spec or "(whole)",
-                             human_size(info.nbytes), where))
+                             human_size(nbytes), where))
                 key = ""  # further slices of the same tensor: key shown once
         _print_table(INSPECT_TENSOR_COLUMNS, rows)
     return 0
@@ -380,13 +401,14 @@ def _add_verify_parser(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("path", metavar="CHECKPOINT", help="checkpoint directory")
+    p.add_argument("path", metavar="CHECKPOINT", help=f"{CHECKPOINT_HELP}, or its URL")
     p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Every problem on its own line on stderr, ``CORRUPT: <file>: <key or ->: <what>, expected
-    <x> vs found <y>``, each once, then a count; exit 1 if there is any, else 0."""
+    <x> vs found <y>`` (``UNSUPPORTED:`` for a format this shardkit does not read), each once,
+    then a count; exit 1 if there is any, else 0."""
     import os
 
     from .errors import CheckpointNotFoundError, CorruptIndexError, UnsupportedVersionError
@@ -405,7 +427,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if sep and named.startswith(os.path.join(args.path, "")):  # the manifest found
             index_path, message = named, rest
         name = os.path.basename(index_path)
-        problems = [Problem(index_path, None, name, "a valid index", message)]
+        expected = ("a format this shardkit reads" if isinstance(e, UnsupportedVersionError)
+                    else "a valid index")
+        problems = [Problem(index_path, None, name, expected, message, type(e))]
         checked, tensors = "", 0
     else:
         with reader:
@@ -414,7 +438,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         checked = report.summary
     if problems:
         for p in problems:
-            print(f"CORRUPT: {p}", file=sys.stderr)
+            print(f"{p.label}: {p}", file=sys.stderr)
         print(f"{args.path}: {len(problems)} problem(s) found", file=sys.stderr)
         return 1
     print(f"{args.path}: OK ({checked}, {tensors} tensors)")
@@ -440,7 +464,7 @@ def _add_convert_parser(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("src", metavar="SRC", help="checkpoint to read")
+    p.add_argument("src", metavar="SRC", help=f"checkpoint to read: {CHECKPOINT_HELP}, or its URL")
     p.add_argument("dst", metavar="DST", help="checkpoint to write (a prefix for tensorflow)")
     p.add_argument("--to", choices=("tensorflow", "shardkit"), default=None,
                    help="format of DST (default: the other one)")

@@ -193,8 +193,7 @@ def check_target(path: str | os.PathLike[str], overwrite: bool) -> None:
     )
     if not overwrite and replaceable:
         raise CheckpointExistsError(
-            f"{target} already exists; pass overwrite=True to replace the checkpoint there"
-        )
+            f"{target} already exists", "to replace the checkpoint there")
     if target.is_symlink() or not target.is_dir():
         raise CheckpointExistsError(
             f"{target} exists and is not a checkpoint directory (it is a file or a symlink); "
@@ -375,9 +374,7 @@ def _publish(tmp: Path, target: Path, *, overwrite: bool) -> Path | None:
     if not overwrite:
         check_target(target, overwrite=True)  # not replaceable at all: say so, without the hint
         raise CheckpointExistsError(
-            f"{target} was created by someone else while this save ran; pass overwrite=True "
-            "to replace it"
-        )
+            f"{target} was created by someone else while this save ran", "to replace it")
     check_target(target, overwrite=True)
     if _renameat2(tmp, target, _RENAME_EXCHANGE):
         return tmp  # the old checkpoint now lives under the temp name

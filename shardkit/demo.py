@@ -16,7 +16,7 @@ from .api import DefaultShardingPolicy, save
 from .format import MANIFEST_FILE
 from .models import state_nbytes, synthetic_state
 from .policies import AllInOnePolicy, BalancedPolicy, BinPackPolicy, MaxShardSizePolicy
-from .profiling import format_table, human_size, profile
+from .profiling import format_table, human_size, plural, profile
 from .reader import load, open_checkpoint
 from .tensors import flatten
 
@@ -91,7 +91,7 @@ def run_demo(
             raise AssertionError("restored state differs from the saved one")
         figures["zstd_ratio"] = total / zinfo.bytes
 
-        print(f"\nCheckpoint: {figures['shards']} shards + {MANIFEST_FILE}, "
+        print(f"\nCheckpoint: {plural(figures['shards'], 'shard')} + {MANIFEST_FILE}, "
               f"{human_size(info.bytes)} on disk", file=out)
         width = max(map(len, times))
         for label, seconds in times.items():

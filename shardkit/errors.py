@@ -74,7 +74,26 @@ class ChecksumError(CheckpointFormatError):
 
 
 class CheckpointExistsError(ShardkitError, FileExistsError):
-    """Saving would replace an existing checkpoint and overwrite=False."""
+    """Saving would replace an existing checkpoint and overwrite=False.
+
+    When passing `keyword` (``overwrite=True``) would replace it, `remedy` says what that does
+    and the message ends ``; pass overwrite=True <remedy>``; `worded` spells the argument
+    another way (the command line names its flag)."""
+
+    keyword = "overwrite"
+
+    def __init__(self, message: str, remedy: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.remedy = message, remedy
+
+    def worded(self, argument: str = f"{keyword}=True") -> str:
+        """The message, naming the argument that would replace the checkpoint as `argument`."""
+        if self.remedy is None:
+            return self.message
+        return f"{self.message}; pass {argument} {self.remedy}"
+
+    def __str__(self) -> str:
+        return self.worded()
 
 
 class RestoreMismatchError(ShardkitError, ValueError):
@@ -214,6 +233,12 @@ class Problem:
     expected: str
     found: str
     error: type[CheckpointFormatError] = CheckpointFormatError
+
+    @property
+    def label(self) -> str:
+        """How the command line labels it: ``UNSUPPORTED`` for a format this shardkit does not
+        read (`UnsupportedVersionError`: a newer format, say), else ``CORRUPT``."""
+        return "UNSUPPORTED" if issubclass(self.error, UnsupportedVersionError) else "CORRUPT"
 
     def __str__(self) -> str:
         key = "-" if self.key is None else repr(self.key)

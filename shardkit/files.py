@@ -51,11 +51,28 @@ def open_directory(path: str) -> int:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist") from None
     except NotADirectoryError:
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the path is not a directory"
-                                      ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: {_what_file(path)}") from None
     except OSError as e:
         raise ShardIOError(e.errno, f"{path}: cannot open the checkpoint directory: "
                                     f"{e.strerror}") from None
+
+
+def _what_file(path: str) -> str:
+    """What the file `path`, given as a checkpoint, is, and what to pass instead."""
+    import re
+
+    from .format import MANIFEST_FILES
+
+    name = os.path.basename(path)
+    if name in MANIFEST_FILES:
+        return f"it is a checkpoint's manifest; pass its directory {os.path.dirname(path) or '.'}"
+    data = re.fullmatch(r"(.+)\.data-\d+-of-\d+", path)  # TensorFlow's DataFilename
+    if data:
+        return (f"it is a data file of a TensorFlow checkpoint; pass the checkpoint's prefix "
+                f"{data[1]} (or its {BUNDLE_INDEX_SUFFIX} file)")
+    return ("the path is a file, and not one a reader opens (it takes a checkpoint directory, "
+            f"a {SAFETENSORS_SUFFIX} file, or a TensorFlow checkpoint's prefix or "
+            f"{BUNDLE_INDEX_SUFFIX} file)")
 
 
 def locate(path: str) -> tuple[str, str | None]:

@@ -356,11 +356,18 @@ class BalancedPolicy(_PlanningPolicy):
         return plan.build(ts, ids)
 
 
-POLICIES: dict[str, type[_Policy]] = {
+POLICIES: dict[str, type[ShardingCallback]] = {
     cls.name: cls
     for cls in (ShardByTaskPolicy, MaxShardSizePolicy, AllInOnePolicy, BinPackPolicy,
                 BalancedPolicy)
 }
+"""The one registry of policies by short name (`get_policy`, ``shardkit plan --policy``); the
+default policy, defined with `save`, registers itself as "default" (`register_policy`)."""
+
+
+def register_policy(name: str, cls: type[ShardingCallback]) -> None:
+    """Make `cls` (built from keyword arguments) known to `get_policy` as `name`."""
+    POLICIES[name] = cls
 
 
 def policy_names() -> list[str]:
@@ -374,7 +381,10 @@ def get_policy(name: str, **config: Any) -> ShardingCallback:
     cls = POLICIES.get(name)
     if cls is None:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
-    return cls.from_config(config)
+    try:
+        return cls(**config)
+    except TypeError as e:
+        raise PolicyError(f"policy {name!r} cannot be built from {config!r}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,6 +138,11 @@ def human_size(nbytes: float) -> str:
     return f"{n:.1f} {unit}"
 
 
+def plural(count: int, noun: str) -> str:
+    """``"1 shard"``, ``"3 shards"``: a count and its noun, singular for one."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _seconds(s: float) -> str:
     if s < 1e-3:
         return f"{s * 1e6:.0f} us"
@@ -225,7 +230,7 @@ def plot_shard_sizes(
         elif p.max_shard_size is not None:
             limit = f", limit {human_size(p.max_shard_size)} (off scale)"
         ax.set_title(
-            f"{p.name}: {p.num_shards} shard{'' if p.num_shards == 1 else 's'}, "
+            f"{p.name}: {plural(p.num_shards, 'shard')}, "
             f"max {human_size(p.max_bytes)}, imbalance {p.imbalance:.2f}{limit}",
             fontsize=9,
         )

@@ -42,6 +42,7 @@ from .errors import (
     CorruptHeaderError,
     CorruptIndexError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     KeyNotFoundError,
     MissingShardError,
     Problem,
@@ -168,7 +169,8 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, mmap: bool = True,
-                 verify: bool = False, follow_symlinks: bool = False) -> None:
+                 verify: bool = False, follow_symlinks: bool = False,
+                 prefix: str | None = None) -> None:
         self.path = os.fspath(path)
         self._mmap = bool(mmap)
         self._follow = bool(follow_symlinks)
@@ -200,12 +202,15 @@ class CheckpointReader:
         self._active = 0  # reads in flight; close() waits for them before releasing files
         self._pool: WorkerPool | None = None
         self._closed = False
-        if verify:
-            try:
+        self._prefix, self._under = "", None  # a sub-tree's prefix and its keys (`prefix`)
+        try:
+            if prefix is not None:
+                self._prefix, self._under = self._keys_under(prefix)
+            if verify:
                 self.verify()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     # -- mapping-like API
 
@@ -227,18 +232,34 @@ class CheckpointReader:
         return self.index.user_metadata
 
     def keys(self) -> list[str]:
-        """Checkpoint keys in the order they were saved (string tensors last)."""
+        """Checkpoint keys in the order they were saved (string tensors last); with a `prefix`,
+        the keys under it, the prefix stripped."""
+        if self._under is not None:
+            n = len(self._prefix)
+            return [k[n:] for k in self._under]
+        return self._stored_keys()
+
+    def _stored_keys(self) -> list[str]:
         if self._strings is not None:
             return [*self.index.keys, *self._strings.keys]
         return list(self.index.keys)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.keys()) if self._strings is not None else iter(self.index.keys)
+        if self._strings is None and self._under is None:
+            return iter(self.index.keys)
+        return iter(self.keys())
 
     def __len__(self) -> int:
+        if self._under is not None:
+            return len(self._under)
         return len(self.index.keys) + (0 if self._strings is None else len(self._strings.keys))
 
+    def _full(self, key: Any) -> Any:
+        """The stored key of `key` as the caller names it (under `prefix`)."""
+        return self._prefix + key if self._prefix and isinstance(key, str) else key
+
     def __contains__(self, key: object) -> bool:
+        key = self._full(key)
         try:
             self.index.row(key)  # type: ignore[arg-type]
         except (KeyError, TypeError):
@@ -267,12 +288,13 @@ class CheckpointReader:
 
         A string tensor reports dtype name ``"STRING"``, the numpy dtype of its kind (object for
         bytes / str), the bytes of its block and one placement, in the string file."""
+        named, key = key, self._full(key)
         if self._is_string(key):
-            return self._string_info(key)
+            return dataclasses.replace(self._string_info(key), key=named)
         t = self._tensor(key)
         shards = self.index.shards
         return KeyInfo(
-            key, numpy_dtype(t.dtype), t.dtype, t.shape, t.device, t.nbytes,
+            named, numpy_dtype(t.dtype), t.dtype, t.shape, t.device, t.nbytes,
             tuple(SlicePlacement(s.spec, s.shard, shards[s.shard].file, s.entry, s.xxh3)
                   for s in t.slices),
         )
@@ -293,6 +315,7 @@ class CheckpointReader:
         ``reader[key]`` is always a numpy array.
         """
         conv = converter(framework, device)  # checked before anything is read
+        key = self._full(key)
         self._begin_read()
         try:
             if self._is_string(key):
@@ -304,55 +327,67 @@ class CheckpointReader:
             self._end_read()
         return array if conv is None else conv(array, key)
 
-    def _get_many(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def _get_many(self, keys: Sequence[str] | None, rows: np.ndarray | None = None
+                  ) -> dict[str, np.ndarray]:
         """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
         pass per shard; whole tensors stored in compressed shards are read in one batch, so
-        that every chunk is decoded once and the chunks are decoded in parallel."""
+        that every chunk is decoded once and the chunks are decoded in parallel. `rows`: the
+        keys' `_rows_of`, when the caller has them."""
         self._begin_read()
         try:
             with _gc_paused():  # one GC pass at the end, not one per ~700 new arrays
-                return self._get_many_unlocked(keys)
+                return self._get_many_unlocked(keys, rows)
         finally:
             self._end_read()
 
-    def _get_many_unlocked(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def _get_many_unlocked(self, keys: Sequence[str] | None, rows: np.ndarray | None
+                           ) -> dict[str, np.ndarray]:
         strings = self._strings
         if strings is not None and keys is None:  # every tensor, then every string tensor
             every = self._get_tensors(None)
             every.update((k, self._get_string(k)) for k in strings.keys)
             return every
         if strings is not None:  # the string tensors apart, then in the order asked
-            wanted = list(dict.fromkeys(self.keys() if keys is None else keys))
+            wanted = list(dict.fromkeys(self._stored_keys() if keys is None else keys))
             stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
             texts = {k: self._get_string(k) for k in wanted if k in stored}
             if texts:
                 rest = self._get_tensors(None if keys is None else
                                          [k for k in wanted if k not in texts])
                 return {k: texts[k] if k in texts else rest[k] for k in wanted}
-        return self._get_tensors(keys)
+        return self._get_tensors(keys, rows)
 
-    def _get_tensors(self, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def _get_tensors(self, keys: Sequence[str] | None, rows: np.ndarray | None = None
+                     ) -> dict[str, np.ndarray]:
         index = self.index
-        if keys is None:
-            everything = self._get_everything()
-            if everything is not None:
-                return everything
+        picked: np.ndarray | None = None
+        if keys is not None:
+            keys = list(keys)
+            if rows is None:
+                try:
+                    rows = np.fromiter(map(index.rows().__getitem__, keys), np.intp, len(keys))
+                except (KeyError, TypeError):
+                    for key in keys:
+                        self._tensor(key)  # raises KeyNotFoundError, with a hint
+                    raise
+            picked = rows
+            if len(rows) and np.bincount(rows).max() > 1:  # each key once, where first asked
+                first = np.sort(np.unique(rows, return_index=True)[1])
+                keys, picked = [keys[i] for i in first.tolist()], rows[first]
+        views = self._get_whole(keys, picked)
+        if views is not None:
+            return views
+        if keys is None or picked is None:
             keys = index.keys
-        keys = list(dict.fromkeys(keys))
-        try:
-            rows = list(map(index.rows().__getitem__, keys))
-        except (KeyError, TypeError):
-            for key in keys:
-                self._tensor(key)  # raises KeyNotFoundError, with a hint
-            raise
+            picked = np.arange(len(keys))
         self._check_open()
         results: list[Any] = [None] * len(keys)
-        counts = index.slice_counts()[rows].tolist()
-        firsts = index.first_slice()[rows].tolist()
+        counts = index.slice_counts()[picked].tolist()
+        firsts = index.first_slice()[picked].tolist()
         shards = list(map(index.slice_shard.__getitem__, firsts))
         whole = [i for i, c in enumerate(counts) if c == 1]
         whole.sort(key=shards.__getitem__)  # stable: by shard, then in the order asked
-        dtype_names = list(map(index.dtypes.__getitem__, rows))
+        dtype_names = list(map(index.dtypes.__getitem__, picked.tolist()))
         dtypes = {name: numpy_dtype(name) for name in set(dtype_names)}
         entry_names = index.entry_names()
         slice_shapes = index.slice_shapes()
@@ -382,36 +417,54 @@ class CheckpointReader:
                 results[i] = self._get(keys[i])
         return dict(zip(keys, results))
 
-    def _get_everything(self) -> dict[str, np.ndarray] | None:
-        """Every tensor, when each is stored whole in a raw shard: views of the maps (or arrays
-        read in runs, with ``mmap=False``) made shard by shard straight from the index columns.
-        None otherwise (the general path decides)."""
+    def _get_whole(self, keys: list[str] | None, rows: np.ndarray | None
+                   ) -> dict[str, np.ndarray] | None:
+        """The tensors `keys` (distinct, at index `rows`; None: every tensor), when every
+        tensor is stored whole in a raw shard: views of the maps (or arrays read in runs, with
+        ``mmap=False``) made shard by shard, in data-region order, straight from the index
+        columns; the dict is in the order asked. None otherwise (the general path decides)."""
         index = self.index
         if len(index.slice_tensor) != len(index.keys) or any(index.slice_spec):
             return None
         self._check_open()
-        results: list[Any] = [None] * len(index.keys)
+        shards = range(len(index.shards))
+        if rows is None:
+            keys, slice_rows, at = index.keys, index.slice_tensor, index.slice_tensor
+            ids: Sequence[int] = range(len(slice_rows))  # the slices read, shard by shard
+            ends = [index.shard_range(shard).stop for shard in shards]
+        else:
+            assert keys is not None
+            firsts = index.first_slice()[rows]  # a tensor's one stored slice
+            order = np.argsort(firsts, kind="stable")
+            sorted_ids = firsts[order]
+            ends = np.searchsorted(sorted_ids, [index.shard_range(s).stop for s in shards]
+                                   ).tolist()
+            ids, slice_rows, at = sorted_ids.tolist(), rows[order].tolist(), order.tolist()
+        results: list[Any] = [None] * len(keys)
         dtypes = {name: numpy_dtype(name) for name in set(index.dtypes)}
         slice_shapes = index.slice_shapes()
-        for shard in range(len(index.shards)):
-            r = index.shard_range(shard)
-            if not r:
+        lo = 0
+        for shard, hi in zip(shards, ends):
+            if lo == hi:
                 continue
-            rows = index.slice_tensor[r.start : r.stop]
-            src = self._shard_for(index.keys[rows[0]], shard)
+            part = slice_rows[lo:hi]  # the tensor rows read from this shard
+            src = self._shard_for(index.keys[part[0]], shard)
             if not isinstance(src, RawShard):
                 return None
-            begins = self._begins(src, shard, r)
-            dts = ([*dtypes.values()] * len(rows) if len(dtypes) == 1
-                   else list(map(dtypes.__getitem__, map(index.dtypes.__getitem__, rows))))
-            views = src.whole_arrays(begins, dts, slice_shapes[r.start : r.stop],
-                                     self._run_reads)
-            if rows[0] == r.start and rows[-1] == r.stop - 1 and rows == list(r):
-                results[r.start : r.stop] = views
+            begins = self._begins(src, shard, ids[lo:hi])
+            dts = ([*dtypes.values()] * len(part) if len(dtypes) == 1
+                   else list(map(dtypes.__getitem__, map(index.dtypes.__getitem__, part))))
+            shapes = (slice_shapes[lo:hi] if rows is None
+                      else list(map(slice_shapes.__getitem__, ids[lo:hi])))
+            views = src.whole_arrays(begins, dts, shapes, self._run_reads)
+            where = at[lo:hi]  # the views' places in `results`
+            if where[0] == lo and where[-1] == hi - 1 and where == list(range(lo, hi)):
+                results[lo:hi] = views
             else:
-                for row, view in zip(rows, views):
-                    results[row] = view
-        return dict(zip(index.keys, results))
+                for i, view in zip(where, views):
+                    results[i] = view
+            lo = hi
+        return dict(zip(keys, results))
 
     def _begins(self, src: RawShard, shard: int, slice_ids: Sequence[int]) -> list[int]:
         """Where the entries of stored slices `slice_ids` (all in `shard`) start."""
@@ -419,7 +472,9 @@ class CheckpointReader:
             lo = self.index.shard_range(shard).start
             if isinstance(slice_ids, range) and slice_ids == range(lo, lo + len(src.begins)):
                 return src.begins
-            return [src.begins[j - lo] for j in slice_ids]
+            if lo:
+                slice_ids = [j - lo for j in slice_ids]
+            return list(map(src.begins.__getitem__, slice_ids))
         names = self.index.entry_names()
         return [src.entries[names[j]].begin for j in slice_ids]
 
@@ -499,6 +554,7 @@ class CheckpointReader:
         `mmap` is on, else a new array; `framework` and `device` as for `get`.
         """
         conv = converter(framework, device)  # checked before anything is read
+        key = self._full(key)
         self._begin_read()
         try:
             if self._is_string(key):
@@ -702,7 +758,10 @@ class CheckpointReader:
         """What `verify` checks, returned instead of raised: every distinct problem once, in
         shard order, each blaming the file that is inconsistent (the manifest when it records
         a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
-        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`)."""
+        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`). With a
+        `prefix`, `keys` are under it; without `keys` the whole checkpoint is checked."""
+        if keys is not None and self._prefix:
+            keys = [self._full(k) for k in ([keys] if isinstance(keys, str) else keys)]
         self._begin_read()
         try:
             return self._verify(keys)
@@ -919,10 +978,40 @@ class CheckpointReader:
                        strings.devices[row], strings.nbytes(row),
                        (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
 
-    def _check_key(self, key: str) -> None:
-        """KeyNotFoundError (with a hint) unless `key` is a tensor or a string tensor."""
-        if not self._is_string(key):
-            self._tensor(key)
+    def _rows_of(self, keys: Sequence[str]) -> np.ndarray:
+        """The index row of each of `keys` (-1 for a string tensor), looked up once for the
+        whole read; KeyNotFoundError (with a hint) for the first key that is neither."""
+        try:
+            rows = np.fromiter(map(self.index.rows().get, keys, repeat(-1)), np.intp, len(keys))
+        except TypeError:  # an unhashable key: named by the per-key check
+            rows = np.full(len(keys), -1, np.intp)
+        for i in np.flatnonzero(rows < 0).tolist():
+            if not self._is_string(keys[i]):
+                self._tensor(keys[i])
+        return rows
+
+    def _keys_under(self, prefix: str) -> tuple[str, list[str]]:
+        """(`prefix` ending in one "/", the keys under it, in saved order) for a ``prefix=``
+        argument: "model" and "model/" both select ``model/...`` (a key component boundary:
+        never ``modelx/...``, nor the key "model" itself). KeyNotFoundError, naming the prefix
+        and the nearest prefixes stored, when no key is under it."""
+        if not isinstance(prefix, str):
+            raise InvalidArgumentTypeError(f"prefix must be a str, got {prefix!r}")
+        start = prefix.rstrip("/") + "/"
+        if start == "/":
+            raise InvalidArgumentError(f"prefix must name a key component, got {prefix!r}")
+        keys = self._stored_keys()
+        under = [k for k in keys if k.startswith(start)]
+        if not under:
+            depth = start.count("/")
+            stored = dict.fromkeys("/".join(k.split("/", depth)[:depth]) + "/"
+                                   for k in keys if k.count("/") >= depth)
+            close = difflib.get_close_matches(start, list(stored), n=3, cutoff=0.5)
+            near = close or list(stored)[:3]
+            hint = f"; prefixes stored: {', '.join(map(repr, near))}" if near else ""
+            raise KeyNotFoundError(f"no key under prefix {prefix!r} in checkpoint {self.path} "
+                                   f"({len(self)} tensors){hint}")
+        return start, under
 
     def _tensor(self, key: str) -> TensorInfo:
         self._check_open()
@@ -998,22 +1087,29 @@ class CheckpointReader:
                 self._sources[i] = src
             return src
 
-    def _open_shards(self, keys: Sequence[str] | None) -> None:
-        """Open (and map) every shard holding `keys` (default: all) now rather than on first
-        read, so a concurrent overwrite has only this short window to delete them."""
+    def _open_shards(self, keys: Sequence[str] | None, rows: np.ndarray | None = None) -> None:
+        """Open (and map) every shard holding `keys` (default: all; `rows`: their `_rows_of`)
+        now rather than on first read, so a concurrent overwrite has only this short window to
+        delete them."""
         index = self.index
         strings = self._strings
+        if keys is not None and rows is None:
+            rows = self._rows_of(keys)
         if strings is not None and strings.keys and (
-                keys is None or any(k in strings for k in keys)):
+                rows is None or bool((rows < 0).any())):
             self._get_string(strings.keys[0])  # reads (and keeps) the string file now
-        if keys is None:
+        if rows is None:
             shards: Iterable[int] = range(len(index.shards))
         else:
-            if strings is not None:
-                keys = [k for k in keys if k not in strings]
-            rows = index.rows()
-            slices = index.slices_of()
-            shards = sorted({index.slice_shard[j] for k in keys for j in slices[rows[k]]})
+            rows = rows[rows >= 0]
+            if bool((index.slice_counts()[rows] == 1).all()):  # each stored whole: one slice
+                slice_ids = index.first_slice()[rows]
+            else:
+                wanted = np.zeros(len(index.keys), bool)
+                wanted[rows] = True
+                slice_ids = np.flatnonzero(wanted[np.asarray(index.slice_tensor, np.intp)])
+            stops = [index.shard_range(i).stop for i in range(len(index.shards))]
+            shards = np.unique(np.searchsorted(stops, slice_ids, side="right")).tolist()
         for i in shards:
             self._source(i)
 
@@ -1202,19 +1298,21 @@ def _xxh3_of(src: ShardSource, entry: EntryLayout) -> str:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
-                    follow_symlinks: bool = False) -> CheckpointReader:
-    """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``)."""
-    return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks)
+                    follow_symlinks: bool = False, prefix: str | None = None
+                    ) -> CheckpointReader:
+    """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``);
+    `prefix` shows the sub-tree under it, keys relative to it (as `load`'s)."""
+    return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks, prefix=prefix)
 
 
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
-         device: Any = ...) -> dict[str, np.ndarray]: ...
+         device: Any = ..., prefix: str | None = ...) -> dict[str, np.ndarray]: ...
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
-         device: Any = ...) -> dict[str, Any]: ...
+         device: Any = ..., prefix: str | None = ...) -> dict[str, Any]: ...
 
 
 def load(
@@ -1226,6 +1324,7 @@ def load(
     follow_symlinks: bool = False,
     framework: str = "numpy",
     device: Any = None,
+    prefix: str | None = None,
 ) -> dict[str, Any]:
     """Read `keys` (default: all, in saved order) into a flat dict key -> array.
 
@@ -1241,6 +1340,15 @@ def load(
     platform string, jax's default device by default). torch tensors on the CPU share the
     loaded memory (writable, copy-on-write: in-place ops never reach the files); jax arrays
     are immutable copies. Framework and device are checked before anything is read.
+
+    `prefix` takes a sub-tree: the keys under it, with the prefix stripped (``prefix="model"``
+    or ``"model/"`` returns ``model/0.weight`` as ``0.weight``; a key component boundary, so
+    never ``modelx/...``); `keys` are then relative to it. KeyNotFoundError names the prefix
+    and the nearest stored ones when no key is under it.
+
+    Raises:
+        KeyNotFoundError: a key (or the prefix) is not in the checkpoint.
+        CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
     """
     conv = converter(framework, device)  # checked before anything is read
     if isinstance(keys, str):
@@ -1250,17 +1358,23 @@ def load(
     for attempt in range(1, LOAD_ATTEMPTS + 1):
         try:
             with CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks) as reader:
-                if keys is not None:
-                    for key in keys:
-                        reader._check_key(key)  # fail on a missing key before reading anything
+                wanted = keys
+                if prefix is not None:
+                    start, under = reader._keys_under(prefix)
+                    wanted = under if keys is None else [
+                        start + k if isinstance(k, str) else k for k in keys]
+                # rows: fail on a missing key before reading anything
+                rows = None if wanted is None else reader._rows_of(wanted)
                 if reader._strings is not None:
-                    for key in reader._strings.keys if keys is None else keys:
-                        if reader._is_string(key):
-                            check_string_framework(framework, key)
-                reader._open_shards(keys)  # right after the index: the window for a replace
+                    stored = reader._strings.keys
+                    for key in stored if wanted is None else set(stored).intersection(wanted):
+                        check_string_framework(framework, key)
+                reader._open_shards(wanted, rows)  # right after the index: a replace's window
                 if verify:
-                    reader.verify(keys)
-                arrays = reader._get_many(keys)
+                    reader.verify(wanted)
+                arrays = reader._get_many(wanted, rows)
+            if prefix is not None:
+                arrays = {k[len(start):]: a for k, a in arrays.items()}
             return arrays if conv is None else convert_all(arrays, conv)
         except CheckpointReplacedError:
             if attempt == LOAD_ATTEMPTS:

@@ -26,7 +26,8 @@ _LARGE = 1 << 20  # whole tensors from this size on are copied in parallel piece
 
 def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                  verify: bool = False, partial: bool = False,
-                 follow_symlinks: bool = False) -> CheckpointLoadStatus:
+                 follow_symlinks: bool = False, prefix: str | None = None
+                 ) -> CheckpointLoadStatus:
     """Copy the stored value of every leaf of `state` (numpy arrays, torch tensors) into it, in
     place, and return the `CheckpointLoadStatus` (`restored_keys`...).
 
@@ -35,17 +36,23 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     ``partial=True``: then the leaves the checkpoint has are restored, the others left as they
     are, and the status lists what did not match), and each leaf's shape and dtype must be the
     stored ones (RestoreMismatchError). `follow_symlinks`: read shard files and the manifest that
-    are symlinks (refused by default)."""
+    are symlinks (refused by default). `prefix` restores a sub-tree: `state`'s keys are relative
+    to it and only the checkpoint's keys under it count (as `load`'s ``prefix=``); the status
+    lists keys relative to it."""
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
     targets = expand_targets(state)  # TensorFlow objects: their variables, TensorFlow's keys
     leaves = flatten(targets)
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
+        start, candidates = "", reader.keys()
+        if prefix is not None:
+            start, candidates = reader._keys_under(prefix)
+            leaves = [(start + key, leaf) for key, leaf in leaves]
         wanted = {key for key, _ in leaves}
         if targets is not state:  # the object graph is TensorFlow's bookkeeping, not a value
-            wanted.add(OBJECT_GRAPH_KEY)
+            wanted.add(start + OBJECT_GRAPH_KEY)
         missing = [key for key, _ in leaves if key not in reader]
-        unexpected = [key for key in reader.keys() if key not in wanted]
+        unexpected = [key for key in candidates if key not in wanted]
         if not partial:
             check_complete(str(reader.path), missing, unexpected)
         elif missing:
@@ -133,8 +140,9 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             if writeback is not None:
                 _copy_back(writeback, target)
     restored = {key for key, *_ in plans} | {key for key, _, _ in texts}
-    return CheckpointLoadStatus(str(reader.path), [k for k, _ in leaves if k in restored],
-                                missing, unexpected)
+    n = len(start)
+    return CheckpointLoadStatus(str(reader.path), [k[n:] for k, _ in leaves if k in restored],
+                                [k[n:] for k in missing], [k[n:] for k in unexpected])
 
 
 def _string_target(reader: CheckpointReader, key: str, leaf: Any) -> tuple[str, Any, Any]:

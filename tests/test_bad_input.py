@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from test_format import row_slices, whole, write_checkpoint
 
+from shardkit import api
 from shardkit import format as fmt
 from shardkit import reader as rd
 from shardkit.errors import (
@@ -97,8 +98,29 @@ def test_missing_checkpoint_directory(tmp_path):
 
 def test_checkpoint_path_is_a_file(tmp_path):
     (tmp_path / "f").write_bytes(b"x")
-    with pytest.raises(CheckpointNotFoundError, match="is not a directory"):
+    with pytest.raises(CheckpointNotFoundError, match=r"the path is a file, and not one a reader "
+                       r"opens \(it takes a checkpoint directory, a .safetensors file, or a "
+                       r"TensorFlow checkpoint's prefix or .index file\)"):
         rd.CheckpointReader(tmp_path / "f")
+
+
+def test_a_manifest_or_a_data_file_given_as_the_checkpoint_says_what_to_pass(tmp_path):
+    """Not "the path is not a directory": the reader names the file and what it takes."""
+    api.save(tmp_path / "ckpt", {"w": np.ones(2)})
+    manifest = tmp_path / "ckpt" / MANIFEST_FILE
+    with pytest.raises(CheckpointNotFoundError) as e:
+        rd.load(manifest)
+    assert str(e.value) == (f"no checkpoint at {manifest}: it is a checkpoint's manifest; "
+                            f"pass its directory {tmp_path / 'ckpt'}")
+    api.save(tmp_path / "tf" / "ckpt-1", {"w": np.ones(2)}, format="tensorflow")
+    data = tmp_path / "tf" / "ckpt-1.data-00000-of-00001"
+    assert data.is_file()
+    with pytest.raises(CheckpointNotFoundError) as e:
+        rd.load(data)
+    assert str(e.value) == (f"no checkpoint at {data}: it is a data file of a TensorFlow "
+                            f"checkpoint; pass the checkpoint's prefix {tmp_path / 'tf' / 'ckpt-1'}"
+                            " (or its .index file)")
+    assert rd.load(tmp_path / "tf" / "ckpt-1")["w"].tolist() == [1.0, 1.0]  # as it says
 
 
 def test_missing_index(ckpt):

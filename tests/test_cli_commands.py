@@ -258,3 +258,42 @@ def test_convert_of_an_intact_source_checks_it(tmp_path, capsys):
     assert main(["convert", str(hf), str(tmp_path / "fromhf"), "--to", "shardkit"]) == 0
     assert "no checksums stored" in capsys.readouterr().out
     assert load(tmp_path / "fromhf", verify=True)["w"].tobytes() == np.arange(10.0).tobytes()
+
+
+def test_inspect_shows_each_slices_own_size_and_counts_in_the_singular(tmp_path, capsys):
+    """A 4 KiB tensor in 4 slices: four rows of 1.0 KiB, not four of the whole 4.0 KiB."""
+    path = tmp_path / "c"
+    with pytest.warns(SplitTensorsWarning):
+        save(path, {"w": np.zeros((8, 128), np.float32)},
+             sharding_callback=MaxShardSizePolicy(1024))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "8 128 " in line]
+    assert len(rows) == 4 and all(" 1.0 KiB " in r and "4.0 KiB" not in r for r in rows), rows
+    assert f"{path}: format 2.2, 1 tensor, 4 shards, " in out
+    save(tmp_path / "one", {"w": np.zeros(4)})
+    assert main(["inspect", str(tmp_path / "one")]) == 0
+    assert "1 tensor, 1 shard, " in capsys.readouterr().out
+
+
+def test_cli_errors_name_the_flag_not_the_keyword(tmp_path, capsys):
+    save(tmp_path / "src", {"w": np.ones(3)})
+    args = ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "shardkit"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err == (f"shardkit: error: {tmp_path / 'dst'} already exists; pass --overwrite to "
+                   "replace the checkpoint there\n")
+    assert main([*args, "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "plan"])
+def test_help_says_files_are_accepted(command, capsys):
+    with pytest.raises(SystemExit):
+        from shardkit.cli import build_parser
+
+        build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "checkpoint directory or file (shardkit's, HuggingFace's, a .safetensors file, a " \
+        "TensorFlow checkpoint's prefix or .index file)" in text

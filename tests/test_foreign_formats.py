@@ -300,7 +300,7 @@ def test_detect():
 
 def test_other_files_are_not_single_files(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"12345678")
-    with pytest.raises(CheckpointNotFoundError, match="is not a directory"):
+    with pytest.raises(CheckpointNotFoundError, match="is a file, and not one a reader opens"):
         shardkit.open(tmp_path / "x.bin")
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         shardkit.open(tmp_path / "absent.safetensors")

@@ -438,7 +438,8 @@ def test_constructor_errors():
 
 
 def test_registry_and_config_round_trip():
-    assert policy_names() == ["all-in-one", "balanced", "bin-pack", "by-task", "max-shard-size"]
+    assert policy_names() == ["all-in-one", "balanced", "bin-pack", "by-task", "default",
+                              "max-shard-size"]
     for policy in (ShardByTaskPolicy(), AllInOnePolicy(), MaxShardSizePolicy("1KiB"),
                    BinPackPolicy("2MB"), BalancedPolicy(4)):
         config = json.loads(json.dumps(policy.get_config()))
@@ -459,3 +460,16 @@ def test_registry_errors():
         get_policy("bin-pack", max_size=3)
     with pytest.raises(PolicyError, match="policy 'by-task' cannot be built from"):
         get_policy("by-task", max_shard_size=3)
+
+
+def test_get_policy_default_is_the_policy_save_and_plan_use():
+    """One registry: get_policy("default") and ``plan --policy default`` build the same policy."""
+    from shardkit.api import DefaultShardingPolicy
+    from shardkit.cli import make_policy
+
+    policy = get_policy("default")
+    assert type(policy) is DefaultShardingPolicy
+    assert type(make_policy("default", {"max_shard_size": 1, "num_shards": 2})) is type(policy)
+    assert get_policy("default", threads=3).threads == 3
+    with pytest.raises(PolicyError, match="policy 'default' cannot be built from"):
+        get_policy("default", shards=3)

@@ -1,8 +1,12 @@
 """README.md: every ```python block runs on its own, in a fresh interpreter in a temp directory
 (a block that defines ``test_`` functions is run by pytest, as a reader would run it); a block
 whose first line is ``# needs: torch, ...`` is skipped, saying so, only when one of those packages
-is missing. The quick-start commands, .ci/run and the extras the README names are checked too."""
+is missing. The examples of README.md and of each docs/*.md also replay as a reader pastes them:
+all in order in one folder, twice. A docs block that is only a signature (``name(params)``, maybe
+``-> type``) documents a public name of shardkit and is checked to name one, not run. The
+quick-start commands, .ci/run and the extras the README names are checked too."""
 
+import ast
 import importlib.util
 import os
 import re
@@ -25,11 +29,29 @@ NEEDS = {"torch": ("torch", "torch"), "jax": ("jax", "jax"), "matplotlib": ("mat
          "tensorflow": ("tensorflow", "tensorflow")}
 
 
-def python_blocks() -> list[tuple[int, str]]:
-    """(line number in README.md, code) of every ```python block."""
-    text = README.read_text()
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks(doc: Path = README) -> list[tuple[int, str]]:
+    """(line number in `doc`, code) of every ```python block."""
+    text = doc.read_text()
     return [(text.count("\n", 0, m.start()) + 2, m[1])
             for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S)]
+
+
+def signature_of(code: str) -> str | None:
+    """The name a block documents when the block is only its signature (it reads as a ``def``
+    line: ``name(params) -> type``), else None."""
+    try:
+        tree = ast.parse(f"def {code.strip()}: ...")
+    except SyntaxError:
+        return None
+    return tree.body[0].name if len(tree.body) == 1 else None  # type: ignore[attr-defined]
+
+
+def examples(doc: Path) -> list[tuple[int, str]]:
+    """The ```python blocks of `doc` but its signatures."""
+    return [(line, code) for line, code in python_blocks(doc) if signature_of(code) is None]
 
 
 def needs(code: str) -> list[str]:
@@ -80,26 +102,61 @@ def plugin_args() -> list[str]:
         "-p", "shardkit.pytest_plugin"]
 
 
-@pytest.mark.parametrize("line_code", python_blocks(), ids=lambda b: f"line{b[0]}")
-def test_readme_block_runs_alone(tmp_path, line_code):
-    line, code = line_code
-    missing = [n for n in needs(code) if importlib.util.find_spec(NEEDS[n][0]) is None]
-    if missing:
-        pytest.skip(f"README block at line {line} needs {', '.join(missing)} (not installed)")
+def run_block(folder: Path, where: str, code: str) -> None:
+    """Run one example in `folder` as a reader would (pytest for a block of ``test_``
+    functions), in a fresh interpreter; assert it passed."""
     is_test = re.search(r"^def test_", code, flags=re.M) is not None
-    script = tmp_path / ("test_readme_block.py" if is_test else "readme_block.py")
+    script = folder / ("test_readme_block.py" if is_test else "readme_block.py")
     script.write_text(code)
     command = ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args(),
                 script.name] if is_test else [sys.executable, script.name])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode == 0, (
-        f"README block at line {line} failed on its own:\n{code}\n{done.stdout}\n{done.stderr}")
+    assert done.returncode == 0, f"{where} failed:\n{code}\n{done.stdout}\n{done.stderr}"
     if is_test:
         assert re.search(r"\b[1-9]\d* passed\b", done.stdout) and "skipped" not in done.stdout, (
             done.stdout)
+
+
+def missing_packages(code: str) -> list[str]:
+    return [n for n in needs(code) if importlib.util.find_spec(NEEDS[n][0]) is None]
+
+
+@pytest.mark.parametrize("line_code", python_blocks(), ids=lambda b: f"line{b[0]}")
+def test_readme_block_runs_alone(tmp_path, line_code):
+    line, code = line_code
+    missing = missing_packages(code)
+    if missing:
+        pytest.skip(f"README block at line {line} needs {', '.join(missing)} (not installed)")
+    run_block(tmp_path, f"README block at line {line} (run on its own)", code)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_examples_replay_in_order_in_one_folder(tmp_path, doc):
+    """Pasted one after the other into one folder, and then all again, every example passes: no
+    example trips over what an earlier one (or its own first run) left there."""
+    blocks = examples(doc)
+    skipped = sorted({n for _, code in blocks for n in missing_packages(code)})
+    for attempt in ("first", "second"):
+        for line, code in blocks:
+            if not missing_packages(code):
+                run_block(tmp_path, f"{doc.name} block at line {line} ({attempt} run of all "
+                                    "blocks in order, in one folder)", code)
+    if skipped:
+        pytest.skip(f"{doc.name}: blocks that need {', '.join(skipped)} were not run "
+                    "(not installed)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_signature_blocks_name_public_names(doc):
+    import shardkit
+
+    for line, code in python_blocks(doc):
+        name = signature_of(code)
+        if name is not None:
+            assert hasattr(shardkit, name), f"{doc.name} line {line}: {name} is not public"
 
 
 def bash_blocks() -> list[str]:

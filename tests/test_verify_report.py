@@ -185,3 +185,17 @@ def test_cli_reports_a_corrupt_index_as_one_line(tmp_path, capsys):
     assert main(["verify", str(ckpt)]) == 1
     lines, _ = corrupt_lines(capsys)
     assert len(lines) == 1 and lines[0].startswith(f"CORRUPT: {ckpt / MANIFEST_FILE}: -: ")
+
+
+def test_cli_reports_a_newer_format_as_unsupported_not_corrupt(tmp_path, capsys):
+    ckpt = save(tmp_path / "c", {"w": np.arange(4)})
+    manifest = ckpt / MANIFEST_FILE
+    doc = json.loads(manifest.read_text())
+    doc["format_version"] = "3.1"
+    manifest.write_text(json.dumps(doc))
+    assert main(["verify", str(ckpt)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert not [line for line in err if line.startswith("CORRUPT")]
+    assert err[0] == (f"UNSUPPORTED: {manifest}: -: {MANIFEST_FILE}, expected a format this "
+                      "shardkit reads vs found checkpoint format version 3.1 is newer than this "
+                      "shardkit reads (up to 2.x); upgrade shardkit to read it")

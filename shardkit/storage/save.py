@@ -50,8 +50,7 @@ class RemoteStaging:
         self._old = self.store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
         if self._old is not None:
             if not overwrite:
-                raise CheckpointExistsError(f"{url}: a checkpoint exists; pass overwrite=True "
-                                            "to replace it")
+                raise CheckpointExistsError(f"{url}: a checkpoint exists", "to replace it")
             _check_replaceable(self.store, self._old.data)
 
     def commit(self, chunks: Sequence[bytes]) -> None:

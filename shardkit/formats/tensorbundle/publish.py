@@ -60,7 +60,7 @@ def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], b
     live = os.path.lexists(final_index)
     if live and not overwrite:
         raise CheckpointExistsError(f"{final_index} was created by someone else while this "
-                                    "save ran; pass overwrite=True to replace it")
+                                    "save ran", "to replace it")
     present = _data_files(parent, name)
     new = [data_file(name, i, n) for i in range(n)]
     placed: list[Path] = []  # moved into `parent` before the commit: removed if it fails

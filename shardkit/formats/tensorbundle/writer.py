@@ -140,8 +140,7 @@ def check_prefix(prefix: str, overwrite: bool) -> Path:
         raise InvalidArgumentError(f"{prefix}: a directory exists at the prefix; a TensorFlow "
                                    "checkpoint is files named <prefix>.index and <prefix>.data-*")
     if os.path.lexists(index_file(prefix)) and not overwrite:
-        raise CheckpointExistsError(f"{index_file(prefix)} exists; pass overwrite=True to "
-                                    "replace that checkpoint")
+        raise CheckpointExistsError(f"{index_file(prefix)} exists", "to replace that checkpoint")
     return path
 
 
