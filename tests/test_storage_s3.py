@@ -541,3 +541,28 @@ def test_distributed_save_over_two_ranks(s3, bucket):
     np.testing.assert_array_equal(flat["plain"], np.full(16, 3.0, np.float32))
     assert shardkit.open(url).verify() > 0
     assert shardkit.open(url).generation == out[0][1]
+
+
+def test_storage_options_match_whole_bucket_and_path_components():
+    """Options registered for a bucket reach that bucket only (never a bucket whose name merely
+    starts the same), and the longest matching prefix wins."""
+    from shardkit.storage import storage_options_for
+
+    try:
+        set_storage_options("s3://my-bucket", key="mine")
+        set_storage_options("s3://my-bucket/run1/", key="run1")
+        set_storage_options("memory://", key="any")
+        assert storage_options_for("s3://my-bucket") == {"key": "mine"}
+        assert storage_options_for("s3://my-bucket/") == {"key": "mine"}
+        assert storage_options_for("s3://my-bucket/x/ckpt") == {"key": "mine"}
+        assert storage_options_for("s3://my-bucket/run1") == {"key": "run1"}
+        assert storage_options_for("s3://my-bucket/run1/ckpt-3") == {"key": "run1"}
+        assert storage_options_for("s3://my-bucket/run10") == {"key": "mine"}
+        assert storage_options_for("s3://my-bucket-other") == {}
+        assert storage_options_for("s3://my-bucket-other/x") == {}
+        assert storage_options_for("s3://my-bucketx/run1") == {}
+        assert storage_options_for("gs://my-bucket/x") == {}
+        assert storage_options_for("memory://a/b") == {"key": "any"}
+    finally:
+        for prefix in ("s3://my-bucket", "s3://my-bucket/run1/", "memory://"):
+            set_storage_options(prefix)
