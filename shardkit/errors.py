@@ -160,6 +160,13 @@ class SplitTensorsWarning(UserWarning):
     tensors whole: DefaultShardingPolicy, ShardByTaskPolicy, AllInOnePolicy."""
 
 
+class RetentionWarning(UserWarning):
+    """`CheckpointManager` retention kept a checkpoint it would have deleted: a symbolic link
+    (retention never follows one, nor deletes what it points at), a manifest it cannot read
+    (so what it names is unknown), or a deletion that failed. The new checkpoint is committed
+    either way."""
+
+
 # Many processes (shardkit.distributed): every rank of a collective save raises the same error.
 
 

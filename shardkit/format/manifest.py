@@ -172,6 +172,14 @@ class CheckpointIndex:
                 self.dtypes, self.shapes, self.devices, per_tensor)))
         return got
 
+    def files(self) -> list[str]:
+        """The files this index names (besides the manifest): its shards, then its string
+        file."""
+        names = [s.file for s in self.shards]
+        if self.strings is not None and getattr(self.strings, "file", None):
+            names.append(self.strings.file)
+        return names
+
     def set_checksums(self, xxh3: list[str | None]) -> None:
         """Fill in the slices' checksums (a writer knows them only once the data is written)."""
         if len(xxh3) != len(self.slice_tensor):

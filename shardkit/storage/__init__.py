@@ -88,5 +88,6 @@ def open_storage(url: str | os.PathLike[str]) -> Storage:
 
 __all__ = [
     "Fetched", "ShardFile", "Staging", "Storage", "Stored", "coalesce", "is_transient",
-    "is_url", "open_storage", "prefix_matches", "set_storage_options", "storage_options_for", "with_retries",
+    "is_url", "open_storage", "prefix_matches", "set_storage_options", "storage_options_for",
+    "with_retries",
 ]

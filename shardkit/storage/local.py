@@ -15,11 +15,11 @@ name (atomic), ``if_absent`` by a hard link, which fails if the name exists.
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
-import tempfile
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import commit
 from .._kernels import _gather
-from ..errors import ShardkitError, StorageError
+from ..errors import CheckpointFormatError, RetentionWarning, ShardIOError, StorageError
 from ..files import (
     CheckpointDirectory,
     CheckpointFile,
@@ -38,7 +38,7 @@ from ..files import (
     open_directory,
     open_shard_file,
 )
-from ..format import MANIFEST_FILE, find_manifest
+from ..format import MANIFEST_FILE, MAX_INDEX_BYTES, decode_index, find_manifest
 from ..sources import _opener
 from . import native
 from .base import Fetched, ShardFile, Storage, Stored
@@ -131,19 +131,49 @@ class LocalStorage(Storage):
             return time.time()
 
     def remove_checkpoint(self) -> None:
-        """Renamed away in one step first, so no half-deleted checkpoint is visible."""
+        """The manifest first (the directory stops being a checkpoint at once), then the files
+        it names, then the directory if nothing else is in it; a file shardkit did not write
+        stays. A symbolic link is neither followed nor removed (RetentionWarning)."""
         path = self.url
-        parent, name = os.path.split(path)
-        trash = tempfile.mkdtemp(prefix=f".{name}{commit.TMP_MARK}", dir=parent)
-        try:
-            os.rename(path, trash)  # replaces the empty trash directory
-        except FileNotFoundError:
-            os.rmdir(trash)  # someone else deleted it
+        if os.path.islink(path):
+            warnings.warn(f"{path}: a symbolic link, not a checkpoint directory shardkit "
+                          "wrote; left as it is (and what it points at)", RetentionWarning,
+                          stacklevel=2)
             return
-        # A crash from here on leaves a hidden temp directory that the next save cleans up.
-        shutil.rmtree(trash, ignore_errors=True)
-        if os.path.lexists(trash):
-            raise ShardkitError(f"could not delete old checkpoint {path} (moved to {trash})")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # someone else deleted it
+        except OSError as e:
+            raise ShardIOError(e.errno, f"{path}: cannot open the checkpoint to delete it: "
+                                        f"{e.strerror}") from None
+        try:
+            manifest = find_manifest(fd)
+            if manifest is None:
+                return
+            mfd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            with os.fdopen(mfd, "rb") as f:
+                data = f.read(MAX_INDEX_BYTES + 1)
+            try:
+                files = decode_index(data, os.path.join(path, manifest)).files()
+            except CheckpointFormatError as e:
+                raise type(e)(f"{e}; not deleted, since what it names is unknown") from None
+            for name in (manifest, *files):
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+        except OSError as e:
+            raise ShardIOError(e.errno, f"{path}: deleting the checkpoint failed: "
+                                        f"{e.strerror}") from None
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                raise ShardIOError(e.errno, f"{path}: cannot remove the emptied checkpoint "
+                                            f"directory: {e.strerror}") from None
 
     # -- bytes
 
