@@ -134,7 +134,8 @@ class SymlinkRefusedError(CheckpointFormatError):
 
 
 class ShardIOError(ShardkitError, OSError):
-    """The operating system failed a read or a memory map of a checkpoint file (errno kept)."""
+    """The operating system failed a read, a write or a memory map of a checkpoint file, or the
+    creation of its directory (errno kept: ENOSPC, EFBIG, EROFS, EACCES...)."""
 
 
 class ReaderClosedError(ShardkitError, ValueError):
