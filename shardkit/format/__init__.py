@@ -90,6 +90,7 @@ from .header import (  # noqa: F401
     read_safetensors_header,
 )
 from .manifest import (  # noqa: F401
+    _COLUMN_MARKS,
     _COLUMNS,
     _GENERATION_RE,
     _HEAD_RE,
@@ -114,12 +115,15 @@ from .manifest import (  # noqa: F401
     _field,
     _index_objects,
     _index_of,
+    _index_pieces,
     _new_slice_infos,
     _new_tensor_infos,
     _nonneg_int,
     _nonneg_ints,
     _shared,
+    _shared_lists,
     _str_list,
+    _weight_map,
     check_shard_file_name,
     decode_index,
     encode_index,
