@@ -28,6 +28,7 @@ import operator
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -41,6 +42,8 @@ from .errors import (
     InvalidKeyError,
     InvalidKeyTypeError,
     RestoreMismatchError,
+    RetentionWarning,
+    ShardkitError,
 )
 from .keys import check_keys
 from .options import CheckpointOptions
@@ -876,7 +879,11 @@ class CheckpointManager:
                 if last_kept is None or stamp >= last_kept + self._keep_seconds:
                     last_kept = stamp
                     continue
-            open_storage(path).remove_checkpoint()
+            try:
+                open_storage(path).remove_checkpoint()
+            except ShardkitError as e:  # the new checkpoint is committed: keep going
+                warnings.warn(f"{path}: not deleted by retention: {e}", RetentionWarning,
+                              stacklevel=2)
 
 
 __all__ = [

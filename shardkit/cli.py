@@ -505,7 +505,9 @@ def _add_gc_parser(sub: Any) -> None:
         description=(
             "Delete the shard objects at a checkpoint URL that its manifest does not name\n"
             "(left by a save that crashed, or by one that lost a race), once they are at least\n"
-            "--older-than seconds old, so that a save still uploading keeps its objects."
+            "--older-than seconds old, so that a save still uploading keeps its objects.\n"
+            "Only objects a shardkit staging marker names are deleted (and only their\n"
+            "unfinished multipart uploads aborted): other objects under the prefix stay."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -518,7 +520,7 @@ def _add_gc_parser(sub: Any) -> None:
 def cmd_gc(args: argparse.Namespace) -> int:
     from .errors import InvalidArgumentError
     from .storage import is_url
-    from .storage.save import gc
+    from .storage.housekeeping import gc
 
     if not is_url(args.url):
         raise InvalidArgumentError(f"{args.url}: gc works on checkpoint URLs (local saves "

@@ -34,7 +34,7 @@ import re
 import secrets
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -64,22 +64,31 @@ _FORMAT_FIELD = re.compile(rb'^\s*\{\s*"format"\s*:\s*"shardkit"\s*[,}]')
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True if `path` is a directory holding a shardkit manifest (`format.find_manifest`: a
     ``model.safetensors.index.json``, or the ``index.json`` of formats 2.0 / 2.1) that is
-    shardkit's: ``"format": "shardkit"`` and a ``"shardkit"`` section. A HuggingFace
-    checkpoint's manifest (``metadata`` and ``weight_map`` only) is not.
-
-    shardkit writes ``"format": "shardkit"`` as the first field, so normally only the start of
-    the file is read (an index of a million tensors is not parsed just to be replaced); a
-    manifest whose fields were reordered is parsed in full.
+    shardkit's (`is_shardkit_manifest`). A HuggingFace checkpoint's manifest (``metadata`` and
+    ``weight_map`` only) is not.
     """
     name = find_manifest(path)
     if name is None:
         return False
     try:
         with open(Path(path) / name, "rb") as f:
-            head = f.read(4096)
-            if _FORMAT_FIELD.match(head):
-                return True
-            doc = json.loads(head + f.read())
+            return is_shardkit_manifest(f.read(4096), f.read)
+    except OSError:
+        return False
+
+
+def is_shardkit_manifest(head: bytes, rest: Callable[[], bytes]) -> bool:
+    """Whether the manifest whose first bytes are `head` (`rest()` gives the others) is
+    shardkit's: ``"format": "shardkit"`` and a ``"shardkit"`` section.
+
+    shardkit writes ``"format": "shardkit"`` as the first field, so normally only the start of
+    the file is read (an index of a million tensors is not parsed just to be replaced); a
+    manifest whose fields were reordered is parsed in full.
+    """
+    if _FORMAT_FIELD.match(head):
+        return True
+    try:
+        doc = json.loads(head + rest())
     except (OSError, ValueError):
         return False
     return (isinstance(doc, dict) and doc.get("format") == FORMAT_NAME

@@ -153,7 +153,8 @@ class SymlinkRefusedError(CheckpointFormatError):
 
 
 class ShardIOError(ShardkitError, OSError):
-    """The operating system failed a read or a memory map of a checkpoint file (errno kept)."""
+    """The operating system failed a read, a write or a memory map of a checkpoint file, or the
+    creation of its directory (errno kept: ENOSPC, EFBIG, EROFS, EACCES...)."""
 
 
 class ReaderClosedError(ShardkitError, ValueError):
@@ -177,6 +178,13 @@ class SplitTensorsWarning(UserWarning):
     HuggingFace loaders (``from_pretrained``, ``safetensors``) cannot read those, as they are
     absent from the manifest's ``weight_map``; shardkit reads them as usual. Policies that keep
     tensors whole: DefaultShardingPolicy, ShardByTaskPolicy, AllInOnePolicy."""
+
+
+class RetentionWarning(UserWarning):
+    """`CheckpointManager` retention kept a checkpoint it would have deleted: a symbolic link
+    (retention never follows one, nor deletes what it points at), a manifest it cannot read
+    (so what it names is unknown), or a deletion that failed. The new checkpoint is committed
+    either way."""
 
 
 # Many processes (shardkit.distributed): every rank of a collective save raises the same error.

@@ -974,7 +974,8 @@ class CheckpointReader:
         strings = self._strings
         assert strings is not None
         row = strings.row(key)
-        return KeyInfo(key, kind_dtype(strings.kinds[row]), STRING_DTYPE, strings.shapes[row],
+        return KeyInfo(key, kind_dtype(strings.kinds[row], f"{self.path}: {key!r}"), STRING_DTYPE,
+                       strings.shapes[row],
                        strings.devices[row], strings.nbytes(row),
                        (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
 

@@ -113,6 +113,7 @@ def decode_elements(kind: str, shape: tuple[int, ...], items: list[bytes], where
                 raise CorruptHeaderError(f"{where}: a str element is not valid UTF-8") from None
         out[:] = items
         return out.reshape(shape)
+    dtype = kind_dtype(kind, where)
     width = int(kind[1:])
     if kind[0] == "U":
         try:
@@ -121,17 +122,32 @@ def decode_elements(kind: str, shape: tuple[int, ...], items: list[bytes], where
             raise CorruptHeaderError(f"{where}: a str element is not valid UTF-8") from None
         if any(len(t) > width for t in texts):
             raise CorruptHeaderError(f"{where}: an element is longer than its width {width}")
-        return np.array(texts, dtype=f"<U{width}").reshape(shape)
+        return np.array(texts, dtype=dtype).reshape(shape)
     if any(len(b) > width for b in items):
         raise CorruptHeaderError(f"{where}: an element is longer than its width {width}")
-    return np.array(items, dtype=f"S{width}").reshape(shape)
+    return np.array(items, dtype=dtype).reshape(shape)
 
 
-def kind_dtype(kind: str) -> np.dtype:
-    """The numpy dtype of a kind's arrays (object for ``bytes`` / ``str``)."""
+MAX_NUMPY_ITEMSIZE: Final = 2**31 - 1  # numpy refuses a wider S / U dtype
+
+
+def kind_dtype(kind: str, where: str = "") -> np.dtype:
+    """The numpy dtype of a kind's arrays (object for ``bytes`` / ``str``): the one place a
+    dtype is made from a kind.
+
+    Raises:
+        UnsupportedDTypeError: numpy has no such dtype (a ``U<n>`` the format allows but wider
+            than numpy's widest unicode dtype), naming `where`.
+    """
     if kind in ("bytes", "str"):
         return np.dtype(object)
-    return np.dtype(f"S{kind[1:]}" if kind[0] == "S" else f"<U{kind[1:]}")
+    width = int(kind[1:])
+    if width * (4 if kind[0] == "U" else 1) > MAX_NUMPY_ITEMSIZE:
+        widest = MAX_NUMPY_ITEMSIZE // (4 if kind[0] == "U" else 1)
+        raise UnsupportedDTypeError(
+            f"{where}: string kind {kind} has no numpy dtype (the widest is {kind[0]}{widest}); "
+            "this checkpoint's tensor cannot be read as an array")
+    return np.dtype(f"S{width}" if kind[0] == "S" else f"<U{width}")
 
 
 def _descriptor(key: str, kind: str, shape: Sequence[int]) -> bytes:

@@ -81,7 +81,7 @@ def test_error_tree_is_the_class_hierarchy():
 def test_warnings_are_listed_with_their_base():
     """Warnings are not errors: they stand in a block of their own, each with its base."""
     warnings = [n for n in ERRORS if issubclass(getattr(shardkit, n), Warning)]
-    assert warnings == ["SplitTensorsWarning"]
+    assert warnings == ["RetentionWarning", "SplitTensorsWarning"]
     block = re.search(r"### Warnings\n\n```\n(.*?)```", API.read_text(), flags=re.S)
     assert block, "no Warnings block"
     for name in warnings:

@@ -1135,3 +1135,30 @@ def test_from_2_1_on_a_manifest_without_its_generation_is_corrupt(version):
                        r"checkpoint's generation, but shardkit\.generation is missing"):
         fmt.decode_index(json.dumps(doc).encode(), "i.json")
     assert fmt.decode_index(fmt.encode_index(_index()), "i.json").generation is None  # 2.0
+
+
+def test_the_column_wise_fast_decode_is_the_checked_decode():
+    """The fast decode cuts shardkit's manifest at the markers between its columns; keys and
+    metadata that spell those markers (escaped inside their strings) decode exactly as the
+    checked path decodes them, and so does an index whose bytes are not shardkit's own
+    spelling (the checked path then runs)."""
+    from shardkit.format import manifest as m
+
+    keys = ['a],"dtype":["x', 'b},"slices":{"tensor":[', 'c]}', '},"shardkit":{"callback":']
+    info = fmt.CheckpointIndex(
+        "cb", [fmt.ShardInfo("model-00001-of-00001.safetensors", 0, "raw", 64, "g" * 8)], keys,
+        ["F32"] * 4, [(1,), (2, 3), (), (0,)], ["cpu"] * 4, [0, 1, 2, 3], [""] * 4, [0] * 4,
+        ["0" * 16, None, "f" * 16, "1" * 16],
+        {"tensors": {"key": ["z"]}, "xxh3": [None], "weight_map": {"k": "v"}}, "2.2", "g" * 8)
+    data = fmt.encode_index(info)
+    assert m._canonical_document(data) is not None  # the fast path takes it
+    checked = m._index_of(m._index_objects(m._parse_object(data, "p", CorruptIndexError, ""),
+                                           "p"), "p")
+    fast = fmt.decode_index(data, "p")
+    assert fast == checked and fast.keys == keys and fast.user_metadata == info.user_metadata
+    assert fmt.encode_index(fast) == data
+    spaced = data.replace(b'"dtype":', b'"dtype": ')  # valid JSON, not shardkit's spelling
+    assert fmt.decode_index(spaced, "p") == checked
+    repeated = data.replace(b'"weight_map":{', b'"weight_map":{"x":"y","x":"y",')
+    with pytest.raises(CorruptIndexError, match="twice"):
+        fmt.decode_index(repeated, "p")

@@ -201,3 +201,66 @@ def test_properties(tmp_path):
     assert manager.checkpoints == [] and manager.latest_checkpoint is None  # dir not created yet
     manager.save(options=FAST)
     assert (tmp_path / "sub" / "ckpt-1" / MANIFEST_FILE).is_file()
+
+
+def test_retention_deletes_only_files_the_manifest_names(tmp_path):
+    """A HuggingFace export ``ckpt-0/`` beside the checkpoints and a file a user put inside
+    one stay; the checkpoint's own files go (and its directory, once empty)."""
+    (tmp_path / "ckpt-0").mkdir()
+    hf = {MANIFEST_FILE: '{"metadata": {}, "weight_map": {"w": "model.safetensors"}}',
+          "model.safetensors": "not read"}
+    for n, text in hf.items():
+        (tmp_path / "ckpt-0" / n).write_text(text)
+    manager, _ = make(tmp_path, max_to_keep=1)
+    manager.save(options=FAST)
+    manager.save(options=FAST)
+    (tmp_path / "ckpt-2" / "README.md").write_text("notes")
+    manager.save(options=FAST)
+    assert names(tmp_path) == ["ckpt-0", "ckpt-2", "ckpt-3"]  # ckpt-1 gone, directory and all
+    assert names(tmp_path / "ckpt-2") == ["README.md"]
+    assert {n: (tmp_path / "ckpt-0" / n).read_text() for n in hf} == hf
+    manager.save(options=FAST)  # ckpt-2 is no checkpoint any more, and is not deleted
+    assert names(tmp_path) == ["ckpt-0", "ckpt-2", "ckpt-4"]
+
+
+@pytest.mark.parametrize("target", ["directory", "file"])
+def test_retention_never_follows_a_symlinked_checkpoint(tmp_path, target):
+    """A ``ckpt-N`` that is a symbolic link (to a checkpoint directory, or to a file) is
+    skipped by retention with a RetentionWarning: the save that triggered it returns, the
+    link and what it points at stay, no temp directory is left."""
+    from shardkit import save
+    from shardkit.errors import RetentionWarning
+
+    root = tmp_path / "run"
+    root.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    if target == "directory":
+        save(elsewhere, {"s/x": np.ones(3)}, durable=False)
+    else:
+        elsewhere.write_text("a file")
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()} if target == "directory" \
+        else elsewhere.read_bytes()
+    os.symlink(elsewhere, root / "ckpt-1")
+    manager, _ = make(root, max_to_keep=1)
+    with pytest.warns(RetentionWarning, match="symbolic link") if target == "directory" \
+            else _no_warning():
+        manager.save(2, options=FAST)
+        manager.save(3, options=FAST)
+    assert names(root) == ["ckpt-1", "ckpt-3"]
+    assert os.path.islink(root / "ckpt-1")
+    after = {p.name: p.read_bytes() for p in elsewhere.iterdir()} if target == "directory" \
+        else elsewhere.read_bytes()
+    assert after == before
+    assert names(tmp_path) == ["elsewhere", "run"]
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)

@@ -34,8 +34,8 @@ from shardkit.storage import base as storage_base
 from shardkit.storage import fsspec as storage_fsspec
 from shardkit.storage import open_storage, set_storage_options
 from shardkit.storage import remote as storage_remote
-from shardkit.storage.layout import SHARDS_PREFIX
-from shardkit.storage.save import gc
+from shardkit.storage.housekeeping import gc, mark_staging
+from shardkit.storage.layout import SHARDS_PREFIX, is_marker, object_name
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +98,15 @@ def test_round_trip_is_byte_for_byte_a_local_save(bucket, tmp_path, compression,
                           sharding_callback=policy)
     assert info.generation == local.generation and len(local.files) == 3
     objects = _objects(url)
+    markers = {n: json.loads(objects.pop(n)) for n in list(objects) if is_marker(n)}
     files = _local_files(tmp_path / "c")
     # the manifest at the prefix, the shards under the generation's directory: same bytes
     expected = {(n if n == fmt.MANIFEST_FILE else f"{SHARDS_PREFIX}{info.generation}/{n}"): d
                 for n, d in files.items()}
     assert objects == expected
+    # beside them, the staging marker of the upload names exactly its shard objects
+    assert [sorted(m["objects"]) for m in markers.values()] == [
+        sorted(n for n in expected if n != fmt.MANIFEST_FILE)]
     assert info.files == (*sorted(n for n in expected if n != fmt.MANIFEST_FILE),
                           fmt.MANIFEST_FILE)
     flat = shardkit.load(tmp_path / "c")
@@ -144,7 +148,11 @@ def test_string_tensors_are_byte_for_byte_a_local_save(bucket, tmp_path, monkeyp
     shardkit.save(tmp_path / "c", state, compression="zstd")
     expected = {(n if n == fmt.MANIFEST_FILE else f"{SHARDS_PREFIX}{info.generation}/{n}"): d
                 for n, d in _local_files(tmp_path / "c").items()}
-    assert _objects(url) == expected and f"{SHARDS_PREFIX}{'6' * 32}/strings.skstr" in expected
+    objects = _objects(url)
+    marked = sorted(n for m in objects if is_marker(m) for n in json.loads(objects[m])["objects"])
+    assert {n: d for n, d in objects.items() if not is_marker(n)} == expected
+    assert f"{SHARDS_PREFIX}{'6' * 32}/strings.skstr" in expected
+    assert marked == sorted(n for n in expected if n != fmt.MANIFEST_FILE)
     got = shardkit.load(url)
     assert got["vocab"].tolist() == state["vocab"].tolist()
     assert got["names"].tolist() == state["names"].tolist()
@@ -360,7 +368,8 @@ def test_throttling_is_retried_and_a_permanent_error_named(bucket, monkeypatch):
     assert reset.raised == 2
     denied = _Flaky(fs, "put_object", 100, _client_error("AccessDenied", 403))
     monkeypatch.setattr(fs, "_call_s3", denied)
-    with pytest.raises(StorageError, match=r"flaky/.*model-00001-of-00001\.safetensors.*refused"):
+    # the first object the save uploads is named: its staging marker
+    with pytest.raises(StorageError, match=r"flaky/shards-[0-9a-f]+/\S+: uploading refused"):
         shardkit.save(url, _state(5, 1000), overwrite=True)
     assert denied.raised == 1  # not retried
     monkeypatch.setattr(fs, "_call_s3", denied.real)
@@ -393,16 +402,99 @@ def test_concurrent_writers_of_one_path_exactly_one_wins(bucket):
     assert prefixes == {fmt.MANIFEST_FILE, f"{SHARDS_PREFIX}{winners[0].generation}"}
 
 
-def test_gc_removes_only_unreferenced_objects(bucket, capsys):
+def _crashed_save(store, files: list[str]) -> str:
+    """The objects a save leaves when it dies mid-upload: its staging marker, its first file
+    uploaded, an unfinished multipart upload of its second. Returns its generation."""
+    gen = fmt.new_generation()
+    mark_staging(store, gen, files)
+    store.write_file(object_name(files[0], gen), [b"x" * 10])
+    bucket, key = store._bucket_key(object_name(files[1], gen))
+    store._s3("create_multipart_upload", Bucket=bucket, Key=key)
+    return gen
+
+
+def _foreign(store, prefix: str) -> tuple[str, str]:
+    """Another tool's objects under `prefix`: an object under a ``shards-`` name and a
+    multipart upload in progress (one part sent). Returns the object's name and the upload."""
+    store.write_file(f"{prefix}shards-x/notes.txt", [b"not shardkit's"])
+    bucket, key = store._bucket_key(f"{prefix}shards-x/big.bin")
+    upload = store._s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    store._s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1,
+              Body=b"y" * (5 * 2**20))
+    return f"{prefix}shards-x/notes.txt", upload
+
+
+def _complete_foreign(store, prefix: str, upload: str) -> None:
+    """Complete `_foreign`'s upload: it must still be in progress."""
+    bucket, key = store._bucket_key(f"{prefix}shards-x/big.bin")
+    parts = store._s3("list_parts", Bucket=bucket, Key=key, UploadId=upload)["Parts"]
+    store._s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+              MultipartUpload={"Parts": [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]}
+                                         for p in parts]})
+    assert store.size(f"{prefix}shards-x/big.bin") == 5 * 2**20
+
+
+def test_gc_removes_only_what_shardkit_staged(bucket, capsys):
+    """gc deletes a crashed save's objects and aborts its upload (its staging marker names
+    them); another tool's object under ``shards-x/`` and its upload in progress stay."""
     url = f"{bucket}/gc"
     info = shardkit.save(url, _state(0, 1000))
     store = open_storage(url)
-    store.write_file(f"{SHARDS_PREFIX}{'ab' * 16}/model-00001-of-00001.safetensors", [b"x" * 10])
+    mine = {s.name for s in store.list("")}
+    assert set(info.files) <= mine
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    gen = _crashed_save(store, files)
+    name, upload = _foreign(store, "")
     assert gc(url) == []  # younger than the default hour: maybe a save in progress
     assert cli_main(["gc", url, "--older-than", "0"]) == 0
-    assert "1 object(s) removed" in capsys.readouterr().out
-    assert {s.name for s in store.list("")} == {fmt.MANIFEST_FILE, *info.files}
+    out = capsys.readouterr().out
+    assert "2 object(s) removed" in out and object_name(files[0], gen) in out  # and its marker
+    assert {s.name for s in store.list("")} == mine | {name}
+    assert [u[0] for u in store.unfinished_uploads()] == ["shards-x/big.bin"]
+    _complete_foreign(store, "", upload)
+    assert cli_main(["gc", url, "--older-than", "0"]) == 0
+    assert "0 object(s) removed" in capsys.readouterr().out
+    assert {s.name for s in store.list("")} == mine | {name, "shards-x/big.bin"}
     assert cli_main(["gc", "/not/a/url"]) == 1
+
+
+def test_overwrite_and_retention_delete_only_shardkit_objects(bucket):
+    """The clean-up after an overwrite and the manager's retention delete what a manifest or a
+    staging marker names: a HuggingFace export ``ckpt-0/`` beside the checkpoints, a file a
+    user put in a checkpoint's prefix, another tool's object and upload stay."""
+    root = f"{bucket}/keep"
+    store = open_storage(root)
+    hf = {"ckpt-0/model.safetensors.index.json": json.dumps(
+              {"metadata": {"total_size": 16},
+               "weight_map": {"w": "model-00001-of-00001.safetensors"}}).encode(),
+          "ckpt-0/model-00001-of-00001.safetensors": b"not read"}
+    for n, d in hf.items():
+        store.write_file(n, [d])
+    ckpt = shardkit.Checkpoint(w=np.zeros(4, np.float32))
+    manager = shardkit.CheckpointManager(ckpt, root, max_to_keep=1)
+    manager.save()  # ckpt-1
+    gen = _crashed_save(open_storage(f"{root}/ckpt-1"), ["model-00001-of-00001.safetensors",
+                                                         "strings.skstr"])
+    name, upload = _foreign(store, "ckpt-1/")
+    store.write_file("ckpt-1/README.md", [b"mine"])
+    manager.save(options=shardkit.CheckpointOptions(enable_async=True))  # ckpt-2, ckpt-1 goes
+    manager.sync()
+    assert manager.checkpoints == [f"{root}/ckpt-2"]
+    left = {s.name for s in store.list("") if not s.name.startswith("ckpt-2/")}
+    assert left == {*hf, name, "ckpt-1/README.md"}
+    assert [u[0] for u in store.unfinished_uploads()] == ["ckpt-1/shards-x/big.bin"]
+    _complete_foreign(store, "ckpt-1/", upload)
+    assert all(store.read_range(n, 0, len(d)) == d for n, d in hf.items())
+    assert gen not in str(left)
+    # an overwrite: the old generation's objects go, another tool's stay
+    url = f"{root}/ckpt-2"
+    one = open_storage(url)
+    old = shardkit.open(url).generation
+    name, upload = _foreign(one, "")
+    shardkit.save(url, _state(1, 1000), overwrite=True)
+    names = {s.name for s in one.list("")}
+    assert not any(old in n for n in names) and name in names
+    _complete_foreign(one, "", upload)
 
 
 def test_sigkill_mid_upload_never_exposes_a_partial_checkpoint(s3, bucket):
@@ -454,7 +546,7 @@ def test_sigkill_mid_upload_never_exposes_a_partial_checkpoint(s3, bucket):
     store = open_storage(url)
     assert {s.name.split("/")[0] for s in store.list("")} == {fmt.MANIFEST_FILE,
                                                              f"{SHARDS_PREFIX}{gen}"}
-    assert store.abort_uploads(0) == []  # gc aborted the unfinished multipart uploads
+    assert store.unfinished_uploads() == []  # gc aborted the unfinished multipart uploads
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
@@ -541,3 +633,30 @@ def test_distributed_save_over_two_ranks(s3, bucket):
     np.testing.assert_array_equal(flat["plain"], np.full(16, 3.0, np.float32))
     assert shardkit.open(url).verify() > 0
     assert shardkit.open(url).generation == out[0][1]
+
+
+def test_storage_options_match_whole_bucket_and_path_components():
+    """Options registered for a bucket reach that bucket only (never a bucket whose name merely
+    starts the same), and the longest matching prefix wins."""
+    from shardkit.storage import storage_options_for
+
+    try:
+        set_storage_options("s3://my-bucket", key="mine")
+        set_storage_options("s3://my-bucket/run1/", key="run1")
+        set_storage_options("memory://", key="any")
+        assert storage_options_for("s3://my-bucket") == {"key": "mine"}
+        assert storage_options_for("s3://my-bucket/") == {"key": "mine"}
+        assert storage_options_for("s3://my-bucket/x/ckpt") == {"key": "mine"}
+        assert storage_options_for("s3://my-bucket/run1") == {"key": "run1"}
+        assert storage_options_for("s3://my-bucket/run1/ckpt-3") == {"key": "run1"}
+        assert storage_options_for("s3://my-bucket/run10") == {"key": "mine"}
+        bare = storage_options_for("s3://")  # whatever covers every s3:// URL (if anything)
+        assert "key" not in bare or bare["key"] not in ("mine", "run1")
+        assert storage_options_for("s3://my-bucket-other") == bare
+        assert storage_options_for("s3://my-bucket-other/x") == bare
+        assert storage_options_for("s3://my-bucketx/run1") == bare
+        assert storage_options_for("gs://my-bucket/x") == {}
+        assert storage_options_for("memory://a/b") == {"key": "any"}
+    finally:
+        for prefix in ("s3://my-bucket", "s3://my-bucket/run1/", "memory://"):
+            set_storage_options(prefix)

@@ -23,6 +23,7 @@ from shardkit.errors import (
     InvalidKeyError,
     MissingShardError,
     RestoreMismatchError,
+    ShardkitError,
     TruncatedShardError,
     UnsupportedDTypeError,
 )
@@ -368,3 +369,30 @@ def test_a_strings_section_needs_format_2_3(saved):
     _section_edit(saved, lambda s, d: d.update(format_version="2.2"))
     with pytest.raises(CorruptIndexError, match=r"needs format_version 2\.3, found '2\.2'"):
         shardkit.open(saved)
+
+
+def test_a_kind_wider_than_numpy_allows_is_a_shardkit_error(tmp_path, capsys):
+    """``U999999999`` is a kind the format allows but numpy has no dtype for: info, inspect
+    and load raise UnsupportedDTypeError naming the key, never numpy's TypeError."""
+    from shardkit.cli import main as cli_main
+    from shardkit.errors import UnsupportedDTypeError
+
+    shardkit.save(tmp_path / "c", {"s": np.array(["ab"], "U2"), "w": np.ones(2)},
+                  checksum=False, durable=False)
+    p = tmp_path / "c" / MANIFEST_FILE
+    doc = json.loads(p.read_text())
+    doc["shardkit"]["strings"]["kind"] = ["U999999999"]
+    p.write_text(json.dumps(doc))
+    with shardkit.open(tmp_path / "c") as reader:
+        with pytest.raises(UnsupportedDTypeError, match=r"'s'.*U999999999 has no numpy dtype"):
+            reader.info("s")
+        assert reader.info("w").shape == (2,)
+    assert cli_main(["inspect", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert "U999999999 has no numpy dtype" in err and "Traceback" not in err
+    with pytest.raises(ShardkitError):
+        shardkit.load(tmp_path / "c")
+    # the block itself saying so (a consistent string file): decoding refuses it the same way
+    with pytest.raises(UnsupportedDTypeError, match=r"here: string kind U999999999"):
+        sks.decode_elements("U999999999", (1,), [b"ab"], "here")
+    assert sks.decode_elements("S999999999", (0,), [], "here").dtype == np.dtype("S999999999")

@@ -508,7 +508,8 @@ def test_a_real_write_failure_keeps_earlier_checkpoint(tmp_path, fallocate):
         try:
             shardkit.save(path, big, overwrite=True, threads=2)
         except OSError as e:
-            print(e.errno == errno.EFBIG, e.strerror.split(" shard file:")[0], e.filename, sep="|")
+            doing = e.strerror.split(" shard file:")[0].split(" failed: ")[-1]
+            print(e.errno == errno.EFBIG, doing, e.filename, sep="|")
     """)
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=120)

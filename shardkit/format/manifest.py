@@ -10,7 +10,7 @@ import operator
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Any, Final
@@ -20,6 +20,7 @@ import orjson
 
 from ..dtypes import SAFETENSORS_NAMES
 from ..errors import (
+    CheckpointFormatError,
     CorruptIndexError,
     ShardPathError,
     SliceSpecError,
@@ -45,7 +46,7 @@ from .common import (
     entry_name,
 )
 from .header import _INT_ONLY, _first, _shape_problem
-from .strictjson import _object, _parse_object, _plain, _too_deep, nesting_within
+from .strictjson import _object, _parse_object, _plain, nesting_within
 
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
 _GENERATION_RE: Final = re.compile(r"[0-9A-Za-z_.-]{1,64}")
@@ -172,6 +173,14 @@ class CheckpointIndex:
                 self.dtypes, self.shapes, self.devices, per_tensor)))
         return got
 
+    def files(self) -> list[str]:
+        """The files this index names (besides the manifest): its shards, then its string
+        file."""
+        names = [s.file for s in self.shards]
+        if self.strings is not None and getattr(self.strings, "file", None):
+            names.append(self.strings.file)
+        return names
+
     def set_checksums(self, xxh3: list[str | None]) -> None:
         """Fill in the slices' checksums (a writer knows them only once the data is written)."""
         if len(xxh3) != len(self.slice_tensor):
@@ -295,50 +304,70 @@ def index_chunks(
 def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]]:
     """`index_chunks` without the checksum column: the pieces before it and after it, so that
     a writer can encode the rest while the checksums are still being computed."""
+    head: list[bytes] = []
+    tail: list[bytes] = []
+    for piece in _index_pieces(index):
+        if piece is None:
+            head, tail = tail, head
+        else:
+            tail.append(piece)
+    return head, tail
+
+
+def _index_pieces(index: CheckpointIndex) -> Iterator[bytes | None]:
+    """The manifest's pieces in order, None where the checksum column goes; each is encoded
+    only when it is asked for, so that a reader comparing them one by one (`_encodes_to`)
+    never holds them all."""
     try:
         user_metadata = _dumps(index.user_metadata).encode("utf-8")
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint metadata is not JSON-serialisable: {e}") from None
     n_tensors = len(index.keys)
     devices = list(dict.fromkeys(index.devices))
-    device_ids = ([0] * n_tensors if len(devices) == 1 else
-                  list(map({d: i for i, d in enumerate(devices)}.__getitem__, index.devices)))
     files = [s.file for s in index.shards]
+    dumps = orjson.dumps
+    yield from (b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(index.version),
+                b',"metadata":{"total_size":', str(index.total_size()).encode(),
+                b'},"weight_map":')
+    yield dumps(_weight_map(index, files))
+    yield from (b',"shardkit":{"callback":', dumps(index.callback))
+    if index.generation is not None:
+        yield from (b',"generation":', dumps(index.generation))
+    yield from (b',"devices":', dumps(devices), b',"shards":', dumps(
+        [{"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes}
+         for s in index.shards]))
+    yield from (b',"tensors":{"key":', dumps(index.keys), b',"dtype":', dumps(index.dtypes),
+                b',"shape":')
+    try:
+        yield dumps(index.shapes)
+    except TypeError:  # numpy integers in a shape
+        yield dumps([list(map(int, s)) for s in index.shapes])
+    yield b',"device":'
+    yield dumps([0] * n_tensors if len(devices) == 1 else
+                list(map({d: i for i, d in enumerate(devices)}.__getitem__, index.devices)))
+    yield from (b'},"slices":{"tensor":', dumps(index.slice_tensor), b',"spec":',
+                dumps(index.slice_spec), b',"shard":', dumps(index.slice_shard), b',"xxh3":',
+                None, b'}')
+    if index.strings is not None:
+        yield from (b',"strings":', dumps(index.strings.section()))
+    yield from (b',"user_metadata":', user_metadata, b"}}\n")
+
+
+def _weight_map(index: CheckpointIndex, files: list[str]) -> dict[str, str]:
+    """HuggingFace's ``weight_map``: each tensor stored whole (one slice, spec ""), in save
+    order, to its shard file."""
+    n_tensors = len(index.keys)
     tensor = np.asarray(index.slice_tensor, np.int64)
     if (len(tensor) == n_tensors and not any(index.slice_spec)
             and np.array_equal(tensor, np.arange(n_tensors))):
         # every tensor whole, listed in save order: the shard files, shard by shard
-        weight_map = dict(zip(index.keys, chain.from_iterable(
+        return dict(zip(index.keys, chain.from_iterable(
             repeat(f, len(index.shard_range(i))) for i, f in enumerate(files))))
-    else:  # HuggingFace-style: the tensors stored whole (one slice, spec ""), in save order
-        counts = index.slice_counts()
-        whole = [j for j, (row, spec) in enumerate(zip(index.slice_tensor, index.slice_spec))
-                 if spec == WHOLE and counts[row] == 1]
-        whole.sort(key=index.slice_tensor.__getitem__)
-        weight_map = {index.keys[index.slice_tensor[j]]: files[index.slice_shard[j]]
-                      for j in whole}
-    shard_list = [{"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes}
-                  for s in index.shards]
-    try:
-        shapes = orjson.dumps(index.shapes)
-    except TypeError:  # numpy integers in a shape
-        shapes = orjson.dumps([list(map(int, s)) for s in index.shapes])
-    dumps = orjson.dumps
-    return [
-        b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(index.version),
-        b',"metadata":{"total_size":', str(index.total_size()).encode(),
-        b'},"weight_map":', dumps(weight_map),
-        b',"shardkit":{"callback":', dumps(index.callback),
-        *((b',"generation":', dumps(index.generation)) if index.generation is not None else ()),
-        b',"devices":', dumps(devices),
-        b',"shards":', dumps(shard_list),
-        b',"tensors":{"key":', dumps(index.keys), b',"dtype":', dumps(index.dtypes),
-        b',"shape":', shapes, b',"device":', dumps(device_ids),
-        b'},"slices":{"tensor":', dumps(index.slice_tensor), b',"spec":', dumps(index.slice_spec),
-        b',"shard":', dumps(index.slice_shard), b',"xxh3":',
-    ], [b'}', *((b',"strings":', dumps(index.strings.section()))
-                 if index.strings is not None else ()),
-        b',"user_metadata":', user_metadata, b"}}\n"]
+    counts = index.slice_counts()
+    whole = [j for j, (row, spec) in enumerate(zip(index.slice_tensor, index.slice_spec))
+             if spec == WHOLE and counts[row] == 1]
+    whole.sort(key=index.slice_tensor.__getitem__)
+    return {index.keys[index.slice_tensor[j]]: files[index.slice_shard[j]] for j in whole}
 
 
 def _dumps(value: Any) -> str:
@@ -400,12 +429,24 @@ def decode_index(data: bytes, path: str) -> CheckpointIndex:
 
 
 def _decode_index(data: bytes, path: str) -> CheckpointIndex:
-    doc = _canonical_document(bytes(data))
-    if doc is None:  # another writer's spelling, or something wrong: parse and check it all
-        raw = _parse_object(bytes(data), path, CorruptIndexError, "")
-        doc = _index_objects(raw, path)
-    elif not _document_within_depth(doc):
-        raise CorruptIndexError(_too_deep(path))
+    data = bytes(data)
+    doc = _canonical_document(data)
+    if doc is not None and _document_within_depth(doc):
+        try:
+            index = _index_of(doc, path)
+        except CheckpointFormatError:
+            index = None  # the checked path below words the error
+        del doc
+        if index is not None and _encodes_to(index, data):
+            return index
+    # another writer's spelling, or something wrong: parse and check it all
+    return _index_of(_index_objects(_parse_object(data, path, CorruptIndexError, ""), path),
+                     path)
+
+
+def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
+    """The index of a parsed manifest document, every field checked. The document's columns
+    become the index's (shapes and dtypes converted in place, their equal values shared)."""
     if doc.get("format") != FORMAT_NAME:
         raise CorruptIndexError(
             f"{path}: \"format\" must be {_shown(FORMAT_NAME)}, found {_shown(doc.get('format'))} "
@@ -512,9 +553,12 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
         if strings.file in {s.file for s in shards}:
             raise CorruptIndexError(f"{path}: file {_shown(strings.file)} is listed as a shard "
                                     "and as the string file")
+    shapes[:] = _shared(map(tuple, shapes))  # the lists go as the tuples come
+    dtypes[:] = _shared(dtypes)
+    devices = list(map(device_names.__getitem__, device_ids))
+    device_ids.clear()
     index = CheckpointIndex(
-        callback, shards, keys, dtypes, list(map(tuple, shapes)),
-        list(map(device_names.__getitem__, device_ids)), slice_tensor, slice_spec, slice_shard,
+        callback, shards, keys, dtypes, shapes, devices, slice_tensor, slice_spec, slice_shard,
         slice_xxh3, user_metadata, version, generation, strings,
     )
     _check_slices(index, path)
@@ -541,21 +585,93 @@ def _document_within_depth(doc: dict[str, Any]) -> bool:
     return True
 
 
+_SHARDKIT_SECTION: Final = b'},"shardkit":{"callback":'
+_HEAD_RE: Final = re.compile(rb'\{"format":"shardkit","format_version":("[0-9.]{1,16}"),'
+                             rb'"metadata":\{"total_size":(?:0|[1-9][0-9]{0,19})\},"weight_map":\{')
+# the columns as shardkit writes them, in order: (section, column, what follows the column)
+_COLUMN_MARKS: Final = (("tensors", "key", b',"dtype":'), ("tensors", "dtype", b',"shape":'),
+                        ("tensors", "shape", b',"device":'),
+                        ("tensors", "device", b'},"slices":{"tensor":'),
+                        ("slices", "tensor", b',"spec":'), ("slices", "spec", b',"shard":'),
+                        ("slices", "shard", b',"xxh3":'), ("slices", "xxh3", b']}'))
+
+
 def _canonical_document(data: bytes) -> dict[str, Any] | None:
-    """The index document when `data` is exactly the compact encoding shardkit writes, else
-    None. orjson parses ~3x faster than json but keeps the last of repeated keys; re-encoding
-    the result and comparing proves there were none (a dropped duplicate makes it shorter)."""
+    """The index document, if `data` may be the compact encoding shardkit writes (else None),
+    with its ``weight_map`` left unparsed (empty). The ``shardkit`` section is parsed with
+    orjson (about 3x faster than json) in place, column by column, each column's repeated
+    values shared as soon as it is parsed. The pieces are found by the markers shardkit writes
+    between them (a ``"`` inside a JSON string is escaped, so the first marker after a piece
+    ends it); orjson keeps the last of repeated keys and the weight map is not read, so the
+    caller proves the document is shardkit's encoding by encoding the index it decodes and
+    comparing (`_encodes_to`): whatever was cut wrongly fails that.
+
+    Memory: the weight map, HuggingFace's view of what the section already says, is about
+    half of a manifest and would be one dict entry and two str objects per tensor; parsing
+    column by column holds one column's parse tree at a time, not the whole document's."""
+    head = _HEAD_RE.match(data)
+    cut = data.find(_SHARDKIT_SECTION) if head else -1
+    columns = data.find(b',"tensors":{"key":', cut)
+    if cut < 0 or columns < 0 or not data.endswith(b"}}\n"):
+        return None
+    view = memoryview(data)
     try:
-        doc = orjson.loads(data)
+        section = orjson.loads(bytes(view[cut + 13 : columns]) + b"}")
+        if type(section) is not dict:
+            return None
+        at = columns + len(b',"tensors":{"key":')
+        parsed: dict[str, dict[str, Any]] = {"tensors": {}, "slices": {}}
+        for part, name, follows in _COLUMN_MARKS:
+            end = data.find(follows, at)
+            if end < 0:
+                return None
+            if name == "xxh3":
+                end += 1  # the closing bracket is the column's
+            cells = orjson.loads(view[at:end])
+            if type(cells) is list and name in ("dtype", "shape"):
+                cells = _shared(cells) if name == "dtype" else _shared_lists(cells)
+            parsed[part][name] = cells
+            at = end + len(follows) - (1 if name == "xxh3" else 0)
+        rest = orjson.loads(b"{" + bytes(view[at + 1 : len(data) - 3]) + b"}")
     except (orjson.JSONDecodeError, RecursionError):
         return None
-    if type(doc) is not dict or not data.endswith(b"\n"):
+    if type(rest) is not dict or not rest.keys().isdisjoint(section) or (
+            not rest.keys().isdisjoint(parsed)):
         return None
+    section.update(parsed)
+    section.update(rest)
+    assert head is not None
+    return {"format": FORMAT_NAME, "format_version": orjson.loads(head[1]), "metadata": {},
+            "weight_map": {}, "shardkit": section}
+
+
+def _shared_lists(values: list[Any]) -> list[Any]:
+    """`values` (lists) with equal lists made one object: a manifest's shapes repeat."""
+    seen: dict[Any, Any] = {}
     try:
-        same = orjson.dumps(doc) == data[:-1]
-    except (TypeError, orjson.JSONEncodeError):
-        return None
-    return doc if same else None
+        return [seen.setdefault(tuple(v), v) if type(v) is list else v for v in values]
+    except TypeError:  # an unhashable cell: left as it is, for the checks to word
+        return values
+
+
+def _encodes_to(index: CheckpointIndex, data: bytes) -> bool:
+    """Whether `encode_index(index)` is `data`, compared piece by piece as each is encoded
+    (never all held, never joined)."""
+    at = 0
+    for piece in _index_pieces(index):
+        if piece is None:
+            piece = orjson.dumps(index.slice_xxh3, default=list)
+        if not data.startswith(piece, at):
+            return False
+        at += len(piece)
+    return at == len(data)
+
+
+def _shared(values: Any) -> list[Any]:
+    """`values` as a list in which equal values are one object (a manifest's dtypes and shapes
+    repeat: one str or tuple each instead of one per tensor)."""
+    seen: dict[Any, Any] = {}
+    return [seen.setdefault(v, v) for v in values]
 
 
 _COLUMNS: Final = {"tensors": ("key", "dtype", "shape", "device"),

@@ -41,8 +41,10 @@ def is_url(path: Any) -> bool:
 
 
 def set_storage_options(prefix: str, **storage_options: Any) -> None:
-    """Use `storage_options` (fsspec keyword arguments) for every URL starting with `prefix`
-    (the longest registered prefix wins); with none, forget the prefix. Example::
+    """Use `storage_options` (fsspec keyword arguments) for every URL under `prefix`, matched
+    by scheme, bucket and whole path components (`prefix_matches`: ``s3://bucket`` covers
+    ``s3://bucket/x``, never ``s3://bucket-other``); the longest matching prefix wins. With no
+    options, forget the prefix. Example::
 
         shardkit.set_storage_options("s3://bucket", client_kwargs={"endpoint_url": url})
     """
@@ -53,9 +55,22 @@ def set_storage_options(prefix: str, **storage_options: Any) -> None:
             _OPTIONS.pop(prefix, None)
 
 
+def prefix_matches(prefix: str, url: str) -> bool:
+    """Whether `url` is `prefix` or lies under it: the scheme, the bucket and each path
+    component compared whole (a trailing ``/`` on either is ignored; ``s3://`` alone covers
+    every ``s3://`` URL)."""
+    head = prefix.rstrip("/")
+    if head.endswith(":"):  # a bare scheme, "s3://"
+        return url.startswith(prefix)
+    rest = url.rstrip("/")
+    return rest == head or rest.startswith(head + "/")
+
+
 def storage_options_for(url: str) -> dict[str, Any]:
+    """The options registered for the longest prefix `url` lies under (`prefix_matches`)."""
     with _options_lock:
-        best = max((p for p in _OPTIONS if url.startswith(p)), key=len, default=None)
+        best = max((p for p in _OPTIONS if prefix_matches(p, url)),
+                   key=lambda p: len(p.rstrip("/")), default=None)
         return dict(_OPTIONS[best]) if best is not None else {}
 
 
@@ -73,5 +88,6 @@ def open_storage(url: str | os.PathLike[str]) -> Storage:
 
 __all__ = [
     "Fetched", "ShardFile", "Staging", "Storage", "Stored", "coalesce", "is_transient",
-    "is_url", "open_storage", "set_storage_options", "storage_options_for", "with_retries",
+    "is_url", "open_storage", "prefix_matches", "set_storage_options", "storage_options_for",
+    "with_retries",
 ]

@@ -202,6 +202,16 @@ class Storage(ABC):
     def delete(self, names: Sequence[str]) -> None:
         """Remove `names` (missing ones are ignored)."""
 
+    def unfinished_uploads(self) -> Sequence[tuple[str, str, float]]:
+        """(name, upload id, seconds since it started) of each multipart upload under here
+        neither completed nor aborted (none on a store without such uploads)."""
+        return []
+
+    def abort_upload(self, name: str, upload_id: str) -> None:
+        """Abort the unfinished multipart upload `upload_id` of `name` (a store without such
+        uploads lists none, so is never asked)."""
+        raise StorageError(errno.ENOENT, f"{self.join(name)}: no multipart upload {upload_id}")
+
     @abstractmethod
     def publish(self, name: str, data: bytes, *, if_absent: bool = False,
                 if_tag: str | None = None) -> bool:

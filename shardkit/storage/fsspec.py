@@ -122,7 +122,7 @@ class FsspecStorage(Storage):
         return RemoteDirectory(self)
 
     def children(self) -> list[tuple[str, str]]:
-        from .save import list_checkpoints
+        from .housekeeping import list_checkpoints
 
         return [(name, f"{self.url}/{name}") for name, _ in list_checkpoints(self)]
 
@@ -135,7 +135,7 @@ class FsspecStorage(Storage):
             return time.time()
 
     def remove_checkpoint(self) -> None:
-        from .save import remove_checkpoint
+        from .housekeeping import remove_checkpoint
 
         remove_checkpoint(self)
 
@@ -369,28 +369,26 @@ class FsspecStorage(Storage):
                     pass
         self.fs.invalidate_cache(self.root)
 
-
-
-    def abort_uploads(self, older_than: float = 0.0) -> Sequence[str]:
-        """Abort the unfinished multipart uploads under this prefix started at least
-        `older_than` seconds ago (a killed save leaves them; S3 bills their parts). Returns
-        the object names they were for."""
+    def unfinished_uploads(self) -> Sequence[tuple[str, str, float]]:
         if not self.s3:
             return []
         bucket, key = self._bucket_key("")
+        root = key.rstrip("/") + "/"
         listed = self._retry(lambda: self._s3("list_multipart_uploads", Bucket=bucket,
-                                              Prefix=key.rstrip("/") + "/"),
+                                              Prefix=root),
                              "listing the unfinished uploads of", "")
         out = []
         for u in listed.get("Uploads", []):
             started = u.get("Initiated")
             age = time.time() - started.timestamp() if hasattr(started, "timestamp") else 1e18
-            if age >= older_than:
-                self._retry(lambda u=u: self._s3("abort_multipart_upload", Bucket=bucket,
-                                                 Key=u["Key"], UploadId=u["UploadId"]),
-                            "aborting an upload of", u["Key"])
-                out.append(u["Key"][len(key.rstrip("/")) + 1 :])
+            out.append((u["Key"][len(root):], u["UploadId"], age))
         return out
+
+    def abort_upload(self, name: str, upload_id: str) -> None:
+        bucket, key = self._bucket_key(name)
+        self._retry(lambda: self._s3("abort_multipart_upload", Bucket=bucket, Key=key,
+                                     UploadId=upload_id), "aborting an upload of", name)
+
 
 def _precondition_failed(e: BaseException | None) -> bool:
     """Whether a refused PutObject was refused for its condition (412, or S3's 409 for a

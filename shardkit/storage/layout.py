@@ -2,17 +2,25 @@
 
     <prefix>/model.safetensors.index.json            the manifest, written last
     <prefix>/shards-<generation>/<shard file>         the shards of that save
+    <prefix>/shards-<generation>/.shardkit-staging-<id>.json
+                                                      a staging marker: the objects one
+                                                      upload of that save creates
 
 The manifest is byte for byte what a local save writes; its shard files are looked up under
 the directory of its own generation, so objects of other saves (older ones, crashed ones, one
-in progress) are never read.
+in progress) are never read. Housekeeping (`shardkit gc`, retention, the clean-up after a
+commit) deletes only the objects a shardkit manifest or a staging marker names
+(`storage.housekeeping`), never another tool's objects under the same prefix.
 """
 
 from __future__ import annotations
 
+import uuid
+
 from ..format import MANIFEST_FILE
 
 SHARDS_PREFIX = "shards-"
+STAGING_MARK = ".shardkit-staging-"
 
 
 def shards_dir(generation: str) -> str:
@@ -32,4 +40,18 @@ def generation_of(name: str) -> str | None:
     return name[len(SHARDS_PREFIX) : name.index("/")]
 
 
-__all__ = ["MANIFEST_FILE", "SHARDS_PREFIX", "generation_of", "object_name", "shards_dir"]
+def new_marker_name(generation: str) -> str:
+    """A fresh name for a staging marker of the save of `generation`."""
+    return f"{shards_dir(generation)}{STAGING_MARK}{uuid.uuid4().hex}.json"
+
+
+def is_marker(name: str) -> bool:
+    """Whether object `name` is a staging marker (`new_marker_name`)."""
+    gen = generation_of(name)
+    return (gen is not None and name.endswith(".json")
+            and name[len(shards_dir(gen)):].startswith(STAGING_MARK)
+            and "/" not in name[len(shards_dir(gen)):])
+
+
+__all__ = ["MANIFEST_FILE", "SHARDS_PREFIX", "STAGING_MARK", "generation_of", "is_marker",
+           "new_marker_name", "object_name", "shards_dir"]

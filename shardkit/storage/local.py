@@ -15,13 +15,14 @@ name (atomic), ``if_absent`` by a hard link, which fails if the name exists.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-import shutil
-import tempfile
 import time
 import uuid
+import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +30,13 @@ import numpy as np
 
 from .. import commit
 from .._kernels import _gather
-from ..errors import ShardkitError, StorageError
+from ..errors import (
+    CheckpointFormatError,
+    RetentionWarning,
+    ShardIOError,
+    ShardkitError,
+    StorageError,
+)
 from ..files import (
     CheckpointDirectory,
     CheckpointFile,
@@ -38,7 +45,7 @@ from ..files import (
     open_directory,
     open_shard_file,
 )
-from ..format import MANIFEST_FILE, find_manifest
+from ..format import MANIFEST_FILE, MAX_INDEX_BYTES, decode_index, find_manifest
 from ..sources import _opener
 from . import native
 from .base import Fetched, ShardFile, Storage, Stored
@@ -71,6 +78,60 @@ class LocalCheckpoint(CheckpointDirectory):
                                pool=self.pool)
 
 
+@contextlib.contextmanager
+def os_errors(path: str, doing: str) -> Iterator[None]:
+    """The save's one translation of the file system's errors: an OSError that is not already
+    a ShardkitError (a full disk, a read-only file system, a parent that is a file, a denied
+    permission...) leaves as ShardIOError, errno kept, naming the file and what was being
+    done."""
+    try:
+        yield
+    except ShardkitError:
+        raise
+    except OSError as e:
+        where = e.filename if isinstance(e.filename, str) and e.filename else path
+        why = e.strerror or str(e)
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):  # mkdir / open below a file
+            up = where
+            while up and not os.path.isdir(up):
+                if os.path.lexists(up):
+                    where, why = up, "it is a file, not a directory"
+                    break
+                up = os.path.dirname(up.rstrip("/"))
+        # str(): "[Errno N] <doing> of <path> failed: <why>: '<file>'"
+        raise ShardIOError(e.errno or errno.EIO, f"{doing} of {path} failed: {why}",
+                           where) from e
+
+
+class LocalStaging:
+    """A local save in progress (`commit.Staging`), its commit's OSErrors worded by
+    `os_errors`; a failed commit removes the temp directory (`abort`), as any failed save."""
+
+    def __init__(self, staging: commit.Staging) -> None:
+        self._staging = staging
+
+    store = property(lambda self: self._staging.store)
+    generation = property(lambda self: self._staging.generation)
+    target = property(lambda self: self._staging.target)
+    path = property(lambda self: self._staging.path)
+    committed = property(lambda self: self._staging.committed)
+
+    def commit(self, index_bytes: bytes | Sequence[bytes]) -> None:
+        with os_errors(str(self._staging.target), "committing the checkpoint"):
+            self._staging.commit(index_bytes)
+
+    def abort(self) -> None:
+        with os_errors(str(self._staging.path), "removing the unfinished save"):
+            self._staging.abort()
+
+    def __enter__(self) -> LocalStaging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.committed:
+            self.abort()
+
+
 class LocalStorage(Storage):
     conditional = True
 
@@ -85,12 +146,14 @@ class LocalStorage(Storage):
     # -- checkpoints
 
     def check_target(self, overwrite: bool) -> None:
-        commit.check_target(self.path, overwrite)
+        with os_errors(self.url, "checking where to save"):
+            commit.check_target(self.path, overwrite)
 
-    def stage(self, *, overwrite: bool, durable: bool) -> commit.Staging:
-        staging = commit.stage(self.path, overwrite=overwrite, durable=durable)
+    def stage(self, *, overwrite: bool, durable: bool) -> LocalStaging:
+        with os_errors(self.url, "starting the save"):
+            staging = commit.stage(self.path, overwrite=overwrite, durable=durable)
         staging.store = LocalStorage(str(staging.path))
-        return staging
+        return LocalStaging(staging)
 
     def write_shards(self, files: list[ShardFile], *, generation: str, compressed: bool,
                      threads: int, durable: bool, checksum: bool, bar: Any,
@@ -98,15 +161,18 @@ class LocalStorage(Storage):
         directory = Path(self.path)
         for f in files:
             f.path = directory / f.file
-        if not compressed:
-            return native._run(files, native._regions(files, threads), threads, durable,
-                               checksum, bar, meanwhile)
-        native._run_zstd(files, threads, durable, checksum, bar, **zstd_options)
+        with os_errors(self.url, "writing the shards"):
+            if not compressed:
+                return native._run(files, native._regions(files, threads), threads, durable,
+                                   checksum, bar, meanwhile)
+            native._run_zstd(files, threads, durable, checksum, bar, **zstd_options)
         return meanwhile()
 
     def write_strings(self, strings: Any, generation: str, checksum: bool,
                       durable: bool) -> Any:
-        return native._write_strings(Path(self.path), strings, generation, checksum, durable)
+        with os_errors(self.url, "writing the string file"):
+            return native._write_strings(Path(self.path), strings, generation, checksum,
+                                         durable)
 
     def open_checkpoint(self, *, follow_symlinks: bool, pool: Any) -> LocalCheckpoint:
         if not os.path.lexists(self.path) and not os.path.lexists(self.path + ".index"):
@@ -133,19 +199,49 @@ class LocalStorage(Storage):
             return time.time()
 
     def remove_checkpoint(self) -> None:
-        """Renamed away in one step first, so no half-deleted checkpoint is visible."""
+        """The manifest first (the directory stops being a checkpoint at once), then the files
+        it names, then the directory if nothing else is in it; a file shardkit did not write
+        stays. A symbolic link is neither followed nor removed (RetentionWarning)."""
         path = self.url
-        parent, name = os.path.split(path)
-        trash = tempfile.mkdtemp(prefix=f".{name}{commit.TMP_MARK}", dir=parent)
-        try:
-            os.rename(path, trash)  # replaces the empty trash directory
-        except FileNotFoundError:
-            os.rmdir(trash)  # someone else deleted it
+        if os.path.islink(path):
+            warnings.warn(f"{path}: a symbolic link, not a checkpoint directory shardkit "
+                          "wrote; left as it is (and what it points at)", RetentionWarning,
+                          stacklevel=2)
             return
-        # A crash from here on leaves a hidden temp directory that the next save cleans up.
-        shutil.rmtree(trash, ignore_errors=True)
-        if os.path.lexists(trash):
-            raise ShardkitError(f"could not delete old checkpoint {path} (moved to {trash})")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # someone else deleted it
+        except OSError as e:
+            raise ShardIOError(e.errno, f"{path}: cannot open the checkpoint to delete it: "
+                                        f"{e.strerror}") from None
+        try:
+            manifest = find_manifest(fd)
+            if manifest is None:
+                return
+            mfd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            with os.fdopen(mfd, "rb") as f:
+                data = f.read(MAX_INDEX_BYTES + 1)
+            try:
+                files = decode_index(data, os.path.join(path, manifest)).files()
+            except CheckpointFormatError as e:
+                raise type(e)(f"{e}; not deleted, since what it names is unknown") from None
+            for name in (manifest, *files):
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+        except OSError as e:
+            raise ShardIOError(e.errno, f"{path}: deleting the checkpoint failed: "
+                                        f"{e.strerror}") from None
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                raise ShardIOError(e.errno, f"{path}: cannot remove the emptied checkpoint "
+                                            f"directory: {e.strerror}") from None
 
     # -- bytes
 

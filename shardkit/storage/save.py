@@ -13,14 +13,15 @@ the same as a local one (`shardkit.api`, `writer.write_shards`).
 3. The manifest is published conditionally: ``If-None-Match: *`` when there was none,
    ``If-Match: <tag>`` of the one read in step 1 otherwise. If another writer got there first
    the save fails (CheckpointExistsError) and its own objects are deleted.
-4. Only then are the objects of every other generation deleted (older saves, crashed ones).
+4. Only then are the objects of every other generation deleted (older saves, crashed ones):
+   those their staging markers or the replaced manifest name, nothing else
+   (`storage.housekeeping`).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,10 @@ from .. import format as fmt
 from .._threads import WorkerPool
 from ..errors import CheckpointExistsError, CheckpointFormatError, ShardkitError
 from ..strings import STRING_FILE, StringColumns, StringFile, write_string_file
-from . import Storage, open_storage
+from . import Storage
 from .base import ShardFile
-from .layout import SHARDS_PREFIX, generation_of, object_name, shards_dir
+from .housekeeping import manifest_objects, mark_staging, remove_owned
+from .layout import object_name
 from .native import _as_bytes, _run_zstd
 
 
@@ -48,10 +50,11 @@ class RemoteStaging:
         self.committed = False
         self.generation = fmt.new_generation()
         self._old = self.store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
+        self._old_index: fmt.CheckpointIndex | None = None
         if self._old is not None:
             if not overwrite:
                 raise CheckpointExistsError(f"{url}: a checkpoint exists", "to replace it")
-            _check_replaceable(self.store, self._old.data)
+            self._old_index = _check_replaceable(self.store, self._old.data)
 
     def commit(self, chunks: Sequence[bytes]) -> None:
         old = self._old
@@ -62,15 +65,17 @@ class RemoteStaging:
                 "changed while this save uploaded); nothing of this save is visible")
         self.committed = True
         try:
-            remove_other_generations(self.store, self.generation)
+            remove_owned(self.store, self.generation)
+            replaced = self._old_index
+            if replaced is not None and replaced.generation != self.generation:
+                self.store.delete(manifest_objects(replaced))  # a save from before staging markers
         except ShardkitError:  # the checkpoint is committed; `shardkit gc` removes the rest
             pass
 
     def abort(self) -> None:
         if not self.committed:
             try:
-                mine = shards_dir(self.generation)
-                self.store.delete([s.name for s in self.store.list(mine)])
+                remove_owned(self.store, None, only=self.generation)
             except Exception:
                 pass
 
@@ -85,6 +90,7 @@ class RemoteStaging:
 def upload_shards(store: Storage, plans: list[ShardFile], generation: str, *, compressed: bool,
                   threads: int, checksum: bool, zstd_options: dict[str, Any]) -> None:
     """The planned shard files, uploaded as objects of `generation` (module docstring)."""
+    mark_staging(store, generation, [p.file for p in plans])
     names = [object_name(p.file, generation) for p in plans]
     if not compressed:
         _upload_raw(store, plans, names, threads, checksum)
@@ -96,6 +102,7 @@ def upload_strings(store: Storage, strings: StringColumns, generation: str,
                    checksum: bool) -> StringFile:
     """The string file (`shardkit.strings`) of the save of `generation`: written to a local
     temp file (its writer wants a descriptor), then uploaded next to the shard objects."""
+    mark_staging(store, generation, [STRING_FILE])
     with tempfile.TemporaryDirectory(prefix="shardkit-upload-") as tmp:
         path = os.path.join(tmp, STRING_FILE)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
@@ -108,9 +115,9 @@ def upload_strings(store: Storage, strings: StringColumns, generation: str,
     return made
 
 
-def _check_replaceable(store: Storage, data: bytes) -> None:
+def _check_replaceable(store: Storage, data: bytes) -> fmt.CheckpointIndex:
     try:
-        fmt.decode_index(data, store.join(fmt.MANIFEST_FILE))
+        return fmt.decode_index(data, store.join(fmt.MANIFEST_FILE))
     except CheckpointFormatError as e:
         raise CheckpointExistsError(
             f"{store.url}: holds a manifest that is not a readable shardkit checkpoint ({e}); "
@@ -182,52 +189,4 @@ def _upload_zstd(store: Storage, plans: list[ShardFile], names: list[str], threa
             pool.shutdown(wait=True)  # before the temp directory goes
 
 
-def remove_other_generations(store: Storage, keep: str | None, *,
-                             older_than: float | None = None) -> list[str]:
-    """Delete the shard objects of every generation but `keep` (with `older_than`: only those
-    last modified that many seconds ago or more). Returns the names deleted."""
-    now = time.time()
-    doomed = [s.name for s in store.list(SHARDS_PREFIX)
-              if generation_of(s.name) not in (None, keep)
-              and (older_than is None or now - s.mtime >= older_than)]
-    store.delete(doomed)
-    return doomed
-
-
-def gc(url: str, *, older_than: float = 3600.0) -> list[str]:
-    """Remove the objects at `url` that no manifest names: shard objects of other generations
-    (a crashed or superseded save) last modified at least `older_than` seconds ago (so a save
-    in progress keeps its objects). Returns the names removed."""
-    store = open_storage(url)
-    found = store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
-    keep = None
-    if found is not None:
-        keep = fmt.decode_index(found.data, store.join(fmt.MANIFEST_FILE)).generation
-    removed = remove_other_generations(store, keep, older_than=older_than)
-    abort = getattr(store, "abort_uploads", None)
-    if abort is not None:
-        abort(older_than)
-    return removed
-
-
-def list_checkpoints(url: str | Storage) -> list[tuple[str, float]]:
-    """The committed checkpoints directly under the prefix `url`: (name, manifest mtime)."""
-    store = url if isinstance(url, Storage) else open_storage(url)
-    tail = "/" + fmt.MANIFEST_FILE
-    out = []
-    for s in store.list(""):
-        if s.name.endswith(tail) and s.name.count("/") == 1:
-            out.append((s.name[: -len(tail)], s.mtime))
-    return out
-
-
-def remove_checkpoint(url: str | Storage) -> None:
-    """Delete the checkpoint at `url`: the manifest first (it stops being a checkpoint at
-    once), then every object under it."""
-    store = url if isinstance(url, Storage) else open_storage(url)
-    store.delete([fmt.MANIFEST_FILE])
-    store.delete([s.name for s in store.list("")])
-
-
-__all__ = ["RemoteStaging", "gc", "list_checkpoints", "remove_checkpoint",
-           "remove_other_generations", "upload_shards", "upload_strings"]
+__all__ = ["RemoteStaging", "upload_shards", "upload_strings"]
