@@ -39,6 +39,7 @@ from .common import (
     MANIFEST_FILE,
     MANIFEST_FILES,
     MAX_DEPTH,
+    MAX_FILE_NAME_BYTES,
     MAX_NDIM,
     STRINGS_MINOR,
     _shown,
@@ -303,20 +304,7 @@ def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]
     devices = list(dict.fromkeys(index.devices))
     device_ids = ([0] * n_tensors if len(devices) == 1 else
                   list(map({d: i for i, d in enumerate(devices)}.__getitem__, index.devices)))
-    files = [s.file for s in index.shards]
-    tensor = np.asarray(index.slice_tensor, np.int64)
-    if (len(tensor) == n_tensors and not any(index.slice_spec)
-            and np.array_equal(tensor, np.arange(n_tensors))):
-        # every tensor whole, listed in save order: the shard files, shard by shard
-        weight_map = dict(zip(index.keys, chain.from_iterable(
-            repeat(f, len(index.shard_range(i))) for i, f in enumerate(files))))
-    else:  # HuggingFace-style: the tensors stored whole (one slice, spec ""), in save order
-        counts = index.slice_counts()
-        whole = [j for j, (row, spec) in enumerate(zip(index.slice_tensor, index.slice_spec))
-                 if spec == WHOLE and counts[row] == 1]
-        whole.sort(key=index.slice_tensor.__getitem__)
-        weight_map = {index.keys[index.slice_tensor[j]]: files[index.slice_shard[j]]
-                      for j in whole}
+    weight_map = huggingface_weight_map(index)
     shard_list = [{"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes}
                   for s in index.shards]
     try:
@@ -339,6 +327,52 @@ def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]
     ], [b'}', *((b',"strings":', dumps(index.strings.section()))
                  if index.strings is not None else ()),
         b',"user_metadata":', user_metadata, b"}}\n"]
+
+
+def huggingface_weight_map(index: CheckpointIndex) -> dict[str, str]:
+    """HuggingFace's ``weight_map`` of `index` (docs/FORMAT.md section 2): checkpoint key ->
+    shard file, for the tensors stored whole in an entry named like their key (one slice, spec
+    ``""``), in save order. String tensors are not in it. The writer writes it; the reader
+    requires the manifest's to be exactly this, so that HuggingFace's loaders read what
+    shardkit reads."""
+    files = [s.file for s in index.shards]
+    n_tensors = len(index.keys)
+    tensor = np.asarray(index.slice_tensor, np.int64)
+    if (len(tensor) == n_tensors and not any(index.slice_spec)
+            and np.array_equal(tensor, np.arange(n_tensors))):
+        # every tensor whole, listed in save order: the shard files, shard by shard
+        return dict(zip(index.keys, chain.from_iterable(
+            repeat(f, len(index.shard_range(i))) for i, f in enumerate(files))))
+    counts = index.slice_counts()
+    whole = [j for j, (row, spec) in enumerate(zip(index.slice_tensor, index.slice_spec))
+             if spec == WHOLE and counts[row] == 1]
+    whole.sort(key=index.slice_tensor.__getitem__)
+    return {index.keys[index.slice_tensor[j]]: files[index.slice_shard[j]] for j in whole}
+
+
+def _check_weight_map(found: dict[str, Any], index: CheckpointIndex, path: str) -> None:
+    """The manifest's ``weight_map`` is exactly `huggingface_weight_map` of its shardkit
+    section (one dict comparison); else CorruptIndexError naming the first disagreement."""
+    want = huggingface_weight_map(index)
+    if found == want:
+        return
+    extra = next((k for k in found if k not in want), None)
+    if extra is not None:
+        why = ("is not a tensor of shardkit.tensors" if extra not in index.rows() else
+               "is not stored whole in one entry named by its key (a split tensor)")
+        raise CorruptIndexError(
+            f"{path}: weight_map lists {_shown(extra)}, which {why}; HuggingFace loaders would "
+            "read what shardkit does not (the manifest's two sections disagree)")
+    missing = next((k for k in want if k not in found), None)
+    if missing is not None:
+        raise CorruptIndexError(
+            f"{path}: weight_map lacks {_shown(missing)}, which shardkit.slices stores whole in "
+            f"{_shown(want[missing])} (the manifest's two sections disagree)")
+    key = next(k for k in want if found[k] != want[k])
+    raise CorruptIndexError(
+        f"{path}: weight_map puts {_shown(key)} in {_shown(found[key])}, but shardkit.slices "
+        f"stores it in {_shown(want[key])}; HuggingFace loaders would read other bytes than "
+        "shardkit (the manifest's two sections disagree)")
 
 
 def _dumps(value: Any) -> str:
@@ -382,14 +416,25 @@ def check_shard_file_name(name: Any, path: str) -> str:
         or os.path.isabs(name)
         or (len(name) > 1 and name[1] == ":")  # Windows drive
         or name in MANIFEST_FILES
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME_BYTES
+        or not _encodable(name)
     ):
         raise ShardPathError(
             f"{path}: shard file name {_shown(name)} is not a plain file name inside the "
             f"checkpoint "
-            f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, "
-            f"{MANIFEST_FILE} or {LEGACY_MANIFEST_FILE})"
+            f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, lone "
+            f"surrogates, {MANIFEST_FILE} or {LEGACY_MANIFEST_FILE}; at most "
+            f"{MAX_FILE_NAME_BYTES} bytes of UTF-8)"
         )
     return name
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no file name can hold one
+        return False
+    return True
 
 
 def decode_index(data: bytes, path: str) -> CheckpointIndex:
@@ -518,6 +563,7 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
         slice_xxh3, user_metadata, version, generation, strings,
     )
     _check_slices(index, path)
+    _check_weight_map(doc["weight_map"], index, path)
     return index
 
 
