@@ -5,8 +5,8 @@ that is another valid checkpoint (whose data shardkit must return) from one it m
 
 `expected(path, seeds)` is the truth for one mutant directory, named ``<seed>-<n>``: its
 tensors as numpy arrays, or None when the layout's rules refuse it. A ``sk`` mutant is a
-shardkit checkpoint whose weight_map was edited: its truth is the seed's state while the
-weight_map is still the one the writer wrote, else None.
+shardkit checkpoint whose weight_map (or metadata) was edited: its truth is the seed's state
+while the weight_map is still the one the writer wrote and metadata an object, else None.
 """
 
 from __future__ import annotations
@@ -186,7 +186,9 @@ def expected(path: Path, seeds: Path) -> dict[str, np.ndarray] | None:
         if kind == "sk":
             seed = json.loads((seeds / "sk" / MANIFEST).read_bytes())["weight_map"]
             mutant = _json((path / MANIFEST).read_bytes())
-            return sk_state() if mutant.get("weight_map") == seed else None
+            # the writer's weight_map, member order aside, and metadata still an object
+            same = mutant.get("weight_map") == seed and isinstance(mutant.get("metadata"), dict)
+            return sk_state() if same else None
         if kind == "st":
             return read_safetensors(path / SINGLE)
         return read_huggingface(path)

@@ -343,11 +343,15 @@ def huggingface_weight_map(index: CheckpointIndex) -> dict[str, str]:
         # every tensor whole, listed in save order: the shard files, shard by shard
         return dict(zip(index.keys, chain.from_iterable(
             repeat(f, len(index.shard_range(i))) for i, f in enumerate(files))))
-    counts = index.slice_counts()
-    whole = [j for j, (row, spec) in enumerate(zip(index.slice_tensor, index.slice_spec))
-             if spec == WHOLE and counts[row] == 1]
-    whole.sort(key=index.slice_tensor.__getitem__)
-    return {index.keys[index.slice_tensor[j]]: files[index.slice_shard[j]] for j in whole}
+    # else the slices of one row that are whole and alone, in save order, column by column
+    whole = np.fromiter(map(operator.not_, index.slice_spec), bool, len(index.slice_spec))
+    if len(tensor):
+        whole &= index.slice_counts()[tensor] == 1
+    picked = np.flatnonzero(whole)
+    picked = picked[np.argsort(tensor[picked], kind="stable")]  # save order
+    rows = tensor[picked].tolist()
+    shards = np.asarray(index.slice_shard, np.int64)[picked].tolist()
+    return dict(zip(map(index.keys.__getitem__, rows), map(files.__getitem__, shards)))
 
 
 def _check_weight_map(found: dict[str, Any], index: CheckpointIndex, path: str) -> None:
