@@ -643,3 +643,125 @@ def failures(result: dict[str, Any]) -> list[str]:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
     serve(Path(sys.argv[2]))
+
+
+# --- foreign layouts: the truth computed per mutant (tests/test_fuzz_huggingface.py) -----------
+
+
+def serve_foreign(seeds: Path) -> None:
+    """`serve` for mutants of HuggingFace directories, single safetensors files and shardkit
+    weight_map edits: each child compares shardkit's reads against what the mutant itself says,
+    read without shardkit (`foreign_reader.expected`); a mutant the layout's rules refuse is
+    compared against its seed's state, and the caller requires an error everywhere."""
+    import foreign_reader
+
+    import shardkit  # noqa: F401  (imported once, before any fork)
+
+    def truth(path: Path) -> dict[str, np.ndarray]:
+        got = foreign_reader.expected(path, seeds)
+        return got if got is not None else foreign_reader.seed_truth(path, seeds)
+
+    for seed in FOREIGN_SEEDS:  # warm up, as `serve` does
+        run_entry_points(str(seeds / seed), truth(seeds / seed))
+    for line in sys.stdin:
+        path = line.strip()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            os.close(r)
+            code = 0
+            try:
+                _child(path, truth(Path(path)), w)
+            except BaseException:
+                code = 3
+            os._exit(code)
+        os.close(w)
+        result = _wait(pid, r)
+        os.close(r)
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+
+
+FOREIGN_SEEDS = ("hf", "st", "sk")
+
+
+class ForeignFuzzServer(FuzzServer):
+    """A `serve_foreign` process (the same protocol as `FuzzServer`)."""
+
+    def __init__(self, seeds: Path, timeout: float = TIMEOUT) -> None:
+        env = dict(os.environ, SHARDKIT_FUZZ_TIMEOUT=str(timeout))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "serve-foreign", str(seeds)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
+        )
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve-foreign"]:
+    serve_foreign(Path(sys.argv[2]))
+
+
+BOUNDARY_NUMBERS = (0, -1, 1, 2**31, 2**32, 2**53, 2**63 - 1, 2**63, 2**64 - 1, 2**64)
+_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+         "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+_SAME_SIZE = {4: ["F32", "I32", "U32"], 2: ["F16", "BF16", "I16", "U16"], 8: ["F64", "I64", "U64"],
+              1: ["I8", "U8"]}
+
+
+def header_number_edit(data: bytes, rnd: random.Random) -> bytes:
+    """A safetensors file with one number of its header at a boundary (offsets, lengths, shape
+    entries: 0, -1, 2**31, 2**32, 2**53, 2**63 - 1, 2**64 / itemsize, ...), a shape whose
+    product wraps at 2**64, the length prefix changed, or an edit that keeps the header
+    self-consistent (a reshape, a dtype of the same item size, two entries' places swapped):
+    then the file is another valid file, whose data a reader must return."""
+    import math
+
+    n, text, rest = safetensors_parts(data)
+    try:
+        header = json.loads(text)
+    except ValueError:  # an earlier edit moved the length prefix: edit that again
+        header = {}
+    names = [k for k in header if k != "__metadata__"]
+    how = rnd.choice(["begin", "end", "dim", "dim", "add_dim", "wrap", "length", "reshape",
+                      "dtype", "swap", "shift"])
+    if how == "length" or not names:
+        value = rnd.choice([*BOUNDARY_NUMBERS, n + 8, n - 8, len(data) - 8])
+        return struct.pack("<Q", value % 2**64) + data[8:]
+    e = header[rnd.choice(names)]
+    item = _ITEM.get(e.get("dtype"), 1)
+    begin, end = e["data_offsets"]
+    hostile = [*BOUNDARY_NUMBERS, 2**64 // item, 2**64 // item + 1, 2**63 // item]
+    if how in ("begin", "end"):
+        value = rnd.choice([*hostile, begin + item, end - item, end + item])
+        e["data_offsets"][0 if how == "begin" else 1] = value
+        if rnd.random() < 0.5:  # the other end follows: the entry's size stays its own
+            other = value + (end - begin) if how == "begin" else value - (end - begin)
+            e["data_offsets"][1 if how == "begin" else 0] = other
+    elif how == "dim" and e["shape"]:
+        i = rnd.randrange(len(e["shape"]))
+        e["shape"][i] = rnd.choice([*hostile, e["shape"][i] + 1, e["shape"][i] - 1])
+        if rnd.random() < 0.5:  # the offsets follow the new size
+            e["data_offsets"][1] = begin + math.prod(e["shape"]) * item
+    elif how == "add_dim":
+        e["shape"].insert(rnd.randrange(len(e["shape"]) + 1), rnd.choice([0, 1, 2, 2**32]))
+    elif how == "wrap":  # prod(shape) * itemsize == the entry's size modulo 2**64
+        size = end - begin
+        e["shape"] = rnd.choice([[2**64 // item + size // item], [2**32, 2**32 // item],
+                                 [2**32, 2**32 // item, 1] if size == 0 else [2**33, 2**31 // item],
+                                 [2**16] * 4])
+    elif how == "reshape":  # valid: the same bytes under another shape
+        count = math.prod(e["shape"])
+        e["shape"] = rnd.choice([[count], [1, count], list(reversed(e["shape"])), [count, 1]])
+    elif how == "dtype":  # valid: the same bytes as another dtype of the same item size
+        e["dtype"] = rnd.choice(_SAME_SIZE[item])
+    elif how == "swap":  # valid when both have the same size: each reads the other's bytes
+        other = header[rnd.choice(names)]
+        e["data_offsets"], other["data_offsets"] = other["data_offsets"], e["data_offsets"]
+    else:  # every entry moved by some bytes: a hole at the start, the end past the region
+        k = rnd.choice([1, 8, -8, 2**32])
+        for name in names:
+            header[name]["data_offsets"] = [o + k for o in header[name]["data_offsets"]]
+    return with_header(json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode(),
+                       rest)

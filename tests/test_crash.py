@@ -240,8 +240,8 @@ def s3():
 
 def test_sigkill_before_every_step_of_an_s3_overwrite(s3):
     from shardkit.storage import open_storage
-    from shardkit.storage.layout import SHARDS_PREFIX
     from shardkit.storage.housekeeping import gc
+    from shardkit.storage.layout import SHARDS_PREFIX
 
     url = f"s3://{s3.bucket()}/ck"
     store = open_storage(url)

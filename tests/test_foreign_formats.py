@@ -379,7 +379,8 @@ def test_key_twice_in_the_weight_map(hf_dir):
 
 
 @pytest.mark.parametrize("name", ["../model-00001-of-00002.safetensors", "/etc/passwd",
-                                  "sub/x.safetensors", "index.json", HF_INDEX])
+                                  "sub/x.safetensors", "index.json", HF_INDEX, "a" * 256,
+                                  "x\ud800.safetensors"])
 def test_names_outside_the_directory(hf_dir, name):
     _write_index(hf_dir, {"a": name})
     _raises(hf_dir, CorruptIndexError, "not a plain file name|names the index itself")

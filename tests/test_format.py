@@ -617,7 +617,11 @@ def test_from_tensors_rejects_a_foreign_entry_name():
 
 
 def test_single_full_box_slice_is_stored_as_key_colon_spec():
-    index = fmt.decode_index(_mutated(_set("shardkit.slices.spec.3", "3 0,3")), "i.json")
+    def change(doc):  # as a writer records it: the tensor is not in weight_map
+        _set("shardkit.slices.spec.3", "3 0,3")(doc)
+        del doc["weight_map"]["b"]
+
+    index = fmt.decode_index(_mutated(change), "i.json")
     assert index.tensors["b"].slices == [fmt.SliceInfo("3 0,3", 1, "b:3 0,3", None)]
     assert not index.tensors["b"].is_split
     assert "b" not in json.loads(fmt.encode_index(index))["weight_map"]
@@ -719,6 +723,10 @@ def _add_tensor(key: str, dtype: str, shape: list[int], at: int, spec: str, shar
         (_set("shardkit.shards.0.file", "a\\b"), ShardPathError, "not a plain file name"),
         (_set("shardkit.shards.0.file", "a\0b"), ShardPathError, "not a plain file name"),
         (_set("shardkit.shards.0.file", "index.json"), ShardPathError, "not a plain file name"),
+        (_set("shardkit.shards.0.file", "a" * 256), ShardPathError, "at most 255 bytes"),
+        (_set("shardkit.shards.0.file", "\u00e9" * 128), ShardPathError, "at most 255 bytes"),
+        (_set("shardkit.shards.0.file", "x\ud800.safetensors"), ShardPathError,
+         "not a plain file name"),
         # devices
         (_set("shardkit.devices", _DELETE), CorruptIndexError, "missing field shardkit.devices"),
         (_set("shardkit.devices.1", 1), CorruptIndexError,
@@ -816,8 +824,11 @@ def test_decode_index_rejects(change, error, match):
 
 
 def test_same_entry_name_in_different_shards_is_allowed():
-    index = fmt.decode_index(_mutated(_add_tensor("w:4 6 0,2:0,6", "F32", [2, 6], 5, "", 1)),
-                             "i.json")
+    def change(doc):  # a whole tensor, so weight_map lists it
+        _add_tensor("w:4 6 0,2:0,6", "F32", [2, 6], 5, "", 1)(doc)
+        doc["weight_map"]["w:4 6 0,2:0,6"] = SHARD_B
+
+    index = fmt.decode_index(_mutated(change), "i.json")
     assert index.entry_names().count("w:4 6 0,2:0,6") == 2
 
 

@@ -5,7 +5,10 @@ configs (nothing is downloaded)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -18,6 +21,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors
 
 import shardkit  # noqa: E402
 from shardkit import format as fmt  # noqa: E402
+from shardkit.cli import main  # noqa: E402
 from shardkit.policies import (  # noqa: E402
     AllInOnePolicy,
     BalancedPolicy,
@@ -230,3 +234,101 @@ def test_overwrite_never_replaces_a_huggingface_save_pretrained_directory(tmp_pa
     with pytest.raises(shardkit.CheckpointExistsError, match="holds no shardkit"):
         shardkit.save(tmp_path / "hf-sharded", model.state_dict(), overwrite=True)
     assert len(list((tmp_path / "hf-sharded").glob("model-*.safetensors"))) > 1
+
+
+# --- one truth for every reader: weight_map must agree with shardkit's section -----------------
+
+
+def _numpy_state():
+    import numpy as np
+
+    text = np.empty(2, object)
+    text[:] = [b"x", b"yz"]
+    return {"a": np.arange(64, dtype=np.float32), "b": np.arange(64, dtype=np.int8),
+            "c": np.ones((4, 4), np.float64), "split": np.arange(300, dtype=np.int16),
+            "text": text}
+
+
+@pytest.fixture
+def split_brain(tmp_path):
+    """A checkpoint of two shards (whole tensors in both), one split tensor and a string
+    tensor, its weight_map, and another checkpoint of the same keys and other values."""
+    state = _numpy_state()
+    path, other = tmp_path / "ckpt", tmp_path / "other"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", shardkit.SplitTensorsWarning)
+        shardkit.save(path, state, sharding_callback=BinPackPolicy(256),
+                      durable=False)
+        shardkit.save(other, {k: v[::-1].copy() for k, v in state.items()},
+                      sharding_callback=BinPackPolicy(256), durable=False)
+    weight_map = _manifest(path)["weight_map"]
+    assert len(set(weight_map.values())) > 1  # whole tensors in more than one shard
+    assert "split" not in weight_map and "text" not in weight_map
+    return path, other, weight_map
+
+
+def test_a_consistent_weight_map_with_split_and_string_tensors_reads(split_brain):
+    path, _, _ = split_brain
+    with shardkit.open(path) as r:
+        r.verify()
+        assert set(r.keys()) == set(_numpy_state())
+    assert main(["verify", str(path)]) == 0
+
+
+SPLIT_BRAIN = {
+    # the same key read from another checkpoint, beside or anywhere
+    "parent": lambda wm, other: {**wm, "a": f"../{other.name}/{wm['a']}"},
+    "absolute": lambda wm, other: {**wm, "a": str(other / wm["a"])},
+    # another file of this directory: another shard, a file beside it
+    "other_shard": lambda wm, other: {**wm, "a": wm["b"]},
+    "config": lambda wm, other: {**wm, "a": "config.json"},
+    "added": lambda wm, other: {**wm, "ghost": wm["a"]},
+    "dropped": lambda wm, other: {k: v for k, v in wm.items() if k != "b"},
+    "split_added": lambda wm, other: {**wm, "split": wm["a"]},
+    "string_added": lambda wm, other: {**wm, "text": wm["a"]},
+    "emptied": lambda wm, other: {},
+}
+
+
+@pytest.mark.parametrize("edit", list(SPLIT_BRAIN))
+def test_a_weight_map_that_disagrees_with_shardkits_section_is_refused(split_brain, edit):
+    """Both sections of the manifest are one truth: a weight_map that sends HuggingFace's
+    loaders elsewhere than shardkit's section is a CorruptIndexError for open, load, verify
+    and the CLI, naming the manifest and the key."""
+    path, other, weight_map = split_brain
+    (path / "config.json").write_text("{}")
+    doc = _manifest(path)
+    doc["weight_map"] = SPLIT_BRAIN[edit](weight_map, other)
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(doc))
+    match = rf"{re.escape(fmt.MANIFEST_FILE)}: weight_map .*(the manifest's two sections disagree)"
+    for read in (lambda: shardkit.open(path), lambda: shardkit.load(path),
+                 lambda: shardkit.load(path, mmap=False, verify=True),
+                 lambda: shardkit.open(path).verify()):
+        with pytest.raises(shardkit.CorruptIndexError, match=match):
+            read()
+    for command in ("verify", "inspect"):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main([command, str(path)]) == 1
+        assert "two sections disagree" in err.getvalue()
+
+
+def test_a_real_model_saved_by_shardkit_passes_both_readers(tmp_path):
+    """transformers' own loader and shardkit's agree on a shardkit save of a real model (several
+    shards); retargeting one weight_map entry to another save of the model is refused by
+    shardkit (transformers would load the other weights)."""
+    cls, config, model = _model("bert")
+    _, _, other_model = _model("bert", seed=1)
+    policy = shardkit.DefaultShardingPolicy(max_shard_size=20_000)
+    _save(tmp_path / "ckpt", model, config, sharding_callback=policy)
+    _save(tmp_path / "other", other_model, config, sharding_callback=policy)
+    with shardkit.open(tmp_path / "ckpt") as r:
+        r.verify()
+    loaded = cls.from_pretrained(tmp_path / "ckpt")
+    _assert_same_weights(loaded, model)
+    doc = _manifest(tmp_path / "ckpt")
+    key = next(iter(doc["weight_map"]))
+    doc["weight_map"][key] = f"../other/{doc['weight_map'][key]}"
+    (tmp_path / "ckpt" / fmt.MANIFEST_FILE).write_text(json.dumps(doc))
+    match = rf"weight_map puts {re.escape(repr(key))} in '\.\./other/"
+    with pytest.raises(shardkit.CorruptIndexError, match=match):
+        shardkit.load(tmp_path / "ckpt")

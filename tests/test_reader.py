@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -115,6 +116,63 @@ def test_pread_arrays_are_owned_and_writable(all_dtypes_ckpt):
         a = r["m/float32"]
     a[0, 0] = 1.5  # owned memory, still usable after close
     assert a[0, 0] == 1.5
+
+
+def _rewrite_shards(path: Path, change: str) -> None:
+    """What another program may do to a shard: truncate it (``open(p, "wb")``, as
+    safetensors.save_file and save_pretrained do when they rewrite a file) or overwrite its
+    bytes in place."""
+    for shard in path.iterdir():
+        if shard.name == MANIFEST_FILE:
+            continue
+        if change == "truncate":
+            open(shard, "wb").close()
+        else:
+            size = shard.stat().st_size
+            with open(shard, "r+b") as f:
+                f.seek(size // 2)
+                f.write(b"\xa5" * (size - size // 2))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("change", ["truncate", "rewrite"])
+def test_owned_copies_survive_the_files_changing_under_them(tmp_path, compression, change):
+    """`mmap=False` reads owned copies (docs/FORMAT.md section 9, "Files changed under a
+    reader"): a shard truncated or rewritten in place afterwards changes nothing already read,
+    verified or not, and reading every byte does not crash."""
+    state = {"w": np.arange(4 * 4096, dtype=np.float32).reshape(4, 4096),
+             "b": np.arange(7, dtype=np.int64)}
+    api.save(tmp_path / "c", state, compression=compression, durable=False)
+    got = rd.load(tmp_path / "c", mmap=False, verify=True)
+    with rd.CheckpointReader(tmp_path / "c", mmap=False) as r:
+        part = r.get_slice("w", (slice(1, 3),))
+    _rewrite_shards(tmp_path / "c", change)
+    assert np.array_equal(got["w"], state["w"]) and np.array_equal(got["b"], state["b"])
+    assert np.array_equal(part, state["w"][1:3])
+
+
+def test_a_map_is_a_view_of_the_file(tmp_path):
+    """What docs/FORMAT.md promises for mapped arrays (`mmap=True`, the default) when another
+    program changes the file: an in-place rewrite changes the values of an array not yet
+    written to, even one `verify=True` checked; a truncation makes reading a page of it raise
+    SIGBUS (in a child process here)."""
+    state = {"w": np.arange(4 * 4096, dtype=np.float32)}
+    api.save(tmp_path / "c", state, durable=False)
+    got = rd.load(tmp_path / "c", verify=True)
+    _rewrite_shards(tmp_path / "c", "rewrite")
+    assert not np.array_equal(got["w"], state["w"])  # the view shows the file's new bytes
+    api.save(tmp_path / "d", state, durable=False)
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from shardkit import reader
+        got = reader.load({str(tmp_path / "d")!r})
+        shard = {str(tmp_path / "d" / fmt.shard_file_name(0, 1))!r}
+        open(shard, "wb").close()
+        print(float(np.sum(got["w"])))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert run.returncode == -signal.SIGBUS, run.stderr[-2000:]
 
 
 def test_bf16_and_fp8_come_back_as_ml_dtypes(all_dtypes_ckpt):

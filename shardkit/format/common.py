@@ -37,6 +37,7 @@ HEADER_ALIGNMENT: Final = 8
 MAX_DEPTH: Final = 64  # JSON nesting levels in the manifest and headers (the top object is 1)
 MAX_NDIM: Final = 64  # dimensions of a tensor (numpy 2's limit)
 MAX_NBYTES: Final = 2**63 - 1  # bytes of a tensor, zero dimensions left out (numpy's limit)
+MAX_FILE_NAME_BYTES: Final = 255  # a file name named by a manifest, UTF-8 (NAME_MAX)
 _INT_DIGITS: Final = 4300  # Python's int-string conversion limit (sys.int_info)
 METADATA_KEY: Final = "__metadata__"
 GENERATION_KEY: Final = "generation"  # in the manifest's shardkit section and in __metadata__

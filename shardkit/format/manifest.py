@@ -40,6 +40,7 @@ from .common import (
     MANIFEST_FILE,
     MANIFEST_FILES,
     MAX_DEPTH,
+    MAX_FILE_NAME_BYTES,
     MAX_NDIM,
     STRINGS_MINOR,
     _shown,
@@ -324,12 +325,11 @@ def _index_pieces(index: CheckpointIndex) -> Iterator[bytes | None]:
         raise TypeError(f"checkpoint metadata is not JSON-serialisable: {e}") from None
     n_tensors = len(index.keys)
     devices = list(dict.fromkeys(index.devices))
-    files = [s.file for s in index.shards]
     dumps = orjson.dumps
     yield from (b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(index.version),
                 b',"metadata":{"total_size":', str(index.total_size()).encode(),
                 b'},"weight_map":')
-    yield dumps(_weight_map(index, files))
+    yield dumps(huggingface_weight_map(index))
     yield from (b',"shardkit":{"callback":', dumps(index.callback))
     if index.generation is not None:
         yield from (b',"generation":', dumps(index.generation))
@@ -353,9 +353,14 @@ def _index_pieces(index: CheckpointIndex) -> Iterator[bytes | None]:
     yield from (b',"user_metadata":', user_metadata, b"}}\n")
 
 
-def _weight_map(index: CheckpointIndex, files: list[str]) -> dict[str, str]:
-    """HuggingFace's ``weight_map``: each tensor stored whole (one slice, spec ""), in save
-    order, to its shard file."""
+
+def huggingface_weight_map(index: CheckpointIndex) -> dict[str, str]:
+    """HuggingFace's ``weight_map`` of `index` (docs/FORMAT.md section 2): checkpoint key ->
+    shard file, for the tensors stored whole in an entry named like their key (one slice, spec
+    ``""``), in save order. String tensors are not in it. The writer writes it; the reader
+    requires the manifest's to be exactly this, so that HuggingFace's loaders read what
+    shardkit reads."""
+    files = [s.file for s in index.shards]
     n_tensors = len(index.keys)
     tensor = np.asarray(index.slice_tensor, np.int64)
     if (len(tensor) == n_tensors and not any(index.slice_spec)
@@ -363,11 +368,40 @@ def _weight_map(index: CheckpointIndex, files: list[str]) -> dict[str, str]:
         # every tensor whole, listed in save order: the shard files, shard by shard
         return dict(zip(index.keys, chain.from_iterable(
             repeat(f, len(index.shard_range(i))) for i, f in enumerate(files))))
-    counts = index.slice_counts()
-    whole = [j for j, (row, spec) in enumerate(zip(index.slice_tensor, index.slice_spec))
-             if spec == WHOLE and counts[row] == 1]
-    whole.sort(key=index.slice_tensor.__getitem__)
-    return {index.keys[index.slice_tensor[j]]: files[index.slice_shard[j]] for j in whole}
+    # else the slices of one row that are whole and alone, in save order, column by column
+    whole = np.fromiter(map(operator.not_, index.slice_spec), bool, len(index.slice_spec))
+    if len(tensor):
+        whole &= index.slice_counts()[tensor] == 1
+    picked = np.flatnonzero(whole)
+    picked = picked[np.argsort(tensor[picked], kind="stable")]  # save order
+    rows = tensor[picked].tolist()
+    shards = np.asarray(index.slice_shard, np.int64)[picked].tolist()
+    return dict(zip(map(index.keys.__getitem__, rows), map(files.__getitem__, shards)))
+
+
+def _check_weight_map(found: dict[str, Any], index: CheckpointIndex, path: str) -> None:
+    """The manifest's ``weight_map`` is exactly `huggingface_weight_map` of its shardkit
+    section (one dict comparison); else CorruptIndexError naming the first disagreement."""
+    want = huggingface_weight_map(index)
+    if found == want:
+        return
+    extra = next((k for k in found if k not in want), None)
+    if extra is not None:
+        why = ("is not a tensor of shardkit.tensors" if extra not in index.rows() else
+               "is not stored whole in one entry named by its key (a split tensor)")
+        raise CorruptIndexError(
+            f"{path}: weight_map lists {_shown(extra)}, which {why}; HuggingFace loaders would "
+            "read what shardkit does not (the manifest's two sections disagree)")
+    missing = next((k for k in want if k not in found), None)
+    if missing is not None:
+        raise CorruptIndexError(
+            f"{path}: weight_map lacks {_shown(missing)}, which shardkit.slices stores whole in "
+            f"{_shown(want[missing])} (the manifest's two sections disagree)")
+    key = next(k for k in want if found[k] != want[k])
+    raise CorruptIndexError(
+        f"{path}: weight_map puts {_shown(key)} in {_shown(found[key])}, but shardkit.slices "
+        f"stores it in {_shown(want[key])}; HuggingFace loaders would read other bytes than "
+        "shardkit (the manifest's two sections disagree)")
 
 
 def _dumps(value: Any) -> str:
@@ -411,14 +445,25 @@ def check_shard_file_name(name: Any, path: str) -> str:
         or os.path.isabs(name)
         or (len(name) > 1 and name[1] == ":")  # Windows drive
         or name in MANIFEST_FILES
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME_BYTES
+        or not _encodable(name)
     ):
         raise ShardPathError(
             f"{path}: shard file name {_shown(name)} is not a plain file name inside the "
             f"checkpoint "
-            f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, "
-            f"{MANIFEST_FILE} or {LEGACY_MANIFEST_FILE})"
+            f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, lone "
+            f"surrogates, {MANIFEST_FILE} or {LEGACY_MANIFEST_FILE}; at most "
+            f"{MAX_FILE_NAME_BYTES} bytes of UTF-8)"
         )
     return name
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no file name can hold one
+        return False
+    return True
 
 
 def decode_index(data: bytes, path: str) -> CheckpointIndex:
@@ -438,10 +483,12 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
             index = None  # the checked path below words the error
         del doc
         if index is not None and _encodes_to(index, data):
-            return index
+            return index  # its weight_map is byte for byte the one encoded from the index
     # another writer's spelling, or something wrong: parse and check it all
-    return _index_of(_index_objects(_parse_object(data, path, CorruptIndexError, ""), path),
-                     path)
+    doc = _index_objects(_parse_object(data, path, CorruptIndexError, ""), path)
+    index = _index_of(doc, path)
+    _check_weight_map(doc["weight_map"], index, path)
+    return index
 
 
 def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
