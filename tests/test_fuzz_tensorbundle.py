@@ -4,7 +4,7 @@
 Each mutant is judged against what TensorFlow's own reader makes of the mutated files (the
 oracle, `fuzzing.TensorFlowOracle`): shardkit returns exactly that data, or refuses where
 TensorFlow refuses (a verify that passes then is a failure). The seeds, the fuzz server and
-the judging are test_fuzz.py's. About 200 mutants a target run by default (CI), 20,000 with
+the judging are test_fuzz.py's. About 100 mutants a target run in CI, 20,000 with
 ``HYPOTHESIS_PROFILE=thorough``.
 """
 
@@ -21,7 +21,7 @@ from test_fuzz import FUZZ, PROFILE, _check
 
 # test_fuzz.py's module fixtures, one instance of each for this module
 seeds, server, oracle, work = test_fuzz.seeds, test_fuzz.server, test_fuzz.oracle, test_fuzz.work
-EXAMPLES = {"thorough": 20_001, "ci": 200}.get(PROFILE, 20)
+EXAMPLES = {"thorough": 20_001, "ci": 100}.get(PROFILE, 20)
 TB_BOUNDS = settings(FUZZ, max_examples=EXAMPLES)
 
 
