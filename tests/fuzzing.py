@@ -703,8 +703,10 @@ def run_entry_points(path: str, original: dict[str, np.ndarray], *,
                     part = np.array(r.get_slice(k, form))
                     if k in original and info.shape != original[k].shape:
                         got[k] = part  # another shape (a resealed index edit): wrong data
-                    elif k in original:
-                        want = np.array(original[k][form], dtype=original[k].dtype)
+                    elif k in original:  # an array, never a scalar: numpy's bool scalars
+                        # make any nonzero byte 1, where a stored BOOL may hold other bytes
+                        at = form if form is Ellipsis else (*form, Ellipsis)
+                        want = np.array(original[k][at], dtype=original[k].dtype)
                         if part.shape != want.shape or _content(part) != _content(want):
                             got[k] = part  # a wrong slice: report it as wrong data
         return got
