@@ -21,6 +21,9 @@ cdef extern from "numpy/arrayobject.h":
                                 cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
                                 int flags, PyObject* obj)
 
+cdef extern from *:
+    bint _add_overflows "__builtin_add_overflow"(int64_t a, int64_t b, int64_t* out) nogil
+
 cdef enum:
     _MAX_DIMS = 64  # numpy 2.x's limit (1.x refuses more than 32 itself); more is refused
 
@@ -33,10 +36,10 @@ def make_views(cnp.ndarray base not None, int64_t start, list begins not None,
     cdef Py_ssize_t n = len(begins)
     cdef Py_ssize_t i, k, nd
     cdef cnp.npy_intp dims[_MAX_DIMS]
-    cdef int64_t size, nbytes, offset, dim
+    cdef int64_t size, nbytes, offset, dim, begin
     cdef char* data
     cdef int flags
-    cdef bint empty
+    cdef bint empty, wraps
     cdef cnp.dtype descr
     cdef tuple shape
     if len(dtypes) != n or len(shapes) != n:
@@ -68,10 +71,15 @@ def make_views(cnp.ndarray base not None, int64_t start, list begins not None,
                 raise ValueError(f"view {i}: shape {shape} needs more than the {size}-byte "
                                  "buffer")
             nbytes *= dims[k]
-        offset = start + <int64_t>begins[i]
-        if offset < 0 or nbytes > size or offset > size - nbytes:
-            raise ValueError(f"view {i}: bytes [{offset}, {offset + nbytes}) are outside the "
-                             f"{size}-byte buffer")
+        try:
+            begin = begins[i]
+            wraps = _add_overflows(start, begin, &offset)
+        except OverflowError:  # not an int64: outside any buffer
+            wraps = True
+        if wraps or offset < 0 or nbytes > size or offset > size - nbytes:
+            # worded with Python ints: the exact numbers, not what int64 wrapped them to
+            raise ValueError(f"view {i}: bytes [{start + begins[i]}, "
+                             f"{start + begins[i] + nbytes}) are outside the {size}-byte buffer")
         Py_INCREF(descr)  # PyArray_NewFromDescr steals a reference to the descriptor
         view = PyArray_NewFromDescr(&PyArray_Type, <cnp.PyArray_Descr*>descr, <int>nd, dims,
                                     NULL, data + offset, flags, NULL)

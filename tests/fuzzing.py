@@ -9,8 +9,14 @@ each child starts from the same clean state. The child classifies every entry po
 - ``equal``: the data returned equals the original, byte for byte;
 - ``silent``: wrong data returned while no checksum was consulted (acceptable, counted);
 - anything else is a failure: ``foreign`` (another exception), ``wrong_after_verify`` (wrong
-  data after verify passed or from a verifying read), ``crash`` (killed by a signal), ``hang``
-  (over the time limit), ``memory`` (peak RSS growth over the cap).
+  data after verify passed or from a verifying read), ``verified_refused`` (verify passed, or a
+  verifying read returned data, for a mutant the oracle refuses), ``crash`` (killed by a
+  signal), ``hang`` (over the time limit), ``memory`` (peak RSS growth over the cap).
+
+"The original" is the seed's data, except for a mutant given an oracle's answer
+(`FuzzServer.run(path, expected)`): a resealed TensorBundle may be another valid checkpoint, so
+its data is what TensorFlow's own reader makes of the mutated files (`TensorFlowOracle`), or
+nothing when TensorFlow refuses them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import random
 import resource
 import select
@@ -37,7 +44,7 @@ import numpy as np
 MEMORY_CAP = 1 << 30  # peak RSS growth a child may show
 # seconds a child may take for all entry points of one mutant
 TIMEOUT = float(os.environ.get("SHARDKIT_FUZZ_TIMEOUT", "30"))
-FAILURES = ("foreign", "wrong_after_verify", "crash", "hang", "memory")
+FAILURES = ("foreign", "wrong_after_verify", "verified_refused", "crash", "hang", "memory")
 
 # --- seeds --------------------------------------------------------------------------------------
 
@@ -125,6 +132,122 @@ def as_tensorbundle_reads(original: dict[str, np.ndarray]) -> dict[str, np.ndarr
     return out
 
 
+def tensorflow_reads(prefix: str) -> dict[str, np.ndarray] | None:
+    """What TensorFlow's own reader (``tf.train.load_checkpoint``) makes of the bundle at
+    `prefix`: every tensor (string tensors as object arrays of bytes), or None when it refuses
+    the bundle or any tensor of it. The oracle of resealed mutants: it shares no code with
+    shardkit."""
+    import tensorflow as tf
+
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        out = {}
+        for key in sorted(reader.get_variable_to_shape_map()):
+            value = reader.get_tensor(key)
+            if isinstance(value, bytes):  # a scalar string: not through numpy's "S"
+                a = np.empty((), object)
+                a[()] = value
+                value = a
+            out[key] = np.asarray(value)
+    except Exception:  # any refusal: TensorFlow's errors, and what its bindings raise
+        return None
+    return out
+
+
+def oracle_serve() -> None:
+    """Read ``prefix<TAB>answer`` lines from stdin; write `tensorflow_reads(prefix)` to the
+    pickle `answer` (``{"data": ...}``) and print one line when it is there. Each read runs in
+    a forked child, so a bundle that aborts or hangs TensorFlow (counted as refused) costs
+    that child only, not TensorFlow's import again."""
+    import tensorflow  # noqa: F401  (imported once, before the first mutant)
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        prefix, _, answer = line.rstrip("\n").partition("\t")
+        partial = answer + ".part"
+        pid = os.fork()
+        if pid == 0:  # the child: read, then leave without TensorFlow's exit handlers
+            try:
+                with open(partial, "wb") as f:
+                    pickle.dump({"data": tensorflow_reads(prefix)}, f)
+                os.rename(partial, answer)
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + TIMEOUT
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.002)
+        if not os.path.exists(answer):  # killed by TensorFlow, or too slow: refused
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            with open(answer, "wb") as f:
+                pickle.dump({"data": None}, f)
+        print("done", flush=True)
+
+
+class TensorFlowOracle:
+    """A process running `oracle_serve` (TensorFlow imported once, away from the test process:
+    a hostile bundle may abort TensorFlow). Started at once, so that TensorFlow's import runs
+    while the test prepares its seeds. `timeout` bounds one answer (`oracle_serve` bounds each
+    read by the same TIMEOUT, so this is reached only when the server itself is stuck)."""
+
+    def __init__(self, timeout: float = TIMEOUT) -> None:
+        self.timeout = timeout
+        self.proc: subprocess.Popen[str] | None = None
+        self._start()
+
+    def _start(self) -> None:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import fuzzing; fuzzing.oracle_serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+            text=True, bufsize=1)
+        self._ready = False
+
+    def _line(self, timeout: float) -> str:
+        """The process's next line, "" when it ended or took over `timeout` seconds."""
+        assert self.proc is not None and self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline() if ready else ""
+
+    def reads(self, prefix: Path | str, answer: Path) -> Path:
+        """Write TensorFlow's reading of the bundle at `prefix` to the pickle `answer`; a
+        bundle that kills or hangs TensorFlow counts as refused (and a new process starts)."""
+        assert self.proc is not None and self.proc.stdin is not None
+        if not self._ready:  # TensorFlow's import: generous, the machine may be loaded
+            self._ready = self._line(max(600.0, self.timeout)) == "ready\n"
+            if not self._ready:
+                raise RuntimeError("the TensorFlow oracle did not start")
+        self.proc.stdin.write(f"{prefix}\t{answer}\n")
+        self.proc.stdin.flush()
+        if self._line(2 * self.timeout) != "done\n":
+            self.proc.kill()
+            self.proc.wait()
+            with open(answer, "wb") as f:
+                pickle.dump({"data": None}, f)
+            self._start()
+        return answer
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
 def table_entries(data: bytes) -> list[tuple[bytes, bytes]]:
     from shardkit.formats.tensorbundle.table import read_table
 
@@ -210,6 +333,91 @@ def edit_proto(value: bytes, header: bool, rnd: random.Random) -> bytes:
     else:
         e.slices.add().extent.add(start=0, length=1)
     return bytes(e.SerializeToString())
+
+
+# Boundary values for the integer fields of a BundleEntryProto (int64 unless said otherwise):
+# where an int32 or a double stops being exact, where int64 ends, and their negatives
+BOUNDARY = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**53, 2**53 + 1, 2**62, 2**63 - 1, -(2**31),
+            -(2**63)]
+BOUNDARY_INT32 = [0, 1, -1, 2, 2**31 - 1, -(2**31)]
+
+
+def _itemsize_of(data_type: int) -> int:
+    from shardkit.dtypes import itemsize
+    from shardkit.formats.tensorbundle.adapter import DTYPE_OF, STRING
+
+    name = DTYPE_OF.get(data_type)
+    return itemsize(name) if name is not None and name != STRING else 1
+
+
+def _wrapping_dims(rnd: random.Random, bits: int) -> list[int]:
+    """1 to 3 powers of two, each an int64 (at most 2**62), whose product is 2**bits."""
+    while True:
+        rank = rnd.randint(1, 3)
+        cuts = sorted(rnd.randint(0, bits) for _ in range(rank - 1))
+        parts = [b - a for a, b in zip([0, *cuts], [*cuts, bits])]
+        if max(parts) <= 62:
+            return [1 << p for p in parts]
+
+
+def boundary_entry(value: bytes, rnd: random.Random) -> bytes:
+    """A BundleEntryProto re-encoded with one field (or a shape and its size) set to a
+    boundary value: 0, -1, 2**31, 2**32, 2**53, 2**63 - 1, 2**64 / itemsize, a shape whose
+    element count times the item size is 2**63 or 2**64 (wrapping int64 to -2**63 or 0) with
+    the size the wrapped product gives, an offset that wraps when the size is added."""
+    from shardkit.formats.tensorbundle import protos
+
+    e = protos.BundleEntryProto.FromString(value)
+    item = _itemsize_of(e.dtype)
+    per_item = [v for v in (2**64 // item, 2**63 // item, 2**32 // item) if v < 2**63]
+    how = rnd.choice(["offset", "size", "wrap_offset", "dim", "wrap_shape", "wrap_shape",
+                      "shard_id", "extent", "dtype"])
+    if how in ("offset", "size"):
+        setattr(e, how, rnd.choice([*BOUNDARY, *per_item]))
+    elif how == "wrap_offset":  # offset + size just past 2**63 (or the offset past it alone)
+        e.offset = 2**63 - rnd.choice([1, max(1, e.size // 2), max(1, e.size), 8])
+    elif how == "dim" and len(e.shape.dim):
+        rnd.choice(e.shape.dim).size = rnd.choice([*BOUNDARY, *per_item])
+    elif how == "wrap_shape" or how == "dim":
+        bits = rnd.choice([63, 64]) - (item.bit_length() - 1)
+        del e.shape.dim[:]
+        for d in _wrapping_dims(rnd, bits):
+            e.shape.dim.add(size=d)
+        if not e.slices:  # the size the wrapped product gives, or another boundary
+            e.size = rnd.choice([0, -(2**63), 2**63 - 1, e.size])
+    elif how == "shard_id":
+        e.shard_id = rnd.choice(BOUNDARY_INT32)
+    elif how == "extent" and len(e.slices):
+        ext = rnd.choice(rnd.choice(e.slices).extent)
+        setattr(ext, rnd.choice(["start", "length"]), rnd.choice([*BOUNDARY, *per_item]))
+    else:  # another dtype of the same or another item size: perhaps another valid bundle
+        e.dtype = rnd.choice([1, 2, 3, 4, 5, 6, 9, 10, 14, 17, 19, 22, 23])
+    return bytes(e.SerializeToString())
+
+
+def reseal_entries(d: Path, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """`items` (a TensorBundle table of the checkpoint in `d`) with the crc32c of every numeric
+    entry set to that of the bytes its offset and size name in its data file (clipped to the
+    file), so that only the structure checks can refuse a mutant."""
+    from shardkit.formats.tensorbundle import protos
+    from shardkit.formats.tensorbundle.crc import crc32c, mask
+
+    header = protos.BundleHeaderProto.FromString(items[0][1])
+    files: dict[int, bytes] = {}
+    out = [items[0]]
+    for key, value in items[1:]:
+        e = protos.BundleEntryProto.FromString(value)
+        if not e.slices and e.dtype != 7:  # DT_STRING: its own checksum, not the bytes'
+            name = d / f"{TB_PREFIX}.data-{e.shard_id:05d}-of-{header.num_shards:05d}"
+            if e.shard_id not in files:
+                files[e.shard_id] = name.read_bytes() if 0 <= e.shard_id < max(
+                    header.num_shards, 0) and name.exists() else b""
+            data = files[e.shard_id]
+            lo = min(max(e.offset, 0), len(data))
+            e.crc32c = mask(crc32c(data[lo : lo + max(0, min(e.size, len(data)))]))
+            value = bytes(e.SerializeToString())
+        out.append((key, value))
+    return out
 
 
 def _storable(a: np.ndarray) -> np.ndarray:
@@ -442,8 +650,12 @@ def _same(got: dict[str, np.ndarray], original: dict[str, np.ndarray]) -> bool:
     return True
 
 
-def run_entry_points(path: str, original: dict[str, np.ndarray]) -> dict[str, str]:
-    """Outcome of each reader entry point on the checkpoint at `path` (see module docstring)."""
+def run_entry_points(path: str, original: dict[str, np.ndarray], *,
+                     refused: bool = False) -> dict[str, str]:
+    """Outcome of each reader entry point on the checkpoint at `path` (see module docstring).
+    `refused`: the oracle refuses the mutant (no data is right; `original` then only shapes
+    the restore's targets): any data is ``silent`` unless verified, ``verified_refused`` then,
+    and so is a verify that passes."""
     import shardkit
     from shardkit import cli
     from shardkit.errors import ShardkitError
@@ -462,11 +674,16 @@ def run_entry_points(path: str, original: dict[str, np.ndarray]) -> dict[str, st
             outcomes[name] = f"foreign: {type(e).__name__}: {str(e)[:300]}"
             return
         if got is None:
-            outcomes[name] = "equal"
+            if refused and name in ("verify", "cli_verify"):
+                outcomes[name] = "verified_refused"
+            else:
+                outcomes[name] = "silent" if refused else "equal"
             if name == "verify":
                 verified = True
             return
-        if _same(got, original):
+        if refused:
+            outcomes[name] = "verified_refused" if checks or verified else "silent"
+        elif _same(got, original):
             outcomes[name] = "equal"
         elif checks or verified:
             outcomes[name] = "wrong_after_verify"
@@ -486,8 +703,10 @@ def run_entry_points(path: str, original: dict[str, np.ndarray]) -> dict[str, st
                     part = np.array(r.get_slice(k, form))
                     if k in original and info.shape != original[k].shape:
                         got[k] = part  # another shape (a resealed index edit): wrong data
-                    elif k in original:
-                        want = np.array(original[k][form], dtype=original[k].dtype)
+                    elif k in original:  # an array, never a scalar: numpy's bool scalars
+                        # make any nonzero byte 1, where a stored BOOL may hold other bytes
+                        at = form if form is Ellipsis else (*form, Ellipsis)
+                        want = np.array(original[k][at], dtype=original[k].dtype)
                         if part.shape != want.shape or _content(part) != _content(want):
                             got[k] = part  # a wrong slice: report it as wrong data
         return got
@@ -524,21 +743,24 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _child(path: str, original: dict[str, np.ndarray], out_fd: int) -> None:
+def _child(path: str, original: dict[str, np.ndarray], out_fd: int, *,
+           refused: bool = False) -> None:
     # A hostile file must not take the machine's memory: cap the address space well above
     # what a legitimate read of these small checkpoints needs.
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * MEMORY_CAP, resource.RLIM_INFINITY))
     start = _rss()
-    outcomes = run_entry_points(path, original)
+    outcomes = run_entry_points(path, original, refused=refused)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     outcomes["_rss_growth"] = str(max(0, peak - start))
     os.write(out_fd, json.dumps(outcomes).encode() + b"\n")
 
 
 def serve(seeds: Path) -> None:
-    """Read mutant paths from stdin, one per line; print one JSON result per line."""
+    """Read mutant paths from stdin, one per line; print one JSON result per line. A line
+    ``path<TAB>answer`` gives the oracle's answer for that mutant (a pickle written by
+    `TensorFlowOracle.reads`): its data replaces the seed's as what is right."""
     import shardkit  # noqa: F401  (imported once, before any fork)
 
     original = load_original(seeds)
@@ -546,7 +768,12 @@ def serve(seeds: Path) -> None:
     for seed in ("raw", "zstd", "tb"):  # warm up: every lazy import and first-use cost, once
         run_entry_points(str(seeds / seed), tb_original if seed == "tb" else original)
     for line in sys.stdin:
-        path = line.strip()
+        path, _, answer = line.rstrip("\n").partition("\t")
+        want, refused = tb_original if is_tensorbundle(path) else original, False
+        if answer:
+            with open(answer, "rb") as f:
+                told = pickle.load(f)["data"]
+            want, refused = (want, True) if told is None else (told, False)
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child
@@ -557,7 +784,7 @@ def serve(seeds: Path) -> None:
                     os.kill(os.getpid(), signal.SIGSEGV)
                 if path == "!sleep":
                     time.sleep(TIMEOUT + 5)
-                _child(path, tb_original if is_tensorbundle(path) else original, w)
+                _child(path, want, w, refused=refused)
             except BaseException:
                 code = 3
             os._exit(code)
@@ -607,9 +834,11 @@ class FuzzServer:
             stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
         )
 
-    def run(self, path: Path | str) -> dict[str, Any]:
+    def run(self, path: Path | str, expected: Path | str | None = None) -> dict[str, Any]:
+        """The outcomes for the mutant at `path`; `expected`: the oracle's answer for it (a
+        pickle from `TensorFlowOracle.reads`), else the seed's data is what is right."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{path}\n")
+        self.proc.stdin.write(f"{path}\t{expected}\n" if expected is not None else f"{path}\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import re
 import sys
 
 import ml_dtypes
@@ -102,3 +103,22 @@ def test_views_of_up_to_64_dimensions(impl, nd):
 def test_views_of_more_than_64_dimensions_are_refused(impl):
     with pytest.raises(ValueError, match="65"):
         impl.make_views(_base(), 0, [0], [np.dtype(np.uint8)], [(1,) * 65])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("start, begin", [
+    (8, 2**63 - 4),  # the sum wraps int64
+    (8, 2**63 - 1),
+    (0, 2**63),  # not an int64 at all
+    (0, 2**64),
+    (8, -(2**63)),
+    (2**62, 2**62),
+])
+def test_ranges_whose_offset_wraps_int64_are_refused_with_the_exact_numbers(impl, start, begin):
+    """start + begin from a file, near or past int64's end: the same refusal, worded with
+    the exact (unwrapped) numbers, in the kernel and its twin."""
+    f4 = np.dtype(np.float32)
+    end = start + begin + 8
+    with pytest.raises(ValueError, match=re.escape(
+            f"view 0: bytes [{start + begin}, {end}) are outside the 64-byte buffer")):
+        impl.make_views(_base(64), start, [begin], [f4], [(2,)])

@@ -557,7 +557,11 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
             f"{path}: tensor {_shown(keys[bad_row])} shape must be a list of non-negative "
             f"integers, found {_shown(shapes[bad_row])}"
         )
-    if max(dims, default=0) >= 2**31 or max(map(len, shapes), default=0) > MAX_NDIM:  # rare
+    largest, rank = max(dims, default=0), max(map(len, shapes), default=0)
+    # every shape's product is below largest ** rank: when that times an item size (8 at
+    # most) could pass 2**63 - 1, each shape is checked exactly (rare: numpy's int64 columns
+    # of sizes would wrap where Python's ints do not)
+    if largest.bit_length() * rank + 3 > 63 or rank > MAX_NDIM:
         for key, dtype, shape in zip(keys, dtypes, shapes):
             problem = _shape_problem(shape, _ITEMSIZE[dtype])
             if problem:

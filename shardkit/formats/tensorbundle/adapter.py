@@ -336,7 +336,9 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                                          crc[place])
         specs = [rows.specs[i] for i in place.tolist()] if rows.specs else [WHOLE] * len(place)
     limits = np.array([s.bytes for s in shards], np.int64)
-    past = np.flatnonzero(offset + size > limits[shard]) if len(place) else place
+    # offset + size <= the file's size, as a difference: neither is negative (checked), so
+    # it cannot wrap where the sum of an offset near 2**63 would
+    past = np.flatnonzero(offset > limits[shard] - size) if len(place) else place
     for t in texts:
         if t[1] + t[3] > shards[t[0]].bytes:
             raise CorruptIndexError(
@@ -344,7 +346,8 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                 f"end of {files[t[0]]} ({shards[t[0]].bytes} bytes)")
     if len(past):
         j = int(past[0])
-        a, b, s_ = int(offset[j]), int(offset[j] + size[j]), int(shard[j])
+        a, s_ = int(offset[j]), int(shard[j])
+        b = a + int(size[j])
         raise CorruptIndexError(
             f"{path}: tensor {_shown(keys[int(row[j])])}: bytes [{a}, {b}) are past the end of "
             f"{files[s_]} ({shards[s_].bytes} bytes)")
@@ -620,12 +623,14 @@ def _whole_columns(raw_keys: list[bytes], value: Any, numbered: _Numbered, codes
     else:
         keys, dtypes, shapes = all_keys, names, all_shapes
     sizes = {d: itemsize(d) for d in set(dtypes)}
-    expected = counts
     if len(sizes) == 1:
-        expected *= next(iter(sizes.values()))
+        item: Any = next(iter(sizes.values()))
     else:
-        expected *= np.fromiter(map(sizes.__getitem__, dtypes), np.int64, len(keys))
-    bad = np.flatnonzero((size != expected) | (offset < 0) | (shard < 0) | (shard >= n))
+        item = np.fromiter(map(sizes.__getitem__, dtypes), np.int64, len(keys))
+    # size == count * item size, by division: the product of values from the file can wrap
+    # int64 (docs/FORMAT.md section 12), the quotient cannot
+    bad = np.flatnonzero((size < 0) | (size % item != 0) | (size // item != counts)
+                         | (offset < 0) | (shard < 0) | (shard >= n))
     if len(bad):
         i = int(bad[0])
         _stored(_fields(shard, offset, size, crc, i), keys[i], dtypes[i], shapes[i], WHOLE,
