@@ -170,7 +170,10 @@ def test_demo_shows_progress_on_stderr(tmp_path, capsys):
     captured = capsys.readouterr()
     for phase in ("building", "saving", "verifying", "restoring", "restoring zstd"):
         assert f"{phase}: 100%" in captured.err, phase
-    assert captured.err.count("saving: 100%") == 2  # raw and zstd
+    # bars counted by their first drawing (0%): tqdm may draw 100% twice for one bar (on a
+    # busy machine the last update comes after its refresh interval, then close() draws again)
+    bars = captured.err.split("saving:   0%")[1:]
+    assert len(bars) == 2 and all("saving: 100%" in bar for bar in bars)  # raw and zstd
     assert "100%" not in captured.out
 
 
