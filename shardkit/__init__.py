@@ -3,21 +3,17 @@
     import shardkit
     shardkit.save("ckpt", {"model": {"w": w, "b": b}})
     state = shardkit.load("ckpt")            # memory-mapped, zero-copy
+
+``import shardkit`` imports numpy, the kernels and the errors; every other name is imported
+with its module on first use (`optional.lazy_attributes`), each optional package by the call
+that needs it (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _kernels  # noqa: F401  (fails loudly here if the native build is missing)
-from .api import DefaultShardingPolicy, SaveInfo, load, open, restore_into, save
-from .callback import (
-    Shard,
-    ShardingCallback,
-    as_tensorflow_callback,
-    shard_tensors,
-    validate_shards,
-)
-from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
-from .devices import DeviceSpec
 from .errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -62,21 +58,74 @@ from .errors import (
     UnsupportedDTypeError,
     UnsupportedVersionError,
 )
-from .options import CheckpointOptions
-from .policies import (
-    AllInOnePolicy,
-    BalancedPolicy,
-    BinPackPolicy,
-    MaxShardSizePolicy,
-    ShardByTaskPolicy,
-    get_policy,
-    parse_size,
-)
-from .profiling import PolicyProfile, profile
-from .reader import CheckpointReader, Problem, VerifyReport
-from .slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
-from .storage import set_storage_options
-from .tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
+from .optional import lazy_attributes
+
+if TYPE_CHECKING:
+    from .api import DefaultShardingPolicy, SaveInfo, get_policy, load, open, restore_into, save
+    from .callback import (
+        Shard,
+        ShardingCallback,
+        as_tensorflow_callback,
+        shard_tensors,
+        validate_shards,
+    )
+    from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
+    from .devices import DeviceSpec
+    from .options import CheckpointOptions
+    from .policies import (
+        AllInOnePolicy,
+        BalancedPolicy,
+        BinPackPolicy,
+        MaxShardSizePolicy,
+        ShardByTaskPolicy,
+        parse_size,
+    )
+    from .profiling import PolicyProfile, profile
+    from .reader import CheckpointReader, Problem, VerifyReport
+    from .slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
+    from .storage import set_storage_options
+    from .tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
+
+_LAZY: dict[str, str] = {  # public name -> the module that defines it, imported on first use
+    "DefaultShardingPolicy": "api",
+    "SaveInfo": "api",
+    "load": "api",
+    "open": "api",
+    "restore_into": "api",
+    "save": "api",
+    "Shard": "callback",
+    "ShardingCallback": "callback",
+    "as_tensorflow_callback": "callback",
+    "shard_tensors": "callback",
+    "validate_shards": "callback",
+    "Checkpoint": "checkpoint",
+    "CheckpointLoadStatus": "checkpoint",
+    "CheckpointManager": "checkpoint",
+    "SaveHandle": "checkpoint",
+    "DeviceSpec": "devices",
+    "CheckpointOptions": "options",
+    "AllInOnePolicy": "policies",
+    "BalancedPolicy": "policies",
+    "BinPackPolicy": "policies",
+    "MaxShardSizePolicy": "policies",
+    "ShardByTaskPolicy": "policies",
+    "get_policy": "api",  # api registers "default" in the policies registry
+    "parse_size": "policies",
+    "PolicyProfile": "profiling",
+    "profile": "profiling",
+    "CheckpointReader": "reader",
+    "Problem": "reader",
+    "VerifyReport": "reader",
+    "SliceSpec": "slices",
+    "check_tiling": "slices",
+    "format_slice_spec": "slices",
+    "parse_slice_spec": "slices",
+    "set_storage_options": "storage",
+    "ShardableTensor": "tensors",
+    "TensorSaveSpec": "tensors",
+    "shardable_tensors": "tensors",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 __version__ = "0.1.0"
 

@@ -35,7 +35,7 @@ from .errors import (
     SplitTensorsWarning,
 )
 from .options import CheckpointOptions, check_threads
-from .policies import register_policy
+from .policies import get_policy, register_policy
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
@@ -534,4 +534,6 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return data
 
 
-__all__ = ["DefaultShardingPolicy", "SaveInfo", "load", "open", "restore_into", "save"]
+__all__ = [
+    "DefaultShardingPolicy", "SaveInfo", "get_policy", "load", "open", "restore_into", "save",
+]

@@ -422,7 +422,10 @@ def _runner(callback: Any) -> Any:
 def as_tensorflow_callback(callback: ShardingCallback) -> Any:
     """`callback` as a ``tf.train.experimental.ShardingCallback`` for TensorFlow's own saver:
     ``tf.train.CheckpointOptions(experimental_sharding_callback=as_tensorflow_callback(p))``.
-    Imports TensorFlow."""
+    Imports TensorFlow (MissingDependencyError without it)."""
+    from .optional import require
+
+    require("tensorflow", "as_tensorflow_callback")
     from .frameworks import tf_sharding
 
     return tf_sharding.as_tensorflow_callback(callback)

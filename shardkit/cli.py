@@ -28,15 +28,18 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .callback import ShardingCallback
 from .errors import CheckpointExistsError, PolicyError, ShardkitError
 from .models import MODELS, load_state_file, synthetic_state
 from .policies import POLICIES, get_policy, parse_size
-from .profiling import format_table, human_size, plot_shard_sizes, plural, profile
-from .tensors import shardable_tensors
+
+if TYPE_CHECKING:
+    from .callback import ShardingCallback
+
+# The handlers import what they use (the save flow, the reader, the profiler), so that the
+# parser alone, `shardkit --version` and `--help`, imports little.
 
 __all__ = [
     "build_parser", "cmd_convert", "cmd_demo", "cmd_inspect", "cmd_plan", "cmd_verify", "main",
@@ -166,6 +169,9 @@ def _add_plan_parser(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .profiling import format_table, human_size, plot_shard_sizes, plural, profile
+    from .tensors import shardable_tensors
+
     if args.model is not None:
         dtype = args.dtype or "float32"
         state = synthetic_state(args.model, dtype=dtype)
@@ -238,7 +244,9 @@ def make_policy(spec: str, defaults: dict[str, Any]) -> ShardingCallback:
     if name == DEFAULT_POLICY:
         if sep:
             raise PolicyError(f"policy {name!r} takes no argument, got {spec!r}")
-        return get_policy(name)  # as save uses it: no argument from `defaults`
+        from .api import DefaultShardingPolicy
+
+        return DefaultShardingPolicy()
     if name not in POLICIES:
         raise PolicyError(
             f"unknown policy {name!r} in {spec!r}; known: {', '.join(_policy_names())}"
@@ -330,6 +338,7 @@ def _add_inspect_parser(sub: Any) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import math
 
+    from .profiling import human_size, plural
     from .reader import open_checkpoint
     from .slices import parse_slice_spec
 
@@ -476,6 +485,7 @@ def _add_convert_parser(sub: Any) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from .api import save
+    from .profiling import human_size
     from .reader import load, open_checkpoint
 
     with open_checkpoint(args.src) as reader:

@@ -32,11 +32,10 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import xxhash
-import zstandard
 
 from ._kernels import _shuffle
 from ._threads import WorkerPool
@@ -62,7 +61,13 @@ from .format import (
     header_length,
 )
 from .format import data_size as region_size
+from .optional import lazy_import
 from .policies import parse_size
+
+if TYPE_CHECKING:
+    import zstandard
+else:
+    zstandard = lazy_import("zstandard", "zstd (.skz) shards")
 
 MAGIC: Final = b"SKZSHRD1"
 FLAG_SHUFFLE: Final = 1

@@ -12,13 +12,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .api import DefaultShardingPolicy, save
-from .format import MANIFEST_FILE
-from .models import state_nbytes, synthetic_state
-from .policies import AllInOnePolicy, BalancedPolicy, BinPackPolicy, MaxShardSizePolicy
-from .profiling import format_table, human_size, plural, profile
-from .reader import load, open_checkpoint
-from .tensors import flatten
+from .models import model_shapes, state_nbytes, synthetic_state
+from .optional import require
+from .profiling import human_size, plural
 
 _GROUP_BYTES = 64 * 2**20
 """The restore phases read, check and drop the state in groups of tensors of about this many
@@ -41,12 +37,22 @@ def run_demo(
     With `progress`, every phase that reads or writes the state shows a tqdm bar on stderr.
     """
     start = time.perf_counter()
-    with _Bar(progress, state_nbytes(model, dtype), "building") as bar:
+    nbytes = state_nbytes(model, dtype)
+    print(f"shardkit demo: model {model!r} ({dtype}), {len(model_shapes(model))} tensors, "
+          f"{human_size(nbytes)}: building it", file=out, flush=True)
+    # The save and restore flow is imported after the first line, so that it shows at once.
+    from .api import DefaultShardingPolicy, save
+    from .format import MANIFEST_FILE
+    from .policies import AllInOnePolicy, BalancedPolicy, BinPackPolicy, MaxShardSizePolicy
+    from .profiling import format_table, profile
+    from .reader import load
+    from .tensors import flatten
+
+    with _Bar(progress, nbytes, "building") as bar:
         state = synthetic_state(model, dtype=dtype, materialize=True, on_progress=bar.to)
     flat = dict(flatten(state))
     total = sum(a.nbytes for a in flat.values())
-    print(f"shardkit demo: model {model!r} ({dtype}), {len(flat)} tensors, "
-          f"{human_size(total)}, built in {time.perf_counter() - start:.2f} s\n", file=out)
+    print(f"built in {time.perf_counter() - start:.2f} s\n", file=out)
 
     policies = {
         DEFAULT_POLICY_LABEL: DefaultShardingPolicy(),
@@ -120,8 +126,7 @@ class _Bar:
     def __init__(self, enabled: bool, total: int, desc: str) -> None:
         self._bar: Any = None
         if enabled:
-            from tqdm.auto import tqdm  # type: ignore[import-untyped]
-
+            tqdm = require("tqdm.auto", "the demo's progress bars").tqdm
             self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                              desc=desc, file=sys.stderr)
 
@@ -160,6 +165,8 @@ def _groups(flat: dict[str, np.ndarray], target: int) -> list[tuple[list[str], i
 
 
 def _verify(path: Path, keys: list[str]) -> int:
+    from .reader import open_checkpoint
+
     with open_checkpoint(path) as reader:  # closed after each group: its pages are unmapped
         return reader.verify(keys)
 

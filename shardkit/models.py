@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .dtypes import STORABLE_NAMES, is_supported
+from .dtypes import STORABLE_NAMES, as_dtype, is_supported
 from .errors import (
     CheckpointFormatError,
-    MissingDependencyError,
     ShardkitError,
     UnknownModelError,
     UnsupportedDTypeError,
 )
+from .optional import require
 from .tensors import unflatten
 
 __all__ = [
@@ -190,7 +190,7 @@ def state_nbytes(name: str, dtype: Any = "float32") -> int:
 
 def _storable_dtype(dtype: Any) -> np.dtype:
     try:
-        dt = np.dtype(dtype)
+        dt = as_dtype(dtype)
     except TypeError:
         raise UnsupportedDTypeError(
             f"unknown dtype {dtype!r}; valid dtypes: {', '.join(STORABLE_NAMES)}"
@@ -308,12 +308,7 @@ def load_state_file(path: str | Path, *, materialize: bool = True) -> dict[str, 
 def _read_safetensors(
     p: Path, materialize: bool
 ) -> tuple[list[tuple[str, tuple[int, ...]]], list[np.dtype], dict[str, np.ndarray] | None]:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise MissingDependencyError(
-            f"reading {str(p)!r} needs the safetensors package: pip install safetensors"
-        ) from None
+    safe_open = require("safetensors", f"reading {str(p)!r}").safe_open
     from .dtypes import numpy_dtype
 
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .callback import ShardingCallback, shard_tensors
-from .errors import MissingDependencyError
+from .optional import require
 from .tensors import ShardableTensor, shardable_tensors
 
 __all__ = ["PolicyProfile", "format_table", "human_size", "plot_shard_sizes", "profile"]
@@ -196,13 +196,9 @@ def plot_shard_sizes(
     range (a limit far above every shard, like the default policy's 5 GB, is named in the panel
     title instead). `title` heads the figure (e.g. the model's name).
     """
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import FixedLocator, MaxNLocator
-    except ImportError:
-        raise MissingDependencyError(
-            "plotting shard sizes needs matplotlib: pip install shardkit[plot]"
-        ) from None
+    require("matplotlib", "plotting shard sizes")
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, MaxNLocator
     # Figure without pyplot: no global state, no GUI backend; savefig renders with Agg.
     n = max(1, len(profiles))
     fig = Figure(figsize=(8.0, 1.0 + 2.2 * n + (0.4 if title else 0.0)), layout="constrained")

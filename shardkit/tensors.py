@@ -18,12 +18,11 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Any, NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from ._kernels import _table
 from .devices import DeviceSpec
-from .dtypes import STORABLE, is_supported
+from .dtypes import is_supported, numpy_dtype, storable
 from .errors import (
     InvalidArgumentTypeError,
     InvalidKeyError,
@@ -122,13 +121,14 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
     keys, arrays = flatten_columns(state)
     devices: list[DeviceSpec] = [default] * len(keys)
     moved = False  # a leaf came from a device of its own
-    described = _table.describe_arrays(arrays, STORABLE)  # one pass over plain numpy leaves
+    stored = storable()  # the set itself: it gains ml_dtypes' dtypes when they are imported
+    described = _table.describe_arrays(arrays, stored)  # one pass over plain numpy leaves
     if described is None:  # framework tensors, other types or byte orders: convert those
-        ndarray, storable = np.ndarray, STORABLE
+        ndarray = np.ndarray
         taken: list[int] = []
         tf_rows: list[int] = []  # TensorFlow values: converted in one batch
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
-            if not (type(value) is ndarray and value.dtype in storable):
+            if not (type(value) is ndarray and value.dtype in stored):
                 if _is_tf(value):  # strings among them too: sorted out in the batch
                     tf_rows.append(i)
                     continue
@@ -156,7 +156,7 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
             keys = [keys[i] for i in keep]
             arrays = [arrays[i] for i in keep]
             devices = [devices[i] for i in keep]
-        described = _table.describe_arrays(arrays, STORABLE) or (
+        described = _table.describe_arrays(arrays, storable()) or (
             list(map(_dtype_of, arrays)), _table.array_nbytes(arrays),
             list(map(_shape_of, arrays)))
     if fixed is not None:
@@ -473,9 +473,9 @@ def torch_reinterpret() -> dict[Any, tuple[Any, np.dtype]]:
     import torch
 
     table = {
-        torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
-        getattr(torch, "float8_e4m3fn", None): (torch.uint8, np.dtype(ml_dtypes.float8_e4m3fn)),
-        getattr(torch, "float8_e5m2", None): (torch.uint8, np.dtype(ml_dtypes.float8_e5m2)),
+        torch.bfloat16: (torch.int16, numpy_dtype("BF16")),
+        getattr(torch, "float8_e4m3fn", None): (torch.uint8, numpy_dtype("F8_E4M3")),
+        getattr(torch, "float8_e5m2", None): (torch.uint8, numpy_dtype("F8_E5M2")),
     }
     table.pop(None, None)  # float8 types this torch does not have
     return table

@@ -25,6 +25,7 @@ from ._kernels import _gather, _table
 from .callback import TaskShard
 from .dtypes import safetensors_name
 from .errors import InvalidArgumentError, ShardkitError
+from .optional import require
 from .slices import parse_slice_spec
 from .storage import ShardFile, Storage, open_storage
 from .strings import StringColumns
@@ -238,8 +239,7 @@ _device_of = operator.attrgetter("device")
 def _progress_bar(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
-    from tqdm.auto import tqdm  # type: ignore[import-untyped]
-
+    tqdm = require("tqdm.auto", "progress=True").tqdm
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="saving")
 
 

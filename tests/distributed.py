@@ -7,8 +7,10 @@ group on 127.0.0.1 through a FileStore in a fresh temp directory (no ports to co
 ``fn(rank, world, *args)`` and sends back what it returned, or the exception it raised. The
 call returns the list of results in rank order (exceptions as values, with the rank's traceback
 as a note; see `raise_any`), and fails the test if a rank is not done within `timeout` seconds
-(every rank is killed then). With ``stop_on_kill=True`` a rank that dies of a signal tears the
-job down, as a launcher does: the other ranks are killed at once.
+of the moment every rank had started (imported torch and joined the group; that may take up
+to START_TIMEOUT on a busy machine); every rank is killed then. With ``stop_on_kill=True`` a
+rank that dies of a signal tears the job down, as a launcher does: the other ranks are killed
+at once.
 `fn` and its arguments must be picklable (module-level functions). Spawning costs about 2 s per
 process (importing torch), so a test should run several cases per spawn.
 
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 GROUP_TIMEOUT = 60.0  # seconds; gloo's own timeout for the process group
+START_TIMEOUT = 600.0  # seconds for every rank to import torch and join: only a hang is slower
 
 
 class RankError(Exception):
@@ -63,6 +66,7 @@ def _worker(rank: int, world: int, store_file: str | None, results: Any,
     try:
         if store_file is not None:
             init_group(rank, world, store_file)
+        results.put((rank, None))  # ready: `timeout` counts from here
         value: Any = fn(rank, world, *args)
     except BaseException as e:
         e.add_note(f"in rank {rank} of {world}:\n" + "".join(traceback.format_exception(e)))
@@ -98,15 +102,25 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
         for p in procs:
             p.start()
         got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
+        ready: set[int] = set()
+        deadline = time.monotonic() + START_TIMEOUT
         try:
             while len(got) < world:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if len(ready) < world:
+                        raise TimeoutError(
+                            f"ranks {sorted(set(range(world)) - ready)} of {world} not started "
+                            f"(torch imported, group joined) within {START_TIMEOUT} s")
                     raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} of "
                                        f"{world} not done within {timeout} s")
                 try:
                     rank, payload = results.get(timeout=min(left, 0.25))
+                    if payload is None:
+                        ready.add(rank)
+                        if len(ready) == world:  # every rank has started: now the work
+                            deadline = time.monotonic() + timeout
+                        continue
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs)
                             if r not in got and p.exitcode is not None]
@@ -114,7 +128,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
                         time.sleep(0.5)  # a result may still be in the pipe
                         while not results.empty():
                             rank, payload = results.get()
-                            got[rank] = pickle.loads(payload)
+                            if payload is not None:
+                                got[rank] = pickle.loads(payload)
                         if stop_on_kill and any(r not in got and (procs[r].exitcode or 0) < 0
                                                 for r in dead):
                             for p in procs:

@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 KEY = "testing"
-START_TIMEOUT = 30.0
+START_TIMEOUT = 300.0  # seconds for moto to import and answer: only a hang is slower
 
 
 def free_port() -> int:

@@ -254,19 +254,21 @@ def run_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
 
 def test_interpreter_exit_waits_for_pending_write(tmp_path):
     proc = run_script(tmp_path, """
-        import sys, time
+        import sys, threading
         import numpy as np
         import shardkit.api as api
         from shardkit.checkpoint import Checkpoint
         from shardkit.options import CheckpointOptions
         real = api.save
+        gate = threading.Event()  # the write waits until the main thread has looked
         def slow(*a, **k):
-            time.sleep(0.5)
+            gate.wait(60)
             return real(*a, **k)
         api.save = slow
         h = Checkpoint(s={"x": np.arange(4.0)}).save(sys.argv[1] + "/c",
                                                      CheckpointOptions(enable_async=True))
         print("returned", h.done())
+        gate.set()
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "returned False"
@@ -279,21 +281,23 @@ def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path, compre
     ThreadPoolExecutor would refuse them ("cannot schedule new futures after interpreter
     shutdown")."""
     proc = run_script(tmp_path, """
-        import sys, time
+        import sys, threading
         import numpy as np
         import shardkit.api as api
         from shardkit.checkpoint import Checkpoint
         from shardkit.options import CheckpointOptions
         api.SINGLE_SHARD_BELOW = 0  # several shards, so several writer threads
         real = api.save
+        gate = threading.Event()  # the write waits until the main thread has looked
         def slow(*a, **k):
-            time.sleep(0.5)
+            gate.wait(60)
             return real(*a, **k)
         api.save = slow
         state = {f"x{i}": np.full(1000, i, np.float32) for i in range(4)}
         h = Checkpoint(s=state).save(sys.argv[1] + "/c", CheckpointOptions(
             enable_async=True, threads=2, compression=COMPRESSION))
         print("returned", h.done())
+        gate.set()
     """.replace("COMPRESSION", compression))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "returned False"
@@ -370,7 +374,7 @@ def test_forked_child_does_not_wait_for_the_parents_write(tmp_path, gate):
             os._exit(code)
     import time
 
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 300  # a hang, not a slow machine, runs out of it
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     if done[0] == 0:

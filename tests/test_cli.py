@@ -261,13 +261,13 @@ def test_plan_llm_1b_uses_little_memory():
 
 
 def test_multi_line_errors_are_printed_on_one_line(capsys, monkeypatch):
-    from shardkit import cli
+    from shardkit import profiling
     from shardkit.errors import ShardingValidationError
 
     def broken(tensors, policies):
         raise ShardingValidationError("rule 'x' broken.\n  callback: c\n  key: 'k'")
 
-    monkeypatch.setattr(cli, "profile", broken)
+    monkeypatch.setattr(profiling, "profile", broken)  # the command imports it when it runs
     assert main(["plan", "--model", "llm-tiny", "--policy", "by-task"]) == 1
     err = capsys.readouterr().err
     assert err == "shardkit: error: rule 'x' broken. callback: c key: 'k'\n"
@@ -357,15 +357,15 @@ def test_plot_shares_y_scale_integer_ticks_limit_line_and_title(tmp_path):
 
 def test_plan_plot_names_the_model(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib", reason="matplotlib (the [plot] extra) is not installed")
-    from shardkit import cli
+    from shardkit import profiling
 
     seen = {}
-    real = cli.plot_shard_sizes
+    real = profiling.plot_shard_sizes
 
     def spy(profiles, path, **kwargs):
         seen["fig"] = real(profiles, path, **kwargs)
         return seen["fig"]
 
-    monkeypatch.setattr(cli, "plot_shard_sizes", spy)
+    monkeypatch.setattr(profiling, "plot_shard_sizes", spy)
     assert main(["plan", "--model", "llm-tiny", "--plot", str(tmp_path / "p.png")]) == 0
     assert seen["fig"].get_suptitle() == "shard sizes of model llm-tiny (float32)"

@@ -76,7 +76,11 @@ def _equal(loaded: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> bo
     )
 
 
-def _kill_rounds(tmp_path: Path, rounds: int, exchange: bool) -> list[str]:
+def _kill_rounds(tmp_path: Path, rounds: int, exchange: bool,
+                 until_leftovers: bool = False) -> list[str]:
+    """`rounds` saves over the checkpoint, each SIGKILLed at a random point of its length (as
+    measured, and shortened by every save that ended before its kill); with `until_leftovers`,
+    more rounds (5 times as many at most) until a kill landed while the save was writing."""
     path = tmp_path / "ckpt"
     old_seed, new_seed = 1, 2
     old, new = _state(old_seed), _state(new_seed)
@@ -88,14 +92,18 @@ def _kill_rounds(tmp_path: Path, rounds: int, exchange: bool) -> list[str]:
     duration = float(out.split()[-1])
     outcomes = []
     rng = random.Random(20240611 + exchange)
-    for _ in range(rounds):
+    while len(outcomes) < rounds or (
+            until_leftovers and not any(o.endswith("+leftovers") for o in outcomes)
+            and len(outcomes) < 5 * rounds):
         child = _spawn(path, new_seed, exchange)
         try:
             assert child.stdout.readline().strip() == "ready"
             time.sleep(rng.uniform(0, 1.3 * duration))
             child.send_signal(signal.SIGKILL)
         finally:
-            child.communicate(timeout=120)
+            out, _ = child.communicate(timeout=120)
+        if out.strip():  # the save ended before the kill: aim within its length next time
+            duration = min(duration, float(out.split()[-1]))
         loaded = load(path, verify=True)  # after the fallback's first rename: recovered by it
         if _equal(loaded, old):
             outcomes.append("old")
@@ -114,8 +122,8 @@ def _kill_rounds(tmp_path: Path, rounds: int, exchange: bool) -> list[str]:
 
 
 def test_sigkill_during_overwrite_by_exchange(tmp_path):
-    outcomes = _kill_rounds(tmp_path, rounds=20, exchange=True)
-    assert len(outcomes) == 20
+    outcomes = _kill_rounds(tmp_path, rounds=20, exchange=True, until_leftovers=True)
+    assert len(outcomes) >= 20
     # The kills are spread over the save: some must land while it is writing.
     assert any(o.endswith("+leftovers") for o in outcomes), outcomes
 

@@ -34,7 +34,7 @@ import shardkit  # noqa: E402
 from shardkit.callback import ShardingCallback  # noqa: E402
 from shardkit.slices import format_slice_spec  # noqa: E402
 
-SPAWN_TIMEOUT = 120.0  # seconds for one spawn: start, torch import, all of its cases
+SPAWN_TIMEOUT = 120.0  # seconds for all the cases of one spawn, from when its ranks started
 
 
 # --- the states and their checkpoints (built in the test process) -------------------------------

@@ -396,7 +396,8 @@ def test_framework_not_installed(tmp_path, monkeypatch, framework):
     shardkit.save(tmp_path / "c", {"a": np.ones(2)}, durable=False)
     monkeypatch.setitem(sys.modules, framework, None)  # import fails as if not installed
     with pytest.raises(MissingDependencyError,
-                       match=f"framework='{framework}' needs the {framework} package"):
+                       match=f"framework='{framework}' needs {framework}, which cannot be "
+                             f'imported .*: pip install "shardkit\\[{framework}\\]"'):
         shardkit.load(tmp_path / "c", framework=framework)
     with shardkit.open(tmp_path / "c") as r, pytest.raises(ShardkitError, match="'numpy'"):
         r.get("a", framework=framework)

@@ -238,7 +238,8 @@ def test_load_safetensors_without_the_package(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"\0" * 16)
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    with pytest.raises(MissingDependencyError, match="pip install safetensors"):
+    with pytest.raises(MissingDependencyError,
+                       match=r'pip install "shardkit\[huggingface\]" \(or pip install safetensors'):
         load_state_file(path)
 
 

@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import shardkit
@@ -20,13 +21,76 @@ def run(code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env=env)
 
 
-def test_import_pulls_in_no_framework():
-    out = run("""
+# imported by the calls that need them, never by `import shardkit` or the command's parser
+DEFERRED = ("ml_dtypes", "orjson", "tqdm", "zstandard", "google.protobuf", "google_crc32c",
+            "torch", "jax", "tensorflow", "matplotlib", "fsspec", "s3fs", "safetensors",
+            "transformers")
+
+
+def test_import_pulls_in_no_optional_or_slow_package():
+    out = run(f"""
         import sys, shardkit
-        print(sorted(m for m in ("torch", "jax", "tensorflow", "matplotlib") if m in sys.modules))
+        print(sorted(m for m in {DEFERRED!r} if m in sys.modules))
     """)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["inspect", "--help"]])
+def test_command_line_parser_pulls_in_no_optional_or_slow_package(argv):
+    out = run(f"""
+        import sys
+        from shardkit.cli import main
+        code = main({argv!r})
+        print(code, sorted(m for m in {DEFERRED!r} if m in sys.modules))
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_public_names_resolve_and_are_the_modules_own():
+    """Every name of shardkit.__all__ is there on first access (imported with its module), and
+    the lazily imported ones are exactly those imported for type checkers."""
+    import ast
+
+    for name in shardkit.__all__:
+        assert getattr(shardkit, name) is not None, name
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    checked = next(n for n in tree.body if isinstance(n, ast.If)
+                   and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.name: node.module for node in checked.body for a in node.names}
+    assert typed == shardkit._LAZY
+    for name, module in typed.items():
+        assert getattr(shardkit, name) is getattr(__import__(f"shardkit.{module}",
+                                                              fromlist=["x"]), name)
+    assert shardkit.api is sys.modules["shardkit.api"]  # submodules by attribute, as before
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        shardkit.no_such_name  # noqa: B018
+
+
+def test_ml_dtypes_is_imported_by_the_calls_that_need_it(tmp_path):
+    """bfloat16 / float8 work wherever they are used: a checkpoint that holds them, a state
+    built with them, arrays of them made after ``import shardkit``."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    shardkit.save(tmp_path / "bf", {"w": np.arange(3).astype(ml_dtypes.bfloat16)}, durable=False)
+    out = run(f"""
+        import sys, numpy as np, shardkit
+        state = shardkit.load({str(tmp_path / "bf")!r})
+        print(state["w"].dtype, state["w"].tolist(), "ml_dtypes" in sys.modules)
+        from shardkit.models import synthetic_state
+        state = synthetic_state("llm-tiny", dtype="float8_e4m3fn")
+        print(state["model"]["embed_tokens"]["weight"].dtype)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["bfloat16 [0.0, 1.0, 2.0] True", "float8_e4m3fn"]
+    out = run(f"""
+        import shardkit, ml_dtypes, numpy as np
+        a = np.arange(4).astype(ml_dtypes.float8_e5m2)
+        shardkit.save({str(tmp_path / "f8")!r}, {{"a": a, "b": np.ones(2, np.float32)}})
+        print(shardkit.load({str(tmp_path / "f8")!r})["a"].dtype)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "float8_e5m2"
 
 
 def test_missing_build_fails_loudly_with_instructions():

@@ -473,3 +473,16 @@ def test_get_policy_default_is_the_policy_save_and_plan_use():
     assert get_policy("default", threads=3).threads == 3
     with pytest.raises(PolicyError, match="policy 'default' cannot be built from"):
         get_policy("default", shards=3)
+
+
+def test_get_policy_default_from_a_fresh_interpreter():
+    """`shardkit.get_policy("default")` works as the first call (the package imports lazily;
+    the default policy registers itself with the module that defines it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import shardkit; print(type(shardkit.get_policy('default')).__name__)"],
+        capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "DefaultShardingPolicy", out.stderr

@@ -271,7 +271,7 @@ def test_plot_of_no_profiles_still_writes_a_png(tmp_path):
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(MissingDependencyError, match=r"pip install shardkit\[plot\]"):
+    with pytest.raises(MissingDependencyError, match=r'pip install "shardkit\[plot\]"'):
         plot_shard_sizes([], tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
 

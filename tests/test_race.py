@@ -2,8 +2,10 @@
 
 A second process overwrites the checkpoint again and again (every tensor of save number n holds
 n); this process reads it meanwhile in every read mode. Each read must return tensors of one save
-only, or raise a ShardkitError that says the checkpoint was replaced; never a mix. The race runs
-for SHARDKIT_RACE_SECONDS (default 30) in all.
+only, or raise a ShardkitError that says the checkpoint was replaced; never a mix. Each race
+lasts at least SHARDKIT_RACE_SECONDS / 2 (default 30 in all) and until the writer has made
+MIN_SAVES saves and every read mode has read: a loaded machine makes it longer, never thinner;
+the writer not starting or stalling fails after a generous bound.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,23 +28,71 @@ from shardkit.errors import ShardkitError
 SECONDS = float(os.environ.get("SHARDKIT_RACE_SECONDS", "30"))
 N_TENSORS = 24
 
+MIN_SAVES = 10
+LIMIT = 900.0  # seconds for the writer to start, or to make its next save: only a hang is slower
+
 WRITER = textwrap.dedent("""
-    import sys, time, warnings
+    import os, sys, time, warnings
     import numpy as np
     import shardkit
     # MaxShardSizePolicy stores tensors as slices: expected, not worth a line per save
     warnings.simplefilter("ignore", shardkit.SplitTensorsWarning)
-    path, codec, stop_at = sys.argv[1], sys.argv[2] or None, float(sys.argv[3])
+    path, codec, stop = sys.argv[1], sys.argv[2] or None, sys.argv[3]
     policy = shardkit.MaxShardSizePolicy(max_shard_size=8192)
     n = 1
-    while time.time() < stop_at:
+    while not os.path.exists(stop):
         state = {f"t{i:02d}": np.full(1024 + 7 * i, n, np.int32) for i in range(N_TENSORS)}
         shardkit.save(path, state, sharding_callback=policy, overwrite=True, durable=False,
                       compression=codec)
+        print(n, flush=True)  # one line per save: the test follows the writer's progress
         n += 1
         time.sleep(0.05)
-    print(n - 1)
 """).replace("N_TENSORS", str(N_TENSORS))
+
+
+class Writer:
+    """The overwriting process, the number of saves it has made so far, and its stop."""
+
+    def __init__(self, path: str, codec: str, stop: str) -> None:
+        self.stop_file = stop
+        self.proc = subprocess.Popen([sys.executable, "-c", WRITER, path, codec, stop],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.saves = 0
+        self.progressed = threading.Event()
+        self.last = time.monotonic()
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.saves = int(line)
+            self.last = time.monotonic()
+            self.progressed.set()
+
+    def wait_started(self) -> None:
+        """Until the first save is done (fails if the writer exits or takes over LIMIT)."""
+        deadline = time.monotonic() + LIMIT
+        while not self.progressed.wait(1.0):
+            assert self.proc.poll() is None, f"the writer exited: {self.proc.stderr.read()}"
+            assert time.monotonic() < deadline, f"the writer made no save in {LIMIT:.0f} s"
+
+    def check_alive(self) -> None:
+        """The writer is running and made a save within LIMIT."""
+        assert self.proc.poll() is None, f"the writer exited: {self.proc.stderr.read()}"
+        assert time.monotonic() - self.last < LIMIT, (
+            f"the writer made no save in {LIMIT:.0f} s (after save {self.saves})")
+
+    def finish(self) -> tuple[int, str]:
+        """Stop the writer; its exit code and stderr."""
+        Path(self.stop_file).touch()
+        try:
+            _, err = self.proc.communicate(timeout=LIMIT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        self.thread.join(timeout=60)
+        return self.proc.returncode, err
 
 
 def _rounds(arrays) -> set[int]:
@@ -77,16 +129,24 @@ def test_reader_never_mixes_generations(tmp_path, codec):
     with pytest.warns(shardkit.SplitTensorsWarning, match=f"stored {N_TENSORS} tensors"):
         shardkit.save(path, first, durable=False, compression=codec or None,
                       sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=8192))
-    seconds = SECONDS / 2
-    stop_at = time.time() + seconds
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, path, codec, str(stop_at)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writer = Writer(path, codec, str(tmp_path / "stop"))
     outcomes: Counter[str] = Counter()
     mixed = []
     seen: set[int] = set()
+
+    def raced_enough() -> bool:
+        return (writer.saves >= MIN_SAVES and len(seen) > 5 and time.monotonic() >= until
+                and all(outcomes[f"{mode}: ok"] > 0 for mode in ("load", "load_pread",
+                                                                  "load_verify"))
+                and all(any(k.startswith(f"{m}: ") for k in outcomes) for m in MODES))
+
     try:
+        writer.wait_started()
+        until = time.monotonic() + SECONDS / 2  # the race's least length, from the first save
+        give_up = until + LIMIT  # the asserts below then say what the race lacked
         i = 0
-        while time.time() < stop_at:
+        while not raced_enough() and time.monotonic() < give_up:
+            writer.check_alive()
             mode = MODES[i % len(MODES)]
             i += 1
             try:
@@ -99,11 +159,11 @@ def test_reader_never_mixes_generations(tmp_path, codec):
                 mixed.append((mode, sorted(rounds)))
             outcomes[f"{mode}: ok"] += 1
     finally:
-        out, err = writer.communicate(timeout=120)
-    assert writer.returncode == 0, err
-    saves = int(out.strip())
+        code, err = writer.finish()
+    assert code == 0, err
+    saves = writer.saves
     assert not mixed, f"{len(mixed)} reads mixed checkpoints, e.g. {mixed[:3]}; {outcomes}"
-    assert saves > 10 and len(seen) > 5, (saves, outcomes)  # the race did take place
+    assert saves >= MIN_SAVES and len(seen) > 5, (saves, outcomes)  # the race took place
     for mode in MODES:  # every mode read while checkpoints were being replaced
         assert sum(v for k, v in outcomes.items() if k.startswith(f"{mode}: ")) > 0, outcomes
     for mode in ("load", "load_pread", "load_verify"):

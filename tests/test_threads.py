@@ -44,10 +44,15 @@ def test_pool_hands_errors_to_the_caller_and_keeps_working():
 
 def test_pool_shutdown_can_cancel_queued_work():
     pool = WorkerPool(1, "test")
-    gate = threading.Event()
-    first = pool.submit(gate.wait, 5)
+    gate, started = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        started.set()
+        return gate.wait(60)
+
+    first = pool.submit(hold)
     queued = [pool.submit(lambda: 1) for _ in range(3)]
-    time.sleep(0.05)  # the one worker is now inside gate.wait
+    assert started.wait(60)  # the one worker is now inside gate.wait
     pool.shutdown(wait=False, cancel_futures=True)
     _, not_done = wait(queued, timeout=5)  # cancelled futures count as done at once
     assert not not_done and all(f.cancelled() for f in queued)

@@ -13,10 +13,9 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
-import orjson
 
 from ..dtypes import SAFETENSORS_NAMES
 from ..errors import (
@@ -27,8 +26,14 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from ..keys import check_keys
+from ..optional import lazy_import
 from ..slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
 from ..tensors import _columns_constructor, _gc_paused
+
+if TYPE_CHECKING:
+    import orjson
+else:
+    orjson = lazy_import("orjson", "a checkpoint's manifest")
 from .common import (
     _ITEMSIZE,
     FORMAT_MAJOR,

@@ -24,9 +24,7 @@ asked) and name every file they open with `format.check_shard_file_name` first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
-
-import orjson
+from typing import TYPE_CHECKING, Final
 
 from ..errors import CheckpointNotFoundError, CheckpointReplacedError
 from ..files import BUNDLE_INDEX_SUFFIX, CheckpointDirectory
@@ -37,11 +35,17 @@ from ..format import (
     MAX_INDEX_BYTES,
     CheckpointIndex,
 )
+from ..optional import lazy_import
 from .base import FormatAdapter, ParsedHeader
 from .huggingface import HUGGINGFACE, SAFETENSORS
 from .shardkit import SHARDKIT
 from .tensorbundle.adapter import TENSORBUNDLE, state_target
 from .tensorbundle.names import STATE_FILE as TF_STATE_FILE
+
+if TYPE_CHECKING:
+    import orjson
+else:
+    orjson = lazy_import("orjson", "a checkpoint's manifest")
 
 HF_INDEX_FILE: Final = MANIFEST_FILE
 """HuggingFace's sharded-checkpoint manifest (transformers' SAFE_WEIGHTS_INDEX_NAME), which is

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
+from ..optional import require
 from ..tensors import _gc_paused
 
 FRAMEWORKS: tuple[str, ...] = ("numpy", "torch", "jax", "tensorflow")
@@ -50,11 +51,9 @@ def converter(framework: str = "numpy", device: Any = None) -> Converter | None:
     if framework not in FRAMEWORKS:
         raise InvalidArgumentError(f"unknown framework {framework!r}; choose {_OPTIONS}")
     try:
-        importlib.import_module(framework)
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"framework={framework!r} needs the {framework} package, which cannot be imported "
-            f"({e}); install it, or choose another of {_OPTIONS}") from e
+        require(framework, f"framework={framework!r}")
+    except MissingDependencyError as e:
+        raise MissingDependencyError(f"{e}; or choose another of {_OPTIONS}") from None
     module = importlib.import_module(f"{__name__}.{framework}")
     conv: Converter = module.converter(device)
     return conv

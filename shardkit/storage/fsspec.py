@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from .._threads import WorkerPool
 from ..errors import MissingDependencyError, StorageError
+from ..optional import missing, require
 from .base import Fetched, ShardFile, Storage, Stored, coalesce, with_retries
 
 _T = TypeVar("_T")
@@ -43,13 +44,7 @@ def _upload_pool() -> WorkerPool:
 
 
 def _import_fsspec() -> Any:
-    try:
-        import fsspec  # type: ignore[import-untyped]
-    except ImportError:
-        raise MissingDependencyError(
-            "reading or writing a URL needs fsspec (and s3fs for s3://): "
-            "pip install 'shardkit[s3]'") from None
-    return fsspec
+    return require("fsspec", "reading or writing a URL")
 
 
 class FsspecStorage(Storage):
@@ -61,8 +56,10 @@ class FsspecStorage(Storage):
         self.url = url.rstrip("/")
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-        except ImportError as e:
-            raise MissingDependencyError(f"{url}: {e} (pip install 'shardkit[s3]')") from None
+        except ImportError as e:  # the store's own package (s3fs for s3://)
+            if self.url.startswith(("s3://", "s3a://")):
+                raise missing("s3fs", f"{url}", e) from None
+            raise MissingDependencyError(f"{url}: {e} (the package fsspec names)") from None
         self.root = root.rstrip("/")
         self.s3 = hasattr(self.fs, "_call_s3")
         self.conditional = self.s3

@@ -142,9 +142,7 @@ def state_target(directory: CheckpointDirectory) -> str | None:
     data = directory.read_manifest(STATE_FILE, 1 << 20)
     if data is None:
         return None
-    from google.protobuf import text_format  # type: ignore[import-untyped]
-
-    from .protos import CheckpointState
+    from .protos import CheckpointState, text_format
 
     path = directory.join(STATE_FILE)
     state = CheckpointState()
@@ -176,9 +174,7 @@ def state_target(directory: CheckpointDirectory) -> str | None:
 
 
 def _entry(key: bytes, value: bytes, path: str) -> Any:
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-
-    from .protos import BundleEntryProto
+    from .protos import BundleEntryProto, DecodeError
 
     entry = BundleEntryProto()
     try:
@@ -204,9 +200,7 @@ def _shape(entry: Any, key: str, path: str) -> tuple[int, ...]:
 def _dims(encoded: bytes, raw_key: bytes, value: bytes, key: str, path: str
           ) -> tuple[int, ...]:
     """The dims of an encoded TensorShapeProto; any problem is worded by `_shape`."""
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-
-    from .protos import TensorShapeProto
+    from .protos import DecodeError, TensorShapeProto
 
     try:
         m = TensorShapeProto.FromString(encoded)
@@ -285,9 +279,7 @@ def decode_bundle(data: bytes, path: str, prefix: str,
                   directory: CheckpointDirectory) -> TensorBundleIndex:
     """The table of the bundle whose ``.index`` bytes are `data` (file `path`); the data files
     (`prefix` + ``.data-*``) are opened through `directory` for their sizes."""
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-
-    from .protos import MARKS, BundleHeaderProto
+    from .protos import MARKS, BundleHeaderProto, DecodeError
 
     raw_keys, framed, lengths = read_table_framed(data, path, MARKS)
     if not raw_keys or raw_keys[0] != b"":
@@ -397,9 +389,7 @@ def _has_key(keys: list[str], key: str) -> bool:
 def _entry_columns(body: list[tuple[bytes, bytes]], n: int, path: str) -> _Columns:
     """The columns of the entries `body` (key, value), each entry decoded as a message of its
     own: any bundle, and the wording of every error."""
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-
-    from .protos import parse_entries
+    from .protos import DecodeError, parse_entries
 
     try:
         # one protobuf call for all entries, their shapes left encoded (`protos`)
@@ -426,9 +416,7 @@ def _merged_shapes(values: list[bytes]) -> list[int]:
     """The entries (of encodings `values`) that hold their shape field more than once, which
     protobuf merges: their shapes are not the last one's bytes. All of them when that cannot
     be told (an entry holds a shape of one byte, which is none)."""
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-
-    from .protos import MARKS, parse_columns
+    from .protos import MARKS, DecodeError, parse_columns
 
     try:
         column = parse_columns(b"".join(chain.from_iterable(zip(repeat(MARKS), values)))).shape
@@ -513,9 +501,7 @@ def _framed_columns(raw_keys: list[bytes], framed: bytearray, start: int, length
     entry holds each field at most once, in its shortest form, and nothing else: then its
     length is the sum of its fields' encoded sizes, which is checked for every entry (an
     entry holding more than that is longer than the fields found for it)."""
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-
-    from .protos import MARKS, parse_columns
+    from .protos import MARKS, DecodeError, parse_columns
 
     count = len(raw_keys)
     if count and raw_keys[0][:1] == b"\x00":
@@ -663,9 +649,7 @@ def _shapes_at_once(distinct: list[bytes]) -> list[tuple[int, ...]] | None:
     if any
     does not decode or is not a shape shardkit reads (unknown rank, a negative or too large
     dimension)."""
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-
-    from .protos import parse_shapes
+    from .protos import DecodeError, parse_shapes
 
     try:
         messages = parse_shapes(distinct)

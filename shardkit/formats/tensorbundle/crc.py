@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import MissingDependencyError
+from ...optional import missing
 
 _STEP = 1 << 20
 _extend: Callable[[int, Any], int] | None = None
@@ -28,13 +28,12 @@ def _load() -> Callable[[int, Any], int]:
                 crc = int(cext.extend(crc, bytes(mv[i : i + _STEP])))
             return crc
         _extend = ext
-    except ImportError:
+    except ImportError as e:
         try:
             import crc32c as pkg  # type: ignore[import-not-found]
         except ImportError:
-            raise MissingDependencyError(
-                "reading or writing TensorFlow checkpoints needs a crc32c package: pip install "
-                "google-crc32c (or crc32c), e.g. pip install 'shardkit[tensorflow]'") from None
+            raise missing("google_crc32c", "reading or writing a TensorFlow checkpoint "
+                          "(TensorBundle, its crc32c checksums)", e) from None
 
         def ext2(crc: int, data: Any) -> int:
             return int(pkg.crc32c(memoryview(data).cast("B"), crc))

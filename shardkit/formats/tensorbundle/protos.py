@@ -15,13 +15,18 @@ from collections.abc import Sequence
 from itertools import chain
 from typing import Any, Final
 
-from google.protobuf import (  # type: ignore[import-untyped]
+from ...optional import require
+from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
+
+# the one import of protobuf: the other modules of the package take its names from here
+require("google.protobuf", "reading or writing a TensorFlow checkpoint (TensorBundle)")
+from google.protobuf import (  # type: ignore[import-untyped]  # noqa: E402
     descriptor_pb2,
     descriptor_pool,
     message_factory,
+    text_format,
 )
-
-from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # noqa: E402
 
 _F: Any = descriptor_pb2.FieldDescriptorProto
 _OPT, _REP = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
@@ -202,7 +207,8 @@ def parse_columns(framed: bytes | bytearray | memoryview) -> Any:
     return BundleEntryFields.FromString(framed)
 
 
-__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "MARKS", "SHAPE_MARK", "BundleEntries",
+__all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "MARKS", "DecodeError", "SHAPE_MARK", "BundleEntries",
            "BundleEntryFields", "BundleEntryProto",
            "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorShapes",
-           "TensorSliceProto", "VersionDef", "parse_columns", "parse_entries", "parse_shapes"]
+           "TensorSliceProto", "VersionDef", "parse_columns", "parse_entries", "parse_shapes",
+           "text_format"]

@@ -68,7 +68,10 @@ class BundleData(RawShard):
 
 
 def _align(dtype_name: str) -> int:
-    from ...dtypes import _BY_NAME
+    from ...dtypes import numpy_dtype
+    from ...errors import UnsupportedDTypeError
 
-    dt = _BY_NAME.get(dtype_name)
-    return dt.alignment if dt is not None else 1
+    try:
+        return numpy_dtype(dtype_name).alignment
+    except UnsupportedDTypeError:
+        return 1
