@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -767,19 +768,30 @@ def serve(seeds: Path) -> None:
     tb_original = as_tensorbundle_reads(original)
     for seed in ("raw", "zstd", "tb"):  # warm up: every lazy import and first-use cost, once
         run_entry_points(str(seeds / seed), tb_original if seed == "tb" else original)
+    def mutant(line: str) -> tuple[str, dict[str, np.ndarray], bool]:
+        path, _, answer = line.partition("\t")
+        want = tb_original if is_tensorbundle(path) else original
+        if not answer:
+            return path, want, False
+        with open(answer, "rb") as f:
+            told = pickle.load(f)["data"]
+        return (path, want, True) if told is None else (path, told, False)
+
+    _serve_each(mutant)
+
+
+def _serve_each(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]) -> None:
+    """For each line of stdin, fork a child that reads the mutant `mutant(line)` names (its
+    path, the data that is right, whether every read must fail) and print the child's result
+    as one JSON line. The paths ``!segv`` and ``!sleep`` check the harness itself."""
     for line in sys.stdin:
-        path, _, answer = line.rstrip("\n").partition("\t")
-        want, refused = tb_original if is_tensorbundle(path) else original, False
-        if answer:
-            with open(answer, "rb") as f:
-                told = pickle.load(f)["data"]
-            want, refused = (want, True) if told is None else (told, False)
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child
             os.close(r)
             code = 0
             try:
+                path, want, refused = mutant(line.rstrip("\n"))
                 if path == "!segv":  # the harness's own check: a crash is seen as one
                     os.kill(os.getpid(), signal.SIGSEGV)
                 if path == "!sleep":
@@ -892,23 +904,7 @@ def serve_foreign(seeds: Path) -> None:
 
     for seed in FOREIGN_SEEDS:  # warm up, as `serve` does
         run_entry_points(str(seeds / seed), truth(seeds / seed))
-    for line in sys.stdin:
-        path = line.strip()
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child
-            os.close(r)
-            code = 0
-            try:
-                _child(path, truth(Path(path)), w)
-            except BaseException:
-                code = 3
-            os._exit(code)
-        os.close(w)
-        result = _wait(pid, r)
-        os.close(r)
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
+    _serve_each(lambda line: (line.strip(), truth(Path(line.strip())), False))
 
 
 FOREIGN_SEEDS = ("hf", "st", "sk")

@@ -591,3 +591,25 @@ def test_a_publish_failing_halfway_removes_the_files_it_moved_in(tmp_path, monke
         shardkit.save(prefix, {"a": np.zeros(3)}, format="tensorflow", overwrite=True)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_slice_entries_of_no_listed_tensor_are_refused(tmp_path, tf):
+    """A table whose sliced tensor lost its own entry still holds that tensor's slice entries:
+    TensorFlow's reader refuses it (it lists the slice keys as variables it cannot read), so
+    shardkit's open, load and verify refuse it too, naming the orphaned entry."""
+    prefix = tmp_path / "ck"
+    state = {"a": np.arange(6, dtype=np.float32), "b": np.arange(4, dtype=np.int64)}
+    shardkit.save(prefix, state, format="tensorflow",
+                  sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=24))
+    index = tmp_path / "ck.index"
+    items = table.read_table(index.read_bytes(), str(index))
+    assert sum(k[:1] == b"\x00" for k, _ in items) == 3  # "b" in three slices
+    index.write_bytes(table.build_table([(k, v) for k, v in items if k != b"b"]))
+    with pytest.raises(Exception):  # noqa: B017  (TensorFlow's own error types vary)
+        reader = tf.train.load_checkpoint(str(prefix))
+        for key in reader.get_variable_to_shape_map():
+            reader.get_tensor(key)
+    for read in (lambda: shardkit.open(prefix).close(), lambda: shardkit.load(prefix),
+                 lambda: shardkit.open(prefix).verify()):
+        with pytest.raises(CorruptIndexError, match=r"is a slice of no tensor the table lists"):
+            read()

@@ -682,6 +682,7 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
     texts: list[_Text] = []
     itemsizes = {name: (0 if name == STRING else itemsize(name)) for name in DATATYPE_OF}
     shape_of: dict[bytes, tuple[int, ...]] = {}  # encoded TensorShapeProto -> its dims
+    claimed: set[int] = set()  # the positions of the slice entries a tensor's entry names
     for (raw_key, value), flat, encoded in zip(body, parsed, encoded_shapes):
         if raw_key[:1] == b"\x00":
             continue  # a slice, read through its tensor's entry
@@ -734,6 +735,7 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
             if at is None:
                 raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} has no "
                                         "entry of its own (its encoded key is missing)")
+            claimed.add(at)
             slice_entry = _entry(slice_key, body[at][1], path)
             if slice_entry.slices:
                 raise CorruptIndexError(f"{path}: tensor {_shown(key)}: the entry of slice "
@@ -749,6 +751,12 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
                                         f"stored with shape {list(got)}, expected {sizes}")
             rows.append(_stored(slice_entry, key, dtype, tuple(sizes), spec, f"{key}:{spec}",
                                 row, n, path, len(rows)))
+    orphan = next((k for i, (k, _) in enumerate(body) if k[:1] == b"\x00" and i not in claimed),
+                  None)
+    if orphan is not None:  # TensorFlow's own reader refuses such a table too
+        raise CorruptIndexError(f"{path}: entry {_shown(orphan)} is a slice of no tensor the "
+                                "table lists (its tensor's own entry is missing or names "
+                                "other slices)")
     columns = tuple(np.array([r[i] for r in rows], np.int64).reshape(len(rows))
                     for i in (0, 1, 2, 5, 6, 7))
     return keys, dtypes, shapes, _Rows(columns, [r[3] for r in rows]), texts
