@@ -234,10 +234,6 @@ def _import_nodes(tree: ast.AST) -> Iterable[tuple[ast.Import | ast.ImportFrom, 
 
     def walk(node: ast.AST, in_function: bool):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
-                for sub in child.orelse:
-                    yield from walk_one(sub, in_function)
-                continue
             yield from walk_one(child, in_function)
 
     def walk_one(node: ast.AST, in_function: bool):
@@ -245,7 +241,7 @@ def _import_nodes(tree: ast.AST) -> Iterable[tuple[ast.Import | ast.ImportFrom, 
             yield node, in_function
             return
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for sub in node.orelse:
+            for sub in node.orelse:  # the body never runs; `else:` does
                 yield from walk_one(sub, in_function)
             return
         inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))

@@ -103,7 +103,9 @@ def circle_problems(measured, known) -> list[str]:
         if not any(set(circle) <= set(entry) for entry in known):
             problems.append(f"new import circle: {circle}")
     for entry in sorted(known):
-        if tuple(sorted(entry)) not in measured:
+        if any(set(entry) < set(circle) for circle in measured):
+            problems.append(f"known circle {entry} is now part of a larger one")
+        elif tuple(sorted(entry)) not in measured:
             problems.append(
                 f"known circle {entry} no longer occurs as listed: remove it from the "
                 "allowlist (or replace it with the smaller circle that is left)"
@@ -250,6 +252,16 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path):
     # a known circle that is gone fails too
     gone = structure.analyze(write_package(tmp_path, {"__init__.py": "", "a.py": ""}, "q"))
     assert "remove it" in circle_problems(gone.circles, {("q.a", "q.b")})[0]
+    # a known circle that grew into a larger one: the larger one is new
+    assert circle_problems([("a", "b", "c")], {("a", "b")}) == [
+        "new import circle: ('a', 'b', 'c')",
+        "known circle ('a', 'b') is now part of a larger one",
+    ]
+    # a circle that shrank is no new one, but its old entry is stale
+    assert circle_problems([("a", "b")], {("a", "b", "c")}) == [
+        "known circle ('a', 'b', 'c') no longer occurs as listed: remove it from the allowlist"
+        " (or replace it with the smaller circle that is left)"
+    ]
 
 
 def test_type_checking_imports_are_ignored(tmp_path):
