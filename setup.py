@@ -36,7 +36,8 @@ DIRECTIVES = {
 }
 
 # Kernels whose loops run per byte or per tensor on the hot path get -O3; the others (size
-# arithmetic, building views, mapping files) spend their time in Python API calls, where -O2 is as fast.
+# arithmetic, building views, mapping files) spend their time in Python API calls, where -O2
+# is as fast.
 HOT = {"_gather", "_packing", "_shuffle", "_sstable", "_table"}
 
 # xxHash's runtime dispatcher (SSE2 / AVX2 / AVX-512) builds for x86 only, with baseline flags.
