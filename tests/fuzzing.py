@@ -159,33 +159,39 @@ def oracle_serve() -> None:
     """Read ``prefix<TAB>answer`` lines from stdin; write `tensorflow_reads(prefix)` to the
     pickle `answer` (``{"data": ...}``) and print one line when it is there. Each read runs in
     a forked child, so a bundle that aborts or hangs TensorFlow (counted as refused) costs
-    that child only, not TensorFlow's import again."""
+    that child only, not TensorFlow's import again. A refusal the reader did not answer itself
+    says how in ``"how"``: ``"died"`` (TensorFlow aborted the child, e.g. a failed CHECK) or
+    ``"hang"`` (over TIMEOUT), so that a run can count the mutants judged by the time limit."""
     import tensorflow  # noqa: F401  (imported once, before the first mutant)
 
     print("ready", flush=True)
     for line in sys.stdin:
         prefix, _, answer = line.rstrip("\n").partition("\t")
         partial = answer + ".part"
+        r, w = os.pipe()  # the child holds `w`: its end (exit, abort, kill) is EOF on `r`
         pid = os.fork()
         if pid == 0:  # the child: read, then leave without TensorFlow's exit handlers
             try:
+                os.close(r)
                 with open(partial, "wb") as f:
                     pickle.dump({"data": tensorflow_reads(prefix)}, f)
                 os.rename(partial, answer)
             finally:
                 os._exit(0)
-        deadline = time.monotonic() + TIMEOUT
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.002)
+        os.close(w)
+        # wait for the child's end without polling: a read is a few milliseconds
+        ready, _, _ = select.select([r], [], [], TIMEOUT)
+        os.close(r)
+        how = "died"
+        if not ready:
+            how = "hang"
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
         if not os.path.exists(answer):  # killed by TensorFlow, or too slow: refused
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
             with open(answer, "wb") as f:
-                pickle.dump({"data": None}, f)
+                pickle.dump({"data": None, "how": how}, f)
         print("done", flush=True)
 
 
@@ -201,7 +207,11 @@ class TensorFlowOracle:
         self._start()
 
     def _start(self) -> None:
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        # TF_ENABLE_ONEDNN_OPTS=0: TensorFlow's plain CPU allocator, not oneDNN's BFC
+        # allocator, which waits 10 s (AllocatorRetry, for memory another thread might free)
+        # before it refuses an allocation it cannot make: a bundle entry with a huge shape
+        # then took 10 s to be refused, with the same error (one resealed mutant in six).
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
         env["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
         self.proc = subprocess.Popen(
@@ -230,7 +240,7 @@ class TensorFlowOracle:
             self.proc.kill()
             self.proc.wait()
             with open(answer, "wb") as f:
-                pickle.dump({"data": None}, f)
+                pickle.dump({"data": None, "how": "hang"}, f)
             self._start()
         return answer
 
