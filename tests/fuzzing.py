@@ -165,34 +165,57 @@ def oracle_serve() -> None:
     import tensorflow  # noqa: F401  (imported once, before the first mutant)
 
     print("ready", flush=True)
+    child = _oracle_spawn()
     for line in sys.stdin:
-        prefix, _, answer = line.rstrip("\n").partition("\t")
-        partial = answer + ".part"
-        r, w = os.pipe()  # the child holds `w`: its end (exit, abort, kill) is EOF on `r`
-        pid = os.fork()
-        if pid == 0:  # the child: read, then leave without TensorFlow's exit handlers
-            try:
-                os.close(r)
-                with open(partial, "wb") as f:
-                    pickle.dump({"data": tensorflow_reads(prefix)}, f)
-                os.rename(partial, answer)
-            finally:
-                os._exit(0)
-        os.close(w)
-        # wait for the child's end without polling: a read is a few milliseconds
+        pid, line_w, r = child
+        os.write(line_w, line.encode())
+        os.close(line_w)
+        answer = line.rstrip("\n").partition("\t")[2]
+        # the child writes one byte when its answer is there, so the answer is given before
+        # the child's exit (unmapping TensorFlow's memory) is over, without polling
         ready, _, _ = select.select([r], [], [], TIMEOUT)
+        said = os.read(r, 1) if ready else b""
         os.close(r)
-        how = "died"
-        if not ready:
-            how = "hang"
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        if not os.path.exists(answer):  # killed by TensorFlow, or too slow: refused
+        if not said:  # killed by TensorFlow, or too slow: refused
+            how = "died" if ready else "hang"
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
+                os.unlink(answer + ".part")
             with open(answer, "wb") as f:
                 pickle.dump({"data": None, "how": how}, f)
         print("done", flush=True)
+        os.waitpid(pid, 0)
+        child = _oracle_spawn()  # forked while the test runs the fuzz server on this mutant
+    pid, line_w, r = child
+    os.close(line_w)
+    os.close(r)
+    os.waitpid(pid, 0)
+
+
+def _oracle_spawn() -> tuple[int, int, int]:
+    """A forked child of `oracle_serve` waiting for its ``prefix<TAB>answer`` line: (pid, the
+    line's pipe, the pipe it writes one byte to when the answer is there)."""
+    line_r, line_w = os.pipe()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: read, then leave without TensorFlow's exit handlers
+        try:
+            os.close(line_w)
+            os.close(r)
+            line = _read_line(line_r).rstrip("\n")
+            if line:
+                prefix, _, answer = line.partition("\t")
+                partial = answer + ".part"
+                with open(partial, "wb") as f:
+                    pickle.dump({"data": tensorflow_reads(prefix)}, f)
+                os.rename(partial, answer)
+                os.write(w, b"1")
+        finally:
+            os._exit(0)
+    os.close(line_r)
+    os.close(w)
+    return pid, line_w, r
 
 
 class TensorFlowOracle:
@@ -793,28 +816,62 @@ def serve(seeds: Path) -> None:
 def _serve_each(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]) -> None:
     """For each line of stdin, fork a child that reads the mutant `mutant(line)` names (its
     path, the data that is right, whether every read must fail) and print the child's result
-    as one JSON line. The paths ``!segv`` and ``!sleep`` check the harness itself."""
+    as one JSON line. The paths ``!segv`` and ``!sleep`` check the harness itself.
+
+    Each child is forked ahead, as soon as the previous result is out, and waits for its line
+    on a pipe: the fork (copying the server's page tables) runs while the test makes the next
+    mutant, not while it waits for this one's result. The child is still a fresh fork of the
+    server, which never reads a mutant itself."""
+    child = _spawn(mutant)
     for line in sys.stdin:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child
-            os.close(r)
-            code = 0
-            try:
-                path, want, refused = mutant(line.rstrip("\n"))
+        pid, line_w, r = child
+        os.write(line_w, line.encode())
+        os.close(line_w)
+        result = _wait(pid, r)
+        os.close(r)
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+        child = _spawn(mutant)
+    pid, line_w, r = child  # no more mutants: the spare child ends without reading one
+    os.close(line_w)
+    os.close(r)
+    os.waitpid(pid, 0)
+
+
+def _read_line(fd: int) -> str:
+    """Everything written to the pipe `fd` until its writer closes it."""
+    data = b""
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    os.close(fd)
+    return data.decode()
+
+
+def _spawn(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]
+           ) -> tuple[int, int, int]:
+    """A forked child waiting for its mutant's line: (pid, the line's pipe, the result's)."""
+    line_r, line_w = os.pipe()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(line_w)
+        os.close(r)
+        code = 0
+        try:
+            line = _read_line(line_r).rstrip("\n")
+            if line:
+                path, want, refused = mutant(line)
                 if path == "!segv":  # the harness's own check: a crash is seen as one
                     os.kill(os.getpid(), signal.SIGSEGV)
                 if path == "!sleep":
                     time.sleep(TIMEOUT + 5)
                 _child(path, want, w, refused=refused)
-            except BaseException:
-                code = 3
-            os._exit(code)
-        os.close(w)
-        result = _wait(pid, r)
-        os.close(r)
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
+        except BaseException:
+            code = 3
+        os._exit(code)
+    os.close(line_r)
+    os.close(w)
+    return pid, line_w, r
 
 
 def _wait(pid: int, r: int) -> dict[str, Any]:
