@@ -159,34 +159,63 @@ def oracle_serve() -> None:
     """Read ``prefix<TAB>answer`` lines from stdin; write `tensorflow_reads(prefix)` to the
     pickle `answer` (``{"data": ...}``) and print one line when it is there. Each read runs in
     a forked child, so a bundle that aborts or hangs TensorFlow (counted as refused) costs
-    that child only, not TensorFlow's import again."""
+    that child only, not TensorFlow's import again. A refusal the reader did not answer itself
+    says how in ``"how"``: ``"died"`` (TensorFlow aborted the child, e.g. a failed CHECK) or
+    ``"hang"`` (over TIMEOUT), so that a run can count the mutants judged by the time limit."""
     import tensorflow  # noqa: F401  (imported once, before the first mutant)
 
     print("ready", flush=True)
+    child = _oracle_spawn()
     for line in sys.stdin:
-        prefix, _, answer = line.rstrip("\n").partition("\t")
-        partial = answer + ".part"
-        pid = os.fork()
-        if pid == 0:  # the child: read, then leave without TensorFlow's exit handlers
-            try:
+        pid, line_w, r = child
+        os.write(line_w, line.encode())
+        os.close(line_w)
+        answer = line.rstrip("\n").partition("\t")[2]
+        # the child writes one byte when its answer is there, so the answer is given before
+        # the child's exit (unmapping TensorFlow's memory) is over, without polling
+        ready, _, _ = select.select([r], [], [], TIMEOUT)
+        said = os.read(r, 1) if ready else b""
+        os.close(r)
+        if not said:  # killed by TensorFlow, or too slow: refused
+            how = "died" if ready else "hang"
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(answer + ".part")
+            with open(answer, "wb") as f:
+                pickle.dump({"data": None, "how": how}, f)
+        print("done", flush=True)
+        os.waitpid(pid, 0)
+        child = _oracle_spawn()  # forked while the test runs the fuzz server on this mutant
+    pid, line_w, r = child
+    os.close(line_w)
+    os.close(r)
+    os.waitpid(pid, 0)
+
+
+def _oracle_spawn() -> tuple[int, int, int]:
+    """A forked child of `oracle_serve` waiting for its ``prefix<TAB>answer`` line: (pid, the
+    line's pipe, the pipe it writes one byte to when the answer is there)."""
+    line_r, line_w = os.pipe()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: read, then leave without TensorFlow's exit handlers
+        try:
+            os.close(line_w)
+            os.close(r)
+            line = _read_line(line_r).rstrip("\n")
+            if line:
+                prefix, _, answer = line.partition("\t")
+                partial = answer + ".part"
                 with open(partial, "wb") as f:
                     pickle.dump({"data": tensorflow_reads(prefix)}, f)
                 os.rename(partial, answer)
-            finally:
-                os._exit(0)
-        deadline = time.monotonic() + TIMEOUT
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.002)
-        if not os.path.exists(answer):  # killed by TensorFlow, or too slow: refused
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
-            with open(answer, "wb") as f:
-                pickle.dump({"data": None}, f)
-        print("done", flush=True)
+                os.write(w, b"1")
+        finally:
+            os._exit(0)
+    os.close(line_r)
+    os.close(w)
+    return pid, line_w, r
 
 
 class TensorFlowOracle:
@@ -201,7 +230,11 @@ class TensorFlowOracle:
         self._start()
 
     def _start(self) -> None:
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        # TF_ENABLE_ONEDNN_OPTS=0: TensorFlow's plain CPU allocator, not oneDNN's BFC
+        # allocator, which waits 10 s (AllocatorRetry, for memory another thread might free)
+        # before it refuses an allocation it cannot make: a bundle entry with a huge shape
+        # then took 10 s to be refused, with the same error (one resealed mutant in six).
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
         env["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
         self.proc = subprocess.Popen(
@@ -230,7 +263,7 @@ class TensorFlowOracle:
             self.proc.kill()
             self.proc.wait()
             with open(answer, "wb") as f:
-                pickle.dump({"data": None}, f)
+                pickle.dump({"data": None, "how": "hang"}, f)
             self._start()
         return answer
 
@@ -783,28 +816,62 @@ def serve(seeds: Path) -> None:
 def _serve_each(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]) -> None:
     """For each line of stdin, fork a child that reads the mutant `mutant(line)` names (its
     path, the data that is right, whether every read must fail) and print the child's result
-    as one JSON line. The paths ``!segv`` and ``!sleep`` check the harness itself."""
+    as one JSON line. The paths ``!segv`` and ``!sleep`` check the harness itself.
+
+    Each child is forked ahead, as soon as the previous result is out, and waits for its line
+    on a pipe: the fork (copying the server's page tables) runs while the test makes the next
+    mutant, not while it waits for this one's result. The child is still a fresh fork of the
+    server, which never reads a mutant itself."""
+    child = _spawn(mutant)
     for line in sys.stdin:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child
-            os.close(r)
-            code = 0
-            try:
-                path, want, refused = mutant(line.rstrip("\n"))
+        pid, line_w, r = child
+        os.write(line_w, line.encode())
+        os.close(line_w)
+        result = _wait(pid, r)
+        os.close(r)
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+        child = _spawn(mutant)
+    pid, line_w, r = child  # no more mutants: the spare child ends without reading one
+    os.close(line_w)
+    os.close(r)
+    os.waitpid(pid, 0)
+
+
+def _read_line(fd: int) -> str:
+    """Everything written to the pipe `fd` until its writer closes it."""
+    data = b""
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    os.close(fd)
+    return data.decode()
+
+
+def _spawn(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]
+           ) -> tuple[int, int, int]:
+    """A forked child waiting for its mutant's line: (pid, the line's pipe, the result's)."""
+    line_r, line_w = os.pipe()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(line_w)
+        os.close(r)
+        code = 0
+        try:
+            line = _read_line(line_r).rstrip("\n")
+            if line:
+                path, want, refused = mutant(line)
                 if path == "!segv":  # the harness's own check: a crash is seen as one
                     os.kill(os.getpid(), signal.SIGSEGV)
                 if path == "!sleep":
                     time.sleep(TIMEOUT + 5)
                 _child(path, want, w, refused=refused)
-            except BaseException:
-                code = 3
-            os._exit(code)
-        os.close(w)
-        result = _wait(pid, r)
-        os.close(r)
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
+        except BaseException:
+            code = 3
+        os._exit(code)
+    os.close(line_r)
+    os.close(w)
+    return pid, line_w, r
 
 
 def _wait(pid: int, r: int) -> dict[str, Any]:

@@ -105,7 +105,10 @@ def _check(server, work: Path, seed: Path, mutate, what: str, resealed: bool = F
         if resealed:
             assert oracle is not None, "a resealed mutant needs the oracle"
             expected = oracle.reads(dest / fz.TB_PREFIX, answer)
-            COUNTS["oracle_refused" if _refused(answer) else "oracle_read"] += 1
+            told = _told(answer)
+            COUNTS["oracle_refused" if told["data"] is None else "oracle_read"] += 1
+            if "how" in told:  # TensorFlow died on it, or hung (judged by the time limit)
+                COUNTS[f"oracle_{told['how']}"] += 1
         result = server.run(dest, expected)
     finally:
         shutil.rmtree(dest, ignore_errors=True)
@@ -123,9 +126,9 @@ def _check(server, work: Path, seed: Path, mutate, what: str, resealed: bool = F
     assert not problems, f"{what}: " + "; ".join(problems)
 
 
-def _refused(answer: Path) -> bool:
+def _told(answer: Path) -> dict:
     with answer.open("rb") as f:
-        return pickle.load(f)["data"] is None
+        return pickle.load(f)
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -20,6 +20,10 @@ shardkit): a mutant those rules accept must read back as exactly that data, one 
 be an error at every entry point. About 60 mutants per target by default (200 with CI set);
 ``HYPOTHESIS_PROFILE=thorough`` runs 20,000 each (set SHARDKIT_FUZZ_SUMMARY=file.json to keep
 the counts).
+
+A thorough target may run as several processes at once, each with its own ``--hypothesis-seed=N``
+and summary file, whose counts add up; SHARDKIT_FUZZ_EXAMPLES=N sets each process's share (see
+tests/test_fuzz_tensorbundle.py). A run stopped with Ctrl-C (SIGINT) still writes its summary.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ huggingface_hub = pytest.importorskip("huggingface_hub", reason="huggingface_hub
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors not installed")
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
-EXAMPLES = {"thorough": 20_000, "ci": 200}.get(PROFILE, 60)
+EXAMPLES = int(os.environ.get("SHARDKIT_FUZZ_EXAMPLES", 0)) or {
+    "thorough": 20_000, "ci": 200}.get(PROFILE, 60)
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

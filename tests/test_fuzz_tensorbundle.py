@@ -6,10 +6,23 @@ oracle, `fuzzing.TensorFlowOracle`): shardkit returns exactly that data, or refu
 TensorFlow refuses (a verify that passes then is a failure). The seeds, the fuzz server and
 the judging are test_fuzz.py's. About 100 mutants a target run in CI, 20,000 with
 ``HYPOTHESIS_PROFILE=thorough``.
+
+A thorough target may run as several processes at once, each with its own hypothesis seed and
+summary file (the counts of the files add up); e.g. two halves of 10,000 mutants each::
+
+    HYPOTHESIS_PROFILE=thorough SHARDKIT_FUZZ_EXAMPLES=10000 SHARDKIT_FUZZ_SUMMARY=/tmp/a.json \
+        python -m pytest -q -p no:cacheprovider tests/test_fuzz_tensorbundle.py \
+        -k test_tensorbundle_entry_bounds --hypothesis-seed=1
+    # and the same with --hypothesis-seed=2 and /tmp/b.json, at the same time
+
+Each process has its own seeds, mutants directory, fuzz server and TensorFlow oracle (pytest's
+temporary directories are per process). A run stopped with Ctrl-C (SIGINT) still writes its
+summary.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -21,7 +34,8 @@ from test_fuzz import FUZZ, PROFILE, _check
 
 # test_fuzz.py's module fixtures, one instance of each for this module
 seeds, server, oracle, work = test_fuzz.seeds, test_fuzz.server, test_fuzz.oracle, test_fuzz.work
-EXAMPLES = {"thorough": 20_001, "ci": 100}.get(PROFILE, 20)
+EXAMPLES = int(os.environ.get("SHARDKIT_FUZZ_EXAMPLES", 0)) or {
+    "thorough": 20_001, "ci": 100}.get(PROFILE, 20)
 TB_BOUNDS = settings(FUZZ, max_examples=EXAMPLES)
 
 

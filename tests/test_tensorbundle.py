@@ -613,3 +613,30 @@ def test_slice_entries_of_no_listed_tensor_are_refused(tmp_path, tf):
                  lambda: shardkit.open(prefix).verify()):
         with pytest.raises(CorruptIndexError, match=r"is a slice of no tensor the table lists"):
             read()
+
+
+@pytest.mark.parametrize("dtype, dims", [
+    (np.uint16, [0, 2**62]),  # found by the entry-bounds fuzz target (x1 r=136655)
+    (np.float64, [2**61, 0]),  # fewer elements than the shape limit, but 2**64 bytes
+    (np.int8, [0, 2**32, 2**31]),
+])
+def test_an_empty_tensor_whose_shape_no_array_can_have_is_refused(tmp_path, dtype, dims):
+    """A zero-element entry whose other dimensions multiply past 2**63 - 1 bytes holds no data
+    to check, but numpy has no array of that shape: open, load and verify refuse it as a
+    CorruptIndexError (as the safetensors header checks do), not numpy's ValueError."""
+    prefix = tmp_path / "ck"
+    shardkit.save(prefix, {"e": np.zeros((0, 3), dtype), "a": np.arange(3.0)},
+                  format="tensorflow")
+
+    def edit(k, e):
+        if k == b"e":
+            del e.shape.dim[:]
+            for d in dims:
+                e.shape.dim.add(size=d)
+
+    _rewrite_entries(prefix, edit)
+    for read in (lambda: shardkit.open(prefix).close(), lambda: shardkit.load(prefix),
+                 lambda: shardkit.open(prefix).verify()):
+        with pytest.raises(CorruptIndexError, match=r"tensor 'e'.*more than 2\*\*63 - 1 bytes"):
+            read()
+    assert cli.main(["verify", str(prefix)]) == 1

@@ -197,6 +197,19 @@ def _shape(entry: Any, key: str, path: str) -> tuple[int, ...]:
     return dims
 
 
+def _no_array(key: str, dtype: str, shape: tuple[int, ...], path: str) -> None:
+    """Refuse a shape no numpy array can have: more than 2**63 - 1 bytes, zero dimensions left
+    out (the safetensors header checks' rule). An entry's size check covers the tensors that
+    hold data; this is for those that hold none (a zero dimension) and for sliced tensors,
+    whose full shape no stored size bounds."""
+    from ...format.header import _shape_problem
+
+    problem = _shape_problem(shape, np.dtype(object).itemsize if dtype == STRING
+                             else itemsize(dtype))
+    if problem:
+        raise CorruptIndexError(f"{path}: tensor {_shown(key)}{problem}")
+
+
 def _dims(encoded: bytes, raw_key: bytes, value: bytes, key: str, path: str
           ) -> tuple[int, ...]:
     """The dims of an encoded TensorShapeProto; any problem is worded by `_shape`."""
@@ -593,6 +606,8 @@ def _whole_columns(raw_keys: list[bytes], value: Any, numbered: _Numbered, codes
         i = found.index(None)
         _dtype(_entry(raw_keys[i], value(i), path), all_keys[i], path)
     names: list[str] = found  # type: ignore[assignment]  # none is None: _dtype raised
+    for i in np.flatnonzero(counts == 0).tolist():  # no data, so no size check: the shape
+        _no_array(all_keys[i], names[i], all_shapes[i], path)
     texts: list[_Text] = []
     if STRING in names:  # a few (the object graph): taken out of the columns
         at = [i for i in range(len(names)) if names[i] == STRING] if names.count(
@@ -694,6 +709,8 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
         if shape is None:
             shape = shape_of[encoded] = _dims(encoded, raw_key, value, key, path)
         dtype = DTYPE_OF.get(flat.dtype) or _dtype(_entry(raw_key, value, path), key, path)
+        if flat.slices or 0 in shape:  # no stored size bounds the shape: checked alone
+            _no_array(key, dtype, shape, path)
         if dtype == STRING:  # string tensors: apart (`CheckpointIndex.strings`)
             if flat.slices:
                 raise UnsupportedDTypeError(f"{path}: string tensor {_shown(key)} is stored "
