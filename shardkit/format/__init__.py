@@ -75,7 +75,6 @@ from .header import (  # noqa: F401
     _new_entry_layouts,
     _pread,
     _second,
-    _shape_problem,
     _Slow,
     _third,
     data_size,
@@ -89,6 +88,7 @@ from .header import (  # noqa: F401
     layout_entries,
     read_expected_safetensors_header,
     read_safetensors_header,
+    shape_problem,
 )
 from .manifest import (  # noqa: F401
     _COLUMN_MARKS,
@@ -147,6 +147,7 @@ from .strictjson import (  # noqa: F401
 
 __all__ = [
     "safetensors_name",
+    "shape_problem",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "STRINGS_VERSION",

@@ -364,7 +364,7 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
         raise CorruptHeaderError(
             f"{where}: shape must be a list of non-negative integers, found {_shown(shape)}"
         )
-    problem = _shape_problem(shape, _ITEMSIZE[dtype])
+    problem = shape_problem(shape, _ITEMSIZE[dtype])
     if problem:
         raise CorruptHeaderError(f"{where}{problem}")
     offs = e["data_offsets"]
@@ -385,7 +385,7 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
     return EntryLayout(name, dtype, tuple(shape), begin, end, i)
 
 
-def _shape_problem(shape: Sequence[int], item: int) -> str:
+def shape_problem(shape: Sequence[int], item: int) -> str:
     """What no array can have about `shape` (non-negative ints) of `item`-byte items, worded
     after "tensor 'k'" / "entry 'e'"; "" if nothing."""
     if len(shape) > MAX_NDIM:

@@ -51,7 +51,7 @@ from .common import (
     _shown,
     entry_name,
 )
-from .header import _INT_ONLY, _first, _shape_problem
+from .header import _INT_ONLY, _first, shape_problem
 from .strictjson import _object, _parse_object, _plain, nesting_within
 
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
@@ -568,7 +568,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
     # of sizes would wrap where Python's ints do not)
     if largest.bit_length() * rank + 3 > 63 or rank > MAX_NDIM:
         for key, dtype, shape in zip(keys, dtypes, shapes):
-            problem = _shape_problem(shape, _ITEMSIZE[dtype])
+            problem = shape_problem(shape, _ITEMSIZE[dtype])
             if problem:
                 raise CorruptIndexError(f"{path}: tensor {_shown(key)}{problem}")
     _check_ids(device_ids, len(device_names), keys, "device", path, "shardkit.devices")

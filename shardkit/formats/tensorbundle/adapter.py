@@ -43,6 +43,7 @@ from ...format import (
     _shown,
     check_shard_file_name,
     entries_at,
+    shape_problem,
 )
 from ...keys import RESERVED, check_keys
 from ...slices import WHOLE, format_slice_spec
@@ -202,9 +203,7 @@ def _no_array(key: str, dtype: str, shape: tuple[int, ...], path: str) -> None:
     out (the safetensors header checks' rule). An entry's size check covers the tensors that
     hold data; this is for those that hold none (a zero dimension) and for sliced tensors,
     whose full shape no stored size bounds."""
-    from ...format.header import _shape_problem
-
-    problem = _shape_problem(shape, np.dtype(object).itemsize if dtype == STRING
+    problem = shape_problem(shape, np.dtype(object).itemsize if dtype == STRING
                              else itemsize(dtype))
     if problem:
         raise CorruptIndexError(f"{path}: tensor {_shown(key)}{problem}")
