@@ -165,7 +165,7 @@ def oracle_serve() -> None:
     import tensorflow  # noqa: F401  (imported once, before the first mutant)
 
     print("ready", flush=True)
-    child = _oracle_spawn()
+    child = _fork_ahead(_oracle_read)
     for line in sys.stdin:
         pid, line_w, r = child
         os.write(line_w, line.encode())
@@ -186,36 +186,19 @@ def oracle_serve() -> None:
                 pickle.dump({"data": None, "how": how}, f)
         print("done", flush=True)
         os.waitpid(pid, 0)
-        child = _oracle_spawn()  # forked while the test runs the fuzz server on this mutant
-    pid, line_w, r = child
-    os.close(line_w)
-    os.close(r)
-    os.waitpid(pid, 0)
+        child = _fork_ahead(_oracle_read)  # forked while the fuzz server reads this mutant
+    _end_spare(child)
 
 
-def _oracle_spawn() -> tuple[int, int, int]:
-    """A forked child of `oracle_serve` waiting for its ``prefix<TAB>answer`` line: (pid, the
-    line's pipe, the pipe it writes one byte to when the answer is there)."""
-    line_r, line_w = os.pipe()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: read, then leave without TensorFlow's exit handlers
-        try:
-            os.close(line_w)
-            os.close(r)
-            line = _read_line(line_r).rstrip("\n")
-            if line:
-                prefix, _, answer = line.partition("\t")
-                partial = answer + ".part"
-                with open(partial, "wb") as f:
-                    pickle.dump({"data": tensorflow_reads(prefix)}, f)
-                os.rename(partial, answer)
-                os.write(w, b"1")
-        finally:
-            os._exit(0)
-    os.close(line_r)
-    os.close(w)
-    return pid, line_w, r
+def _oracle_read(line: str, w: int) -> None:
+    """The oracle child's work: TensorFlow's reading of the bundle `line` names, to its answer
+    pickle, then one byte on `w` to say it is there."""
+    prefix, _, answer = line.partition("\t")
+    partial = answer + ".part"
+    with open(partial, "wb") as f:
+        pickle.dump({"data": tensorflow_reads(prefix)}, f)
+    os.rename(partial, answer)
+    os.write(w, b"1")
 
 
 class TensorFlowOracle:
@@ -822,7 +805,15 @@ def _serve_each(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]
     on a pipe: the fork (copying the server's page tables) runs while the test makes the next
     mutant, not while it waits for this one's result. The child is still a fresh fork of the
     server, which never reads a mutant itself."""
-    child = _spawn(mutant)
+    def run(line: str, w: int) -> None:
+        path, want, refused = mutant(line)
+        if path == "!segv":  # the harness's own check: a crash is seen as one
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if path == "!sleep":
+            time.sleep(TIMEOUT + 5)
+        _child(path, want, w, refused=refused)
+
+    child = _fork_ahead(run)
     for line in sys.stdin:
         pid, line_w, r = child
         os.write(line_w, line.encode())
@@ -831,8 +822,37 @@ def _serve_each(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]
         os.close(r)
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
-        child = _spawn(mutant)
-    pid, line_w, r = child  # no more mutants: the spare child ends without reading one
+        child = _fork_ahead(run)
+    _end_spare(child)  # no more mutants: the spare child ends without reading one
+
+
+def _fork_ahead(run: Callable[[str, int], None]) -> tuple[int, int, int]:
+    """A forked child waiting for its line on a pipe, which then calls ``run(line, w)`` (`w`:
+    the pipe back to the parent) and exits, with code 3 if `run` raised, without the parent's
+    exit handlers. Returns (pid, the line's pipe, the pipe back); closing the line's pipe with
+    nothing written ends the child without calling `run`."""
+    line_r, line_w = os.pipe()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 0
+        try:
+            os.close(line_w)
+            os.close(r)
+            line = _read_line(line_r).rstrip("\n")
+            if line:
+                run(line, w)
+        except BaseException:
+            code = 3
+        os._exit(code)
+    os.close(line_r)
+    os.close(w)
+    return pid, line_w, r
+
+
+def _end_spare(child: tuple[int, int, int]) -> None:
+    """End a `_fork_ahead` child that was given no line."""
+    pid, line_w, r = child
     os.close(line_w)
     os.close(r)
     os.waitpid(pid, 0)
@@ -845,33 +865,6 @@ def _read_line(fd: int) -> str:
         data += chunk
     os.close(fd)
     return data.decode()
-
-
-def _spawn(mutant: Callable[[str], tuple[str, dict[str, np.ndarray], bool]]
-           ) -> tuple[int, int, int]:
-    """A forked child waiting for its mutant's line: (pid, the line's pipe, the result's)."""
-    line_r, line_w = os.pipe()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child
-        os.close(line_w)
-        os.close(r)
-        code = 0
-        try:
-            line = _read_line(line_r).rstrip("\n")
-            if line:
-                path, want, refused = mutant(line)
-                if path == "!segv":  # the harness's own check: a crash is seen as one
-                    os.kill(os.getpid(), signal.SIGSEGV)
-                if path == "!sleep":
-                    time.sleep(TIMEOUT + 5)
-                _child(path, want, w, refused=refused)
-        except BaseException:
-            code = 3
-        os._exit(code)
-    os.close(line_r)
-    os.close(w)
-    return pid, line_w, r
 
 
 def _wait(pid: int, r: int) -> dict[str, Any]:
