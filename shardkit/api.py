@@ -44,8 +44,8 @@ from .storage import Storage, is_url, open_storage
 from .strings import StringColumns
 from .tensors import (
     ShardableTensor,
-    _gc_paused,
     expand_objects,
+    gc_paused,
     host_columns,
     shardable_tensors,
 )
@@ -290,7 +290,7 @@ def save(
         return _save_tensorbundle(path, state, opts, user_metadata, overwrite, progress, started)
     store = open_storage(path)
     store.check_target(overwrite)  # fail fast, before the callback runs
-    with _gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
+    with gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
         info, split = _save(store, state, opts, user_metadata, overwrite, progress, started)
     if split and _WARN_SPLIT.get():
         warnings.warn(SplitTensorsWarning(_split_message(split, info.path)), stacklevel=2)
@@ -313,7 +313,7 @@ def _collective_save(coord: Any, path: str | os.PathLike[str], state: Mapping[st
                      progress: bool, started: float) -> SaveInfo:
     from .distributed.save import collective_save
 
-    with _gc_paused():  # without a callback: the default policy, with each rank's threads
+    with gc_paused():  # without a callback: the default policy, with each rank's threads
         out = collective_save(coord, path, state,
                               callback=opts.experimental_sharding_callback,
                               default_policy=DefaultShardingPolicy, opts=opts,
@@ -432,7 +432,7 @@ def _save_tensorbundle(path: str | os.PathLike[str], state: Mapping[str, Any],
     prefix = os.fspath(path)
     check_prefix(prefix, overwrite)  # fail fast, before the callback runs
     strings = StringColumns()
-    with _gc_paused():
+    with gc_paused():
         shards, _saved, _split = _plan(callback, state, strings)
         files, total = write_bundle(prefix, shards, strings, threads=opts.threads
                                     or default_threads(), durable=opts.durable,

@@ -14,7 +14,7 @@ import numpy as np
 from .devices import DeviceSpec
 from .errors import ShardingValidationError, ShardkitError, SliceSpecError
 from .slices import SliceSpec, check_tiling, parse_slice_spec
-from .tensors import ShardableTensor, _gc_paused
+from .tensors import ShardableTensor, gc_paused
 
 # checkpoint key -> slice spec -> tensor
 Shard = MutableMapping[str, MutableMapping[str, Any]]
@@ -134,7 +134,7 @@ def validate_shards(
     exactly by them, and every slice must hold the original's data. Linear time: hash lookups per
     entry, a sort per split tensor.
     """
-    with _gc_paused():
+    with gc_paused():
         if not _all_whole_as_given(shards, shardable_tensors):
             _validate(shards, shardable_tensors, description)
 
@@ -381,12 +381,12 @@ def shard_tensors(
                 f"  expected: a list of mappings checkpoint_key -> slice_spec -> tensor\n"
                 f"  found: {type(shards).__name__}"
             )
-        with _gc_paused():
+        with gc_paused():
             as_given = _all_whole_as_given(shards, group)
         if as_given:  # plain dicts of the very arrays given: nothing to unwrap or copy
             out.extend((task, cast(dict[str, dict[str, Any]], shard)) for shard in shards if shard)
             continue
-        with _gc_paused():
+        with gc_paused():
             _validate(shards, group, description)  # the bulk check above already said no
         for shard in shards:
             if shard:

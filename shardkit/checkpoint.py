@@ -50,7 +50,7 @@ from .options import CheckpointOptions
 from .reader import CheckpointReader, open_checkpoint
 from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
 from .storage import open_storage
-from .tensors import SEPARATOR, _is_tf, to_host, torch_numpy_dtype, torch_reinterpret
+from .tensors import SEPARATOR, is_tf_value, to_host, torch_numpy_dtype, torch_reinterpret
 
 SAVE_COUNTER = "save_counter"
 METADATA_KEY = "shardkit.checkpoint"
@@ -71,7 +71,7 @@ def _is_tensor(x: Any) -> bool:
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(x, jax.Array):
         return True
-    return _is_tf(x) or _tf_variable(x)
+    return is_tf_value(x) or _tf_variable(x)
 
 
 def _tf_variable(x: Any) -> bool:
@@ -93,7 +93,7 @@ def _tensor_kind(x: Any) -> str:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return "torch"
-    if _is_tf(x) or _tf_variable(x):
+    if is_tf_value(x) or _tf_variable(x):
         return "tensorflow"
     return "jax"
 

@@ -34,7 +34,7 @@ from ._kernels import _packing, _sizes
 from .callback import Shard, ShardingCallback
 from .errors import PolicyError, SliceSpecError
 from .slices import format_slice_spec, parse_slice_spec
-from .tensors import ShardableTensor, _gc_paused
+from .tensors import ShardableTensor, gc_paused
 
 logger = logging.getLogger("shardkit")
 
@@ -112,7 +112,7 @@ class _PlanningPolicy(_Policy):
     a million small result dicts would otherwise trigger many useless GC passes)."""
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> Shards:
-        with _gc_paused():
+        with gc_paused():
             return self._plan(list(shardable_tensors))
 
     def _plan(self, ts: list[ShardableTensor]) -> Shards:

@@ -82,7 +82,7 @@ from .sources import (
 )
 from .storage import open_storage
 from .strings import STRING_DTYPE, StringTensors, check_string_framework, kind_dtype
-from .tensors import _gc_paused
+from .tensors import gc_paused
 
 MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap=False)
 _SMALL_PIECE = 1 << 20  # box pieces below this are copied on the calling thread
@@ -335,7 +335,7 @@ class CheckpointReader:
         keys' `_rows_of`, when the caller has them."""
         self._begin_read()
         try:
-            with _gc_paused():  # one GC pass at the end, not one per ~700 new arrays
+            with gc_paused():  # one GC pass at the end, not one per ~700 new arrays
                 return self._get_many_unlocked(keys, rows)
         finally:
             self._end_read()

@@ -293,7 +293,7 @@ def register_codec(codec: str, opener: Opener) -> None:
         _OPENERS[codec] = opener
 
 
-def _opener(codec: str, path: str) -> Opener:
+def shard_opener(codec: str, path: str) -> Opener:
     with _codec_lock:
         opener = _OPENERS.get(codec)
         if opener is None and codec in _LAZY_CODECS:

@@ -92,7 +92,7 @@ def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None,
     takes the string tensors (numpy bytes / str / object arrays, tf.string) out of the
     result; without it they are refused.
     """
-    with _gc_paused():
+    with gc_paused():
         c = host_columns(state, device, strings)
         return list(map(_new_shardable, c.arrays, c.dtypes, c.devices, c.keys, c.shapes,
                         repeat(WHOLE), c.keys))
@@ -129,7 +129,7 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
         tf_rows: list[int] = []  # TensorFlow values: converted in one batch
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in stored):
-                if _is_tf(value):  # strings among them too: sorted out in the batch
+                if is_tf_value(value):  # strings among them too: sorted out in the batch
                     tf_rows.append(i)
                     continue
                 if strings is not None and _string_leaf(value, key, strings, device):
@@ -179,7 +179,7 @@ def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:
     from .strings import is_string_array
 
     array, dev = value, None
-    if _is_tf(value):
+    if is_tf_value(value):
         if not _tf().tf_is_string(value):
             return False
         array, dev = _tf().string_to_host(value)
@@ -192,7 +192,7 @@ def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:
     return True
 
 
-def _fast_constructor(cls: type) -> Callable[..., Any]:
+def fast_constructor(cls: type) -> Callable[..., Any]:
     """Build a frozen-slots-dataclass instance without its __init__ (2x faster, same result).
 
     Frozen dataclasses set each field through object.__setattr__; calling the slot descriptors
@@ -206,9 +206,9 @@ def _fast_constructor(cls: type) -> Callable[..., Any]:
     return env["make"]
 
 
-def _columns_constructor(cls: type) -> Callable[..., list[Any]]:
+def columns_constructor(cls: type) -> Callable[..., list[Any]]:
     """Build many frozen-slots-dataclass instances from columns (one iterable per field, in
-    field order, all of the same length); about 2x faster again than `_fast_constructor`.
+    field order, all of the same length); about 2x faster again than `fast_constructor`.
 
     Every loop is a C-level ``map`` over the slot descriptors' setters, no Python frame per item.
     """
@@ -228,11 +228,11 @@ def _columns_constructor(cls: type) -> Callable[..., list[Any]]:
     return make_many
 
 
-_new_shardable = _fast_constructor(ShardableTensor)
+_new_shardable = fast_constructor(ShardableTensor)
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Creating a million small objects triggers many useless cyclic-GC passes."""
     was_enabled = gc.isenabled()
     gc.disable()
@@ -370,7 +370,7 @@ def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
     """A host numpy array for `value` and the device it came from (None for host memory)."""
     if type(value) is np.ndarray:
         array, dev = value, None
-    elif _is_torch(value) or _is_jax(value) or _is_tf(value):
+    elif _is_torch(value) or _is_jax(value) or is_tf_value(value):
         framework = "torch" if _is_torch(value) else "jax" if _is_jax(value) else "tensorflow"
         try:
             array, dev = (_torch_to_host if framework == "torch" else _jax_to_host
@@ -429,7 +429,7 @@ def _is_jax(value: Any) -> bool:
 _TF_TYPES: dict[type, bool] = {}  # type -> whether its instances are tf.Tensor / tf.Variable
 
 
-def _is_tf(value: Any) -> bool:
+def is_tf_value(value: Any) -> bool:
     """A tf.Tensor or tf.Variable (TensorFlow is imported already if one exists); decided
     once per type (isinstance against TensorFlow's abstract classes is slow)."""
     known = _TF_TYPES.get(type(value))

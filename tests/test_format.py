@@ -1163,7 +1163,7 @@ def test_the_column_wise_fast_decode_is_the_checked_decode():
         {"tensors": {"key": ["z"]}, "xxh3": [None], "weight_map": {"k": "v"}}, "2.2", "g" * 8)
     data = fmt.encode_index(info)
     assert m._canonical_document(data) is not None  # the fast path takes it
-    checked = m._index_of(m._index_objects(m._parse_object(data, "p", CorruptIndexError, ""),
+    checked = m._index_of(m._index_objects(m.parse_strict_object(data, "p", CorruptIndexError, ""),
                                            "p"), "p")
     fast = fmt.decode_index(data, "p")
     assert fast == checked and fast.keys == keys and fast.user_metadata == info.user_metadata

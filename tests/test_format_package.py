@@ -32,7 +32,7 @@ def test_every_name_of_the_modules_is_defined_once_and_reexported():
         for name in _defined(ast.parse((PACKAGE / f"{mod}.py").read_text())):
             assert name not in where, f"{name} is defined in both {where[name]} and {mod}"
             where[name] = mod
-    assert {"CheckpointIndex", "decode_index", "EntryLayout", "_check_slices"} <= set(where)
+    assert {"CheckpointIndex", "decode_index", "EntryLayout", "check_slices"} <= set(where)
     for name, mod in where.items():
         assert getattr(fmt, name, None) is getattr(
             importlib.import_module(f"shardkit.format.{mod}"), name), name

@@ -23,7 +23,7 @@ from shardkit import format as fmt
 from shardkit.errors import CorruptHeaderError, CorruptIndexError, ShardingValidationError
 from shardkit.format import MANIFEST_FILE
 from shardkit.policies import MaxShardSizePolicy
-from shardkit.tensors import _columns_constructor, _fast_constructor, shardable_tensors
+from shardkit.tensors import columns_constructor, fast_constructor, shardable_tensors
 
 
 def _state(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -357,13 +357,13 @@ def test_bulk_tiling_agrees_with_the_per_entry_check():
 
 
 def test_columns_constructor_equals_the_dataclass():
-    make_many = _columns_constructor(fmt.SliceInfo)
+    make_many = columns_constructor(fmt.SliceInfo)
     made = make_many(["", "x"], [0, 1], ["a", "b"], [None, "0" * 16])
     assert made == [fmt.SliceInfo("", 0, "a", None), fmt.SliceInfo("x", 1, "b", "0" * 16)]
     assert make_many([], [], [], []) == []
     with pytest.raises(ValueError, match="need 4 columns of one length"):
         make_many([""], [0], ["a"], [])
-    assert _fast_constructor(fmt.SliceInfo)("", 0, "a", None) == made[0]
+    assert fast_constructor(fmt.SliceInfo)("", 0, "a", None) == made[0]
 
 
 def _old_default_policy(policy: api.DefaultShardingPolicy, tensors: list[Any]) -> list[dict]:

@@ -42,24 +42,7 @@ KNOWN_CIRCLES = {
 }
 
 # (importer, module the name is imported from, name)
-KNOWN_PRIVATE_IMPORTS = {
-    ("shardkit.distributed.save", "shardkit.tensors", "_is_tf"),
-    ("shardkit.format.header", "shardkit.tensors", "_columns_constructor"),
-    ("shardkit.format.header", "shardkit.tensors", "_gc_paused"),
-    ("shardkit.format.manifest", "shardkit.tensors", "_columns_constructor"),
-    ("shardkit.format.manifest", "shardkit.tensors", "_gc_paused"),
-    ("shardkit.formats.huggingface", "shardkit.format", "_object"),
-    ("shardkit.formats.huggingface", "shardkit.format", "_parse_object"),
-    ("shardkit.formats.huggingface", "shardkit.format", "_plain"),
-    ("shardkit.formats.huggingface", "shardkit.format", "_shown"),
-    ("shardkit.formats.tensorbundle.adapter", "shardkit.format", "_check_slices"),
-    ("shardkit.formats.tensorbundle.adapter", "shardkit.format", "_shown"),
-    ("shardkit.formats.tensorbundle.adapter", "shardkit.tensors", "_gc_paused"),
-    ("shardkit.frameworks", "shardkit.tensors", "_gc_paused"),
-    ("shardkit.frameworks.tf_sharding", "shardkit.tensors", "_fast_constructor"),
-    ("shardkit.storage.local", "shardkit.sources", "_opener"),
-    ("shardkit.storage.remote", "shardkit.sources", "_opener"),
-}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 # module: its line ceiling (today's count)
 KNOWN_LONG_MODULES = {

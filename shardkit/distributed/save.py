@@ -90,9 +90,9 @@ class LocalShard:
 
 def _is_string(value: Any) -> bool:
     from ..strings import is_string_array
-    from ..tensors import _is_tf
+    from ..tensors import is_tf_value
 
-    if _is_tf(value):
+    if is_tf_value(value):
         from ..frameworks.tensorflow import tf_is_string
 
         return bool(tf_is_string(value))

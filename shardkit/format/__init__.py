@@ -7,7 +7,7 @@ by descending item size (stable), contiguous, so each starts aligned to its item
 bytes they were given (``read_safetensors_header`` reads the header from an open file).
 
 The modules, each importing only those before it: `common` (constants and limits, naming,
-generations, `_shown`), `strictjson` (JSON parsed with repeated keys and nesting checked),
+generations, `shown`), `strictjson` (JSON parsed with repeated keys and nesting checked),
 `header` (the shard header), `manifest` (the manifest and `CheckpointIndex`). Every name is
 importable from this package, as it was from the single module it replaces.
 """
@@ -48,7 +48,6 @@ from .common import (  # noqa: F401
     STRINGS_VERSION,
     ZSTD_SUFFIX,
     _Shown,
-    _shown,
     check_generation,
     entry_name,
     find_manifest,
@@ -56,6 +55,7 @@ from .common import (  # noqa: F401
     new_generation,
     shard_file_name,
     shard_metadata,
+    shown,
 )
 from .header import (  # noqa: F401
     _ENTRY_KEYS,
@@ -106,7 +106,6 @@ from .manifest import (  # noqa: F401
     _all_in,
     _canonical_document,
     _check_ids,
-    _check_slices,
     _check_weight_map,
     _column,
     _decode_index,
@@ -127,6 +126,7 @@ from .manifest import (  # noqa: F401
     _shared_lists,
     _str_list,
     check_shard_file_name,
+    check_slices,
     decode_index,
     encode_index,
     encode_index_parts,
@@ -138,15 +138,20 @@ from .strictjson import (  # noqa: F401
     _CONTAINERS,
     _DOC_CONTAINERS,
     _loads_pairs,
-    _object,
-    _parse_object,
-    _plain,
     _too_deep,
     nesting_within,
+    pairs_to_dict,
+    pairs_to_plain,
+    parse_strict_object,
 )
 
 __all__ = [
     "safetensors_name",
+    "shown",
+    "pairs_to_dict",
+    "pairs_to_plain",
+    "parse_strict_object",
+    "check_slices",
     "shape_problem",
     "FORMAT_NAME",
     "FORMAT_VERSION",

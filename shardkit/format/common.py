@@ -1,5 +1,5 @@
 """Shared by the format's modules: the constants and limits of format v2, values as error
-messages show them (`_shown`), file and entry names, the manifest's lookup, checkpoint
+messages show them (`shown`), file and entry names, the manifest's lookup, checkpoint
 generations."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class _Shown(reprlib.Repr):
 _SHOWN: Final = _Shown()
 
 
-def _shown(value: Any, limit: int = 80) -> str:
+def shown(value: Any, limit: int = 80) -> str:
     """`value` as an error message shows it: its repr, truncated to about `limit` characters
     (a hostile file may hold megabytes in one string, or deep nesting)."""
     try:
@@ -146,9 +146,9 @@ def check_generation(metadata: Mapping[str, Any], expected: str | None, path: st
     found = metadata.get(GENERATION_KEY)
     if found == expected:
         return
-    shown = "none" if found is None else _shown(found)
+    found_text = "none" if found is None else shown(found)
     raise GenerationMismatchError(
         f"{path}: shard belongs to another checkpoint: the manifest is of generation "
-        f"{expected}, the shard header records generation {shown} (the directory mixes files "
+        f"{expected}, the shard header records generation {found_text} (the directory mixes files "
         "of different saves, or was partially replaced); a reader reads one generation only"
     )

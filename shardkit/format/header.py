@@ -20,7 +20,7 @@ import numpy as np
 from .._kernels import _table
 from ..dtypes import SAFETENSORS_NAMES, safetensors_name
 from ..errors import CorruptHeaderError, EntryLayoutError, TruncatedShardError
-from ..tensors import _columns_constructor, _gc_paused
+from ..tensors import columns_constructor, gc_paused
 from .common import (
     _ITEMSIZE,
     _LEGACY_HEAD,
@@ -29,11 +29,11 @@ from .common import (
     MAX_NBYTES,
     MAX_NDIM,
     METADATA_KEY,
-    _shown,
     legacy_shard_metadata,
     shard_metadata,
+    shown,
 )
-from .strictjson import _object, _parse_object, _plain
+from .strictjson import pairs_to_dict, pairs_to_plain, parse_strict_object
 
 _LEN = struct.Struct("<Q")
 
@@ -58,7 +58,7 @@ class EntryLayout:
         return self.end - self.begin
 
 
-_new_entry_layouts = _columns_constructor(EntryLayout)
+_new_entry_layouts = columns_constructor(EntryLayout)
 
 
 def layout_entries(entries: Sequence[tuple[str, np.dtype, Sequence[int]]]) -> list[EntryLayout]:
@@ -254,7 +254,7 @@ def decode_safetensors_header(
     prefix, JSON, every entry's dtype / shape / data_offsets, that entries tile the data region
     ``[0, file_size - data_start)`` exactly (no overlap, no hole, nothing out of range).
     """
-    with _gc_paused():  # one GC pass at the end instead of many during the decode
+    with gc_paused():  # one GC pass at the end instead of many during the decode
         return _decode_safetensors_header(buf, file_size, path)
 
 
@@ -264,22 +264,22 @@ def _decode_safetensors_header(
     n = header_length(buf, file_size, path)
     if len(buf) < 8 + n:
         raise TruncatedShardError(f"{path}: got {len(buf)} bytes, the header needs {8 + n}")
-    pairs = _parse_object(bytes(buf[8 : 8 + n]), path, CorruptHeaderError, "header ")
-    header = _object(pairs, "header", path, CorruptHeaderError)
+    pairs = parse_strict_object(bytes(buf[8 : 8 + n]), path, CorruptHeaderError, "header ")
+    header = pairs_to_dict(pairs, "header", path, CorruptHeaderError)
     data_start = 8 + n
     region = file_size - data_start
-    metadata = _plain(header.pop(METADATA_KEY, ()), "header", path, CorruptHeaderError, 2)
+    metadata = pairs_to_plain(header.pop(METADATA_KEY, ()), "header", path, CorruptHeaderError, 2)
     if not isinstance(metadata, dict) or not all(
         isinstance(v, str) for v in metadata.values()
     ):
         raise CorruptHeaderError(
-            f"{path}: {METADATA_KEY} must map str to str, got {_shown(metadata, 120)}")
+            f"{path}: {METADATA_KEY} must map str to str, got {shown(metadata, 120)}")
     try:
         entries = _decode_entries_fast(header, region)
     except _Slow:
         entries = {}
         for i, (name, value) in enumerate(header.items()):
-            value = _plain(value, "header", path, CorruptHeaderError, 2)
+            value = pairs_to_plain(value, "header", path, CorruptHeaderError, 2)
             entries[name] = _decode_entry_checked(name, value, i, path)
         _check_tiling(entries, region, path)
     return entries, metadata, data_start
@@ -348,7 +348,7 @@ def _decode_entries_fast(header: dict[str, Any], region: int) -> dict[str, Entry
 
 
 def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
-    where = f"{path}: entry {_shown(name)}"
+    where = f"{path}: entry {shown(name)}"
     if not isinstance(e, dict):
         raise CorruptHeaderError(f"{where} must be a JSON object, found {type(e).__name__}")
     missing = {"dtype", "shape", "data_offsets"} - e.keys()
@@ -357,12 +357,12 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
     dtype = e["dtype"]
     if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
         raise CorruptHeaderError(
-            f"{where} has unknown dtype {_shown(dtype)}; known: {', '.join(SAFETENSORS_NAMES)}"
+            f"{where} has unknown dtype {shown(dtype)}; known: {', '.join(SAFETENSORS_NAMES)}"
         )
     shape = e["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CorruptHeaderError(
-            f"{where}: shape must be a list of non-negative integers, found {_shown(shape)}"
+            f"{where}: shape must be a list of non-negative integers, found {shown(shape)}"
         )
     problem = shape_problem(shape, _ITEMSIZE[dtype])
     if problem:
@@ -370,15 +370,15 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
     offs = e["data_offsets"]
     if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
         raise CorruptHeaderError(
-            f"{where}: data_offsets must be 2 integers, found {_shown(offs)}")
+            f"{where}: data_offsets must be 2 integers, found {shown(offs)}")
     begin, end = offs
     if begin < 0 or end < begin:
-        raise EntryLayoutError(f"{where}: data_offsets [{_shown(begin)}, {_shown(end)}] are not 0 "
+        raise EntryLayoutError(f"{where}: data_offsets [{shown(begin)}, {shown(end)}] are not 0 "
                                f"<= begin <= end")
     expected = math.prod(shape) * _ITEMSIZE[dtype]
     if end - begin != expected:
         raise EntryLayoutError(
-            f"{where}: data_offsets [{_shown(begin)}, {_shown(end)}] span {_shown(end - begin)} "
+            f"{where}: data_offsets [{shown(begin)}, {shown(end)}] span {shown(end - begin)} "
             f"bytes, but dtype {dtype} "
             f"and shape {shape} need {expected}"
         )
@@ -391,7 +391,7 @@ def shape_problem(shape: Sequence[int], item: int) -> str:
     if len(shape) > MAX_NDIM:
         return f" has {len(shape)} dimensions, more than the limit of {MAX_NDIM}"
     if math.prod(d for d in shape if d) * item > MAX_NBYTES:
-        return f": shape {_shown(list(shape), 200)} has more than 2**63 - 1 bytes (not counting " \
+        return f": shape {shown(list(shape), 200)} has more than 2**63 - 1 bytes (not counting " \
                "zero dimensions), more than any array"
     return ""
 
@@ -402,22 +402,22 @@ def _check_tiling(entries: Mapping[str, EntryLayout], region: int, path: str) ->
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.end > region:
             raise EntryLayoutError(
-                f"{path}: entry {_shown(e.name)} data_offsets [{e.begin}, {e.end}] run past the "
+                f"{path}: entry {shown(e.name)} data_offsets [{e.begin}, {e.end}] run past the "
                 f"end of "
                 f"the data region ({region} bytes)"
             )
         if e.begin < pos:
             assert prev is not None
             raise EntryLayoutError(
-                f"{path}: entries {_shown(prev.name)} [{prev.begin}, {prev.end}] and "
-                f"{_shown(e.name)} "
+                f"{path}: entries {shown(prev.name)} [{prev.begin}, {prev.end}] and "
+                f"{shown(e.name)} "
                 f"[{e.begin}, {e.end}] overlap"
             )
         if e.begin > pos:
-            after = f"after entry {_shown(prev.name)}" if prev is not None else "at the start"
+            after = f"after entry {shown(prev.name)}" if prev is not None else "at the start"
             raise EntryLayoutError(
                 f"{path}: hole of {e.begin - pos} bytes {after} (bytes {pos}..{e.begin}) "
-                f"before entry {_shown(e.name)}"
+                f"before entry {shown(e.name)}"
             )
         if e.nbytes:  # empty entries may sit anywhere inside the covered range
             pos, prev = e.end, e

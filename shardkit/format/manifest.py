@@ -28,7 +28,7 @@ from ..errors import (
 from ..keys import check_keys
 from ..optional import lazy_import
 from ..slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
-from ..tensors import _columns_constructor, _gc_paused
+from ..tensors import columns_constructor, gc_paused
 
 if TYPE_CHECKING:
     import orjson
@@ -48,11 +48,11 @@ from .common import (
     MAX_FILE_NAME_BYTES,
     MAX_NDIM,
     STRINGS_MINOR,
-    _shown,
     entry_name,
+    shown,
 )
 from .header import _INT_ONLY, _first, shape_problem
-from .strictjson import _object, _parse_object, _plain, nesting_within
+from .strictjson import nesting_within, pairs_to_dict, pairs_to_plain, parse_strict_object
 
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
 _GENERATION_RE: Final = re.compile(r"[0-9A-Za-z_.-]{1,64}")
@@ -100,8 +100,8 @@ class TensorInfo:
         return len(self.slices) > 1
 
 
-_new_slice_infos = _columns_constructor(SliceInfo)
-_new_tensor_infos = _columns_constructor(TensorInfo)
+_new_slice_infos = columns_constructor(SliceInfo)
+_new_tensor_infos = columns_constructor(TensorInfo)
 
 
 @dataclass(slots=True, eq=False)
@@ -155,8 +155,8 @@ class CheckpointIndex:
         rows.sort(key=_first)  # stable: tensor order within a shard
         for _, row, s in rows:
             if s.entry != entry_name(keys[row], s.spec):
-                raise ValueError(f"entry of {_shown(keys[row])} slice {_shown(s.spec)} must be "
-                                 f"{_shown(entry_name(keys[row], s.spec))}, got {_shown(s.entry)}")
+                raise ValueError(f"entry of {shown(keys[row])} slice {shown(s.spec)} must be "
+                                 f"{shown(entry_name(keys[row], s.spec))}, got {shown(s.entry)}")
         return cls(
             callback, list(shards), keys, [t.dtype for t in infos],
             [tuple(t.shape) for t in infos], [t.device for t in infos],
@@ -395,17 +395,17 @@ def _check_weight_map(found: dict[str, Any], index: CheckpointIndex, path: str) 
         why = ("is not a tensor of shardkit.tensors" if extra not in index.rows() else
                "is not stored whole in one entry named by its key (a split tensor)")
         raise CorruptIndexError(
-            f"{path}: weight_map lists {_shown(extra)}, which {why}; HuggingFace loaders would "
+            f"{path}: weight_map lists {shown(extra)}, which {why}; HuggingFace loaders would "
             "read what shardkit does not (the manifest's two sections disagree)")
     missing = next((k for k in want if k not in found), None)
     if missing is not None:
         raise CorruptIndexError(
-            f"{path}: weight_map lacks {_shown(missing)}, which shardkit.slices stores whole in "
-            f"{_shown(want[missing])} (the manifest's two sections disagree)")
+            f"{path}: weight_map lacks {shown(missing)}, which shardkit.slices stores whole in "
+            f"{shown(want[missing])} (the manifest's two sections disagree)")
     key = next(k for k in want if found[k] != want[k])
     raise CorruptIndexError(
-        f"{path}: weight_map puts {_shown(key)} in {_shown(found[key])}, but shardkit.slices "
-        f"stores it in {_shown(want[key])}; HuggingFace loaders would read other bytes than "
+        f"{path}: weight_map puts {shown(key)} in {shown(found[key])}, but shardkit.slices "
+        f"stores it in {shown(want[key])}; HuggingFace loaders would read other bytes than "
         "shardkit (the manifest's two sections disagree)")
 
 
@@ -419,7 +419,7 @@ def parse_version(version: Any, path: str) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
     if m is None:
         raise CorruptIndexError(
-            f"{path}: format_version must be a string like \"2.0\", found {_shown(version)}"
+            f"{path}: format_version must be a string like \"2.0\", found {shown(version)}"
         )
     major, minor = int(m.group(1)), int(m.group(2))
     if major > FORMAT_MAJOR:
@@ -440,7 +440,7 @@ def check_shard_file_name(name: Any, path: str) -> str:
     """`name` if it is a plain file name inside the checkpoint directory, else ShardPathError."""
     if not isinstance(name, str) or not name:
         raise CorruptIndexError(f"{path}: shard file name must be a non-empty string, got "
-                                f"{_shown(name)}")
+                                f"{shown(name)}")
     if (
         "/" in name
         or "\\" in name
@@ -454,7 +454,7 @@ def check_shard_file_name(name: Any, path: str) -> str:
         or not _encodable(name)
     ):
         raise ShardPathError(
-            f"{path}: shard file name {_shown(name)} is not a plain file name inside the "
+            f"{path}: shard file name {shown(name)} is not a plain file name inside the "
             f"checkpoint "
             f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, lone "
             f"surrogates, {MANIFEST_FILE} or {LEGACY_MANIFEST_FILE}; at most "
@@ -474,7 +474,7 @@ def _encodable(name: str) -> bool:
 def decode_index(data: bytes, path: str) -> CheckpointIndex:
     """Parse and validate a manifest; every error is a CorruptIndexError (or subclass)
     naming `path` and the field, except other majors: UnsupportedVersionError."""
-    with _gc_paused():  # one GC pass at the end instead of many during the decode
+    with gc_paused():  # one GC pass at the end instead of many during the decode
         return _decode_index(data, path)
 
 
@@ -490,7 +490,7 @@ def _decode_index(data: bytes, path: str) -> CheckpointIndex:
         if index is not None and _encodes_to(index, data):
             return index  # its weight_map is byte for byte the one encoded from the index
     # another writer's spelling, or something wrong: parse and check it all
-    doc = _index_objects(_parse_object(data, path, CorruptIndexError, ""), path)
+    doc = _index_objects(parse_strict_object(data, path, CorruptIndexError, ""), path)
     index = _index_of(doc, path)
     _check_weight_map(doc["weight_map"], index, path)
     return index
@@ -501,7 +501,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
     become the index's (shapes and dtypes converted in place, their equal values shared)."""
     if doc.get("format") != FORMAT_NAME:
         raise CorruptIndexError(
-            f"{path}: \"format\" must be {_shown(FORMAT_NAME)}, found {_shown(doc.get('format'))} "
+            f"{path}: \"format\" must be {shown(FORMAT_NAME)}, found {shown(doc.get('format'))} "
             "(not a shardkit checkpoint index)"
         )
     version = doc.get("format_version")
@@ -512,14 +512,14 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         if name not in doc:
             raise CorruptIndexError(f"{path}: missing field {name}")
         if not isinstance(doc[name], dict):
-            raise CorruptIndexError(f"{path}: {_shown(name)} must be a JSON object")
+            raise CorruptIndexError(f"{path}: {shown(name)} must be a JSON object")
     callback = _field(sk, "callback", str, path, "shardkit.")
     generation = sk.get(GENERATION_KEY)
     if generation is not None and not (
             type(generation) is str and _GENERATION_RE.fullmatch(generation)):
         raise CorruptIndexError(
             f"{path}: field shardkit.{GENERATION_KEY} must be a string of 1 to 64 letters, "
-            f"digits, '_', '.' or '-', found {_shown(generation)}")
+            f"digits, '_', '.' or '-', found {shown(generation)}")
     if generation is None and minor >= GENERATION_MINOR:  # the version implies the field:
         raise CorruptIndexError(  # without it no shard would be checked against this save
             f"{path}: format_version {version} records the checkpoint's generation, but "
@@ -530,7 +530,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
     device_names = _str_list(sk, "devices", path, "shardkit.")
     if len(set(device_names)) != len(device_names):
         dup = next(d for d, c in Counter(device_names).items() if c > 1)
-        raise CorruptIndexError(f"{path}: device {_shown(dup)} is listed twice in shardkit.devices")
+        raise CorruptIndexError(f"{path}: device {shown(dup)} is listed twice in shardkit.devices")
     tensors = _field(sk, "tensors", dict, path, "shardkit.")
     where = "shardkit.tensors."
     keys = _str_list(tensors, "key", path, where)
@@ -550,7 +550,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
     if not _all_in(dtypes, _ITEMSIZE.keys()):
         bad = next(d for d in dtypes if not isinstance(d, str) or d not in _ITEMSIZE)
         raise CorruptIndexError(
-            f"{path}: tensor {_shown(keys[dtypes.index(bad)])} has unknown dtype {_shown(bad)}; "
+            f"{path}: tensor {shown(keys[dtypes.index(bad)])} has unknown dtype {shown(bad)}; "
             f"known: "
             + ", ".join(SAFETENSORS_NAMES)
         )
@@ -559,8 +559,8 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         bad_row = next(i for i, s in enumerate(shapes) if not (
             isinstance(s, list) and _nonneg_ints(s)))
         raise CorruptIndexError(
-            f"{path}: tensor {_shown(keys[bad_row])} shape must be a list of non-negative "
-            f"integers, found {_shown(shapes[bad_row])}"
+            f"{path}: tensor {shown(keys[bad_row])} shape must be a list of non-negative "
+            f"integers, found {shown(shapes[bad_row])}"
         )
     largest, rank = max(dims, default=0), max(map(len, shapes), default=0)
     # every shape's product is below largest ** rank: when that times an item size (8 at
@@ -570,7 +570,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         for key, dtype, shape in zip(keys, dtypes, shapes):
             problem = shape_problem(shape, _ITEMSIZE[dtype])
             if problem:
-                raise CorruptIndexError(f"{path}: tensor {_shown(key)}{problem}")
+                raise CorruptIndexError(f"{path}: tensor {shown(key)}{problem}")
     _check_ids(device_ids, len(device_names), keys, "device", path, "shardkit.devices")
     _check_ids(slice_tensor, n, None, "tensor", path, "shardkit.tensors.key")
     _check_ids(slice_shard, len(shards), None, "shard", path, "shardkit.shards")
@@ -585,9 +585,9 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         j, bad_hash = next((j, x) for j, x in enumerate(slice_xxh3) if x is not None and not (
             isinstance(x, str) and _XXH3_RE.fullmatch(x)))
         raise CorruptIndexError(
-            f"{path}: tensor {_shown(keys[slice_tensor[j]])} slice {_shown(slice_spec[j])}: xxh3 "
+            f"{path}: tensor {shown(keys[slice_tensor[j]])} slice {shown(slice_spec[j])}: xxh3 "
             f"must be 16 "
-            f"lowercase hex digits or null, found {_shown(bad_hash)}"
+            f"lowercase hex digits or null, found {shown(bad_hash)}"
         )
     strings = None
     # 2.3 is written exactly when there are string tensors: without this, a manifest that lost
@@ -597,17 +597,17 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
                                 "shardkit.strings section is missing")
     if minor < STRINGS_MINOR and "strings" in sk:
         raise CorruptIndexError(f"{path}: shardkit.strings (string tensors) needs format_version "
-                                f"2.3, found {_shown(version)}")
+                                f"2.3, found {shown(version)}")
     if "strings" in sk:  # format 2.3: string tensors (shardkit.strings)
         from ..strings import decode_section
 
         strings = decode_section(sk["strings"], path, generation)
         both = set(strings.keys).intersection(keys)
         if both:
-            raise CorruptIndexError(f"{path}: key {_shown(min(both))} is both a tensor and a "
+            raise CorruptIndexError(f"{path}: key {shown(min(both))} is both a tensor and a "
                                     "string tensor")
         if strings.file in {s.file for s in shards}:
-            raise CorruptIndexError(f"{path}: file {_shown(strings.file)} is listed as a shard "
+            raise CorruptIndexError(f"{path}: file {shown(strings.file)} is listed as a shard "
                                     "and as the string file")
     shapes[:] = _shared(map(tuple, shapes))  # the lists go as the tuples come
     dtypes[:] = _shared(dtypes)
@@ -617,7 +617,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         callback, shards, keys, dtypes, shapes, devices, slice_tensor, slice_spec, slice_shard,
         slice_xxh3, user_metadata, version, generation, strings,
     )
-    _check_slices(index, path)
+    check_slices(index, path)
     return index
 
 
@@ -739,20 +739,20 @@ def _index_objects(raw: tuple[tuple[str, Any], ...], path: str) -> dict[str, Any
     columns of ``shardkit.tensors`` and ``shardkit.slices`` stay as parsed (their checks reject
     anything but the documented value types, JSON objects included)."""
     what, err = "manifest", CorruptIndexError
-    doc = _object(raw, what, path, err)
+    doc = pairs_to_dict(raw, what, path, err)
     for k, v in doc.items():
         if k == "shardkit" and type(v) is tuple:
-            sk = doc[k] = _object(v, what, path, err)
+            sk = doc[k] = pairs_to_dict(v, what, path, err)
             for name, value in sk.items():
                 if name in _COLUMNS and type(value) is tuple:
-                    section = sk[name] = _object(value, what, path, err)
+                    section = sk[name] = pairs_to_dict(value, what, path, err)
                     for column, cells in section.items():
                         if column not in _COLUMNS[name]:  # a later minor's: checked as JSON
-                            section[column] = _plain(cells, what, path, err, 4)
+                            section[column] = pairs_to_plain(cells, what, path, err, 4)
                 else:
-                    sk[name] = _plain(value, what, path, err, 3)
+                    sk[name] = pairs_to_plain(value, what, path, err, 3)
         else:
-            doc[k] = _plain(v, what, path, err, 2)
+            doc[k] = pairs_to_plain(v, what, path, err, 2)
     return doc
 
 
@@ -766,7 +766,7 @@ def _decode_shards(raw_shards: list[Any], path: str, generation: str | None
             raise CorruptIndexError(f"{path}: shardkit.shards[{i}] must be a JSON object")
         file = check_shard_file_name(_field(s, "file", str, path, where), path)
         if file in seen_files:
-            raise CorruptIndexError(f"{path}: shard file {_shown(file)} is listed twice")
+            raise CorruptIndexError(f"{path}: shard file {shown(file)} is listed twice")
         seen_files.add(file)
         task = _nonneg_int(s, "task", path, where)
         codec = _field(s, "codec", str, path, where)
@@ -775,13 +775,13 @@ def _decode_shards(raw_shards: list[Any], path: str, generation: str | None
     return shards
 
 
-def _check_slices(index: CheckpointIndex, path: str) -> None:
+def check_slices(index: CheckpointIndex, path: str) -> None:
     """Every tensor is stored: once whole, or as slices that tile it; entry names are unique
     within a shard."""
     keys, counts = index.keys, index.slice_counts()
     if len(keys) and counts.min() == 0:
         key = keys[int(np.argmin(counts))]
-        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has no slices")
+        raise CorruptIndexError(f"{path}: tensor {shown(key)} has no slices")
     if any(index.slice_spec) or len(index.slice_tensor) != len(keys):
         by_tensor: list[list[int]] = [[] for _ in keys]
         for j, row in enumerate(index.slice_tensor):
@@ -795,12 +795,12 @@ def _check_slices(index: CheckpointIndex, path: str) -> None:
                 try:
                     specs.append(parse_slice_spec(index.slice_spec[j], shape))
                 except SliceSpecError as e:
-                    raise CorruptIndexError(f"{path}: tensor {_shown(key)}: {e}") from None
+                    raise CorruptIndexError(f"{path}: tensor {shown(key)}: {e}") from None
             try:
                 check_tiling(shape, specs)
             except SliceSpecError as e:
                 raise CorruptIndexError(
-                    f"{path}: the slices of tensor {_shown(key)} do not tile its shape "
+                    f"{path}: the slices of tensor {shown(key)} do not tile its shape "
                     f"{list(shape)}: "
                     f"{e}"
                 ) from None
@@ -812,9 +812,9 @@ def _check_slices(index: CheckpointIndex, path: str) -> None:
             other = owner.setdefault((shard, name), key)
             if other is not key:
                 raise CorruptIndexError(
-                    f"{path}: entry {_shown(name)} of shard {_shown(index.shards[shard].file)} is "
+                    f"{path}: entry {shown(name)} of shard {shown(index.shards[shard].file)} is "
                     f"claimed "
-                    f"by more than one slice (tensors {_shown(other)} and {_shown(key)})"
+                    f"by more than one slice (tensors {shown(other)} and {shown(key)})"
                 )
 
 
@@ -825,7 +825,7 @@ def _field(d: dict[str, Any], name: str, kind: type, path: str, where: str) -> A
     if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
         raise CorruptIndexError(
             f"{path}: field {where}{name} must be {kind.__name__}, found {type(v).__name__} "
-            f"{_shown(v)}"
+            f"{shown(v)}"
         )
     return v
 
@@ -833,7 +833,7 @@ def _field(d: dict[str, Any], name: str, kind: type, path: str, where: str) -> A
 def _nonneg_int(d: dict[str, Any], name: str, path: str, where: str) -> int:
     v = _field(d, name, int, path, where)
     if v < 0:
-        raise CorruptIndexError(f"{path}: field {where}{name} must be >= 0, found {_shown(v)}")
+        raise CorruptIndexError(f"{path}: field {where}{name} must be >= 0, found {shown(v)}")
     return int(v)
 
 
@@ -870,9 +870,9 @@ def _check_ids(ids: list[Any], n: int, keys: list[str] | None, name: str, path: 
     if _nonneg_ints(ids) and max(ids, default=-1) < n:
         return
     bad_at, bad = next((i, x) for i, x in enumerate(ids) if not (type(x) is int and 0 <= x < n))
-    what = f"tensor {_shown(keys[bad_at])}" if keys is not None else f"slice {bad_at}"
+    what = f"tensor {shown(keys[bad_at])}" if keys is not None else f"slice {bad_at}"
     raise CorruptIndexError(
-        f"{path}: {what}: {name} {_shown(bad)} is not an index into {target} ({n} entries)"
+        f"{path}: {what}: {name} {shown(bad)} is not an index into {target} ({n} entries)"
     )
 
 

@@ -8,10 +8,10 @@ import json
 from typing import Any, Final
 
 from ..errors import CheckpointFormatError
-from .common import _INT_DIGITS, MAX_DEPTH, _shown
+from .common import _INT_DIGITS, MAX_DEPTH, shown
 
 
-def _parse_object(
+def parse_strict_object(
     data: bytes, path: str, error: type[CheckpointFormatError], what: str
 ) -> tuple[Any, ...]:
     """A UTF-8 JSON object as `_loads_pairs` gives it; any failure is `error` naming `path`.
@@ -64,25 +64,26 @@ def _loads_pairs(text: str) -> Any:
 
     Duplicate keys must be detected, and a Python object_pairs_hook costs ~1 us per object. With
     the C-level `tuple` as hook, objects stay distinguishable from arrays (lists) and the decoders
-    below turn them into dicts (`_object`, `_plain`), checking for duplicates as they go; the hot
-    per-tensor / per-entry objects are matched against their fixed key sequence instead.
+    below turn them into dicts (`pairs_to_dict`, `pairs_to_plain`), checking for duplicates as
+    they go; the hot per-tensor / per-entry objects are matched against their fixed key sequence
+    instead.
     """
     return json.loads(text, object_pairs_hook=tuple)
 
 
-def _object(pairs: tuple[tuple[str, Any], ...], what: str, path: str, error: type) -> dict:
+def pairs_to_dict(pairs: tuple[tuple[str, Any], ...], what: str, path: str, error: type) -> dict:
     """A dict of the (key, value) `pairs` of one JSON object; `error` on a repeated key."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise error(f"{path}: {what} has the key {_shown(k)} twice")
+                raise error(f"{path}: {what} has the key {shown(k)} twice")
             seen.add(k)
     return out
 
 
-def _plain(x: Any, what: str, path: str, error: type, level: int = 1) -> Any:
+def pairs_to_plain(x: Any, what: str, path: str, error: type, level: int = 1) -> Any:
     """`x` from `_loads_pairs` with every nested object turned into a dict (duplicates checked).
     `x` sits at nesting `level` of its document; `error` if it nests deeper than MAX_DEPTH."""
     t = type(x)
@@ -91,15 +92,16 @@ def _plain(x: Any, what: str, path: str, error: type, level: int = 1) -> Any:
     if level > MAX_DEPTH:
         raise error(_too_deep(path))
     if t is tuple:
-        d = _object(x, what, path, error)
+        d = pairs_to_dict(x, what, path, error)
         if not _CONTAINERS.isdisjoint(map(type, d.values())):  # else nothing to convert
             for k, v in d.items():
                 if type(v) is tuple or type(v) is list:
-                    d[k] = _plain(v, what, path, error, level + 1)
+                    d[k] = pairs_to_plain(v, what, path, error, level + 1)
         return d
     if _CONTAINERS.isdisjoint(map(type, x)):
         return x
-    return [_plain(v, what, path, error, level + 1) if type(v) in _CONTAINERS else v for v in x]
+    return [pairs_to_plain(v, what, path, error, level + 1) if type(v) in _CONTAINERS else v
+            for v in x]
 
 
 _CONTAINERS: Final = frozenset({tuple, list})

@@ -21,12 +21,12 @@ from ..format import (
     CheckpointIndex,
     EntryLayout,
     ShardInfo,
-    _object,
-    _parse_object,
-    _plain,
-    _shown,
     check_shard_file_name,
+    pairs_to_dict,
+    pairs_to_plain,
+    parse_strict_object,
     read_safetensors_header,
+    shown,
 )
 from ..keys import check_keys
 from ..tensors import DEFAULT_DEVICE
@@ -97,21 +97,22 @@ class HuggingFaceSharded(FormatAdapter):
         assert data is not None
         path = directory.join(name)
         err = CorruptIndexError
-        doc = _object(_parse_object(data, path, err, ""), name, path, err)
+        doc = pairs_to_dict(parse_strict_object(data, path, err, ""), name, path, err)
         if "weight_map" not in doc:
             raise err(f"{path}: missing field weight_map (not a HuggingFace sharded index)")
         raw_map = doc["weight_map"]
         if type(raw_map) is not tuple:
             raise err(f"{path}: field weight_map must be a JSON object (key -> shard file), "
-                      f"found {_shown(_plain(raw_map, name, path, err, 2))}")
-        weight_map = _object(raw_map, "weight_map", path, err)
-        metadata = _plain(doc.get("metadata", ()), name, path, err, 2)
+                      f"found {shown(pairs_to_plain(raw_map, name, path, err, 2))}")
+        weight_map = pairs_to_dict(raw_map, "weight_map", path, err)
+        metadata = pairs_to_plain(doc.get("metadata", ()), name, path, err, 2)
         if not isinstance(metadata, dict):
-            raise err(f"{path}: field metadata must be a JSON object, found {_shown(metadata)}")
+            raise err(f"{path}: field metadata must be a JSON object, found {shown(metadata)}")
         bad = next((k for k, v in weight_map.items() if type(v) is not str), None)
         if bad is not None:
-            raise err(f"{path}: weight_map: key {_shown(bad)} must name a shard file (a "
-                      f"string), found {_shown(_plain(weight_map[bad], name, path, err, 3))}")
+            found = pairs_to_plain(weight_map[bad], name, path, err, 3)
+            raise err(f"{path}: weight_map: key {shown(bad)} must name a shard file (a "
+                      f"string), found {shown(found)}")
         files = sorted(set(weight_map.values()))
         for file in files:
             check_shard_file_name(file, path)
@@ -130,9 +131,9 @@ class HuggingFaceSharded(FormatAdapter):
             for e in entries:
                 owner = weight_map.get(e.name)
                 if owner != file:
-                    where = (f"which weight_map puts in {_shown(owner)}" if owner is not None
+                    where = (f"which weight_map puts in {shown(owner)}" if owner is not None
                              else "which weight_map does not list")
-                    raise err(f"{path}: shard {_shown(file)} holds tensor {_shown(e.name)}, "
+                    raise err(f"{path}: shard {shown(file)} holds tensor {shown(e.name)}, "
                               f"{where} (the index and the shards disagree)")
                 keys.append(e.name)
                 dtypes.append(e.dtype_name)
@@ -141,8 +142,8 @@ class HuggingFaceSharded(FormatAdapter):
         if len(keys) != len(weight_map):
             seen = set(keys)
             key = next(k for k in weight_map if k not in seen)
-            raise err(f"{path}: weight_map puts tensor {_shown(key)} in shard "
-                      f"{_shown(weight_map[key])}, which has no entry by that name")
+            raise err(f"{path}: weight_map puts tensor {shown(key)} in shard "
+                      f"{shown(weight_map[key])}, which has no entry by that name")
         check_keys(keys, error=err, where=f"{path}: weight_map: ")
         return _table(files, sizes, keys, dtypes, shapes, shard_of, metadata,
                       "(none: a HuggingFace sharded checkpoint)")

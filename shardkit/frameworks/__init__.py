@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
 from ..optional import require
-from ..tensors import _gc_paused
+from ..tensors import gc_paused
 
 FRAMEWORKS: tuple[str, ...] = ("numpy", "torch", "jax", "tensorflow")
 """The values of ``framework=``: "numpy" (the default), "torch", "jax", "tensorflow"."""
@@ -70,7 +70,7 @@ def convert_all(arrays: Mapping[str, np.ndarray], conv: Converter | None) -> dic
     """Every array of `arrays` through `conv`, in order (the same arrays when `conv` is None)."""
     if conv is None:
         return dict(arrays)
-    with _gc_paused():  # tens of thousands of new tensors: one GC pass at the end
+    with gc_paused():  # tens of thousands of new tensors: one GC pass at the end
         return dict(zip(arrays, map(conv, arrays.values(), arrays)))
 
 

@@ -27,9 +27,9 @@ from tensorflow.python.training.saving import saveable_object  # type: ignore[im
 from ..callback import ShardingCallback, callback_description, validate_shards
 from ..devices import DeviceSpec
 from ..errors import InvalidArgumentTypeError, ShardingValidationError
-from ..tensors import ShardableTensor, _fast_constructor
+from ..tensors import ShardableTensor, fast_constructor
 
-_new_shardable = _fast_constructor(ShardableTensor)
+_new_shardable = fast_constructor(ShardableTensor)
 
 
 def is_tensorflow_callback(callback: Any) -> bool:

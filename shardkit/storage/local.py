@@ -46,7 +46,7 @@ from ..files import (
     open_shard_file,
 )
 from ..format import MANIFEST_FILE, MAX_INDEX_BYTES, decode_index, find_manifest
-from ..sources import _opener
+from ..sources import shard_opener
 from . import native
 from .base import Fetched, ShardFile, Storage, Stored
 
@@ -71,7 +71,7 @@ class LocalCheckpoint(CheckpointDirectory):
         return os.path.join(self.path, file)
 
     def opener(self, codec: str, path: str) -> Any:
-        return _opener(codec, path)
+        return shard_opener(codec, path)
 
     def open_shard_file(self, path: str, file: str, generation: str | None) -> CheckpointFile:
         return open_shard_file(path, self.follow_symlinks, name=file, dir_fd=self.dir_fd,

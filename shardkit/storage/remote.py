@@ -180,14 +180,14 @@ class RemoteDirectory:
 
 
 def opener(codec: str, path: str) -> Callable[..., ShardSource]:
-    """The remote counterpart of `sources._opener`: `(path, info, *, mmap, file)`."""
+    """The remote counterpart of `sources.shard_opener`: `(path, info, *, mmap, file)`."""
     if codec == "raw":
         return open_raw
     if codec == "zstd":
         return open_skz
-    from ..sources import _opener
+    from ..sources import shard_opener
 
-    _opener(codec, path)  # raises UnknownCodecError for an unknown codec
+    shard_opener(codec, path)  # raises UnknownCodecError for an unknown codec
     raise ShardkitError(f"{path}: codec {codec!r} cannot be read from a URL")
 
 

@@ -39,15 +39,15 @@ from ...format import (
     CheckpointIndex,
     EntryLayout,
     ShardInfo,
-    _check_slices,
-    _shown,
     check_shard_file_name,
+    check_slices,
     entries_at,
     shape_problem,
+    shown,
 )
 from ...keys import RESERVED, check_keys
 from ...slices import WHOLE, format_slice_spec
-from ...tensors import DEFAULT_DEVICE, _gc_paused
+from ...tensors import DEFAULT_DEVICE, gc_paused
 from ..base import FormatAdapter, ParsedHeader
 from .datatypes import DATA_TYPE_NAMES, DATA_TYPES
 from .names import INDEX_SUFFIX, STATE_FILE, data_file, encode_slice_key
@@ -164,12 +164,12 @@ def state_target(directory: CheckpointDirectory) -> str | None:
             same = False
         if not same:
             raise CheckpointNotFoundError(
-                f"{path}: model_checkpoint_path {_shown(target)} is outside this directory; "
+                f"{path}: model_checkpoint_path {shown(target)} is outside this directory; "
                 "open that prefix itself")
         target = name
     if "/" in target or target in (".", ".."):
         raise CheckpointNotFoundError(
-            f"{path}: model_checkpoint_path {_shown(target)} is not in this directory; open "
+            f"{path}: model_checkpoint_path {shown(target)} is not in this directory; open "
             "that prefix itself")
     return target + INDEX_SUFFIX
 
@@ -181,20 +181,20 @@ def _entry(key: bytes, value: bytes, path: str) -> Any:
     try:
         entry.ParseFromString(value)
     except DecodeError as e:
-        raise CorruptIndexError(f"{path}: entry for key {_shown(key)} is not a parseable "
+        raise CorruptIndexError(f"{path}: entry for key {shown(key)} is not a parseable "
                                 f"BundleEntryProto ({e})") from None
     return entry
 
 
 def _shape(entry: Any, key: str, path: str) -> tuple[int, ...]:
     if entry.shape.unknown_rank:
-        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has an unknown rank")
+        raise CorruptIndexError(f"{path}: tensor {shown(key)} has an unknown rank")
     dims = tuple(d.size for d in entry.shape.dim)
     if any(d < 0 for d in dims):
-        raise CorruptIndexError(f"{path}: tensor {_shown(key)} has a negative dimension in "
+        raise CorruptIndexError(f"{path}: tensor {shown(key)} has a negative dimension in "
                                 f"shape {list(dims)}")
     if math.prod(dims) >= 1 << 62:
-        raise CorruptIndexError(f"{path}: tensor {_shown(key)}: shape {list(dims)} is too large")
+        raise CorruptIndexError(f"{path}: tensor {shown(key)}: shape {list(dims)} is too large")
     return dims
 
 
@@ -206,7 +206,7 @@ def _no_array(key: str, dtype: str, shape: tuple[int, ...], path: str) -> None:
     problem = shape_problem(shape, np.dtype(object).itemsize if dtype == STRING
                              else itemsize(dtype))
     if problem:
-        raise CorruptIndexError(f"{path}: tensor {_shown(key)}{problem}")
+        raise CorruptIndexError(f"{path}: tensor {shown(key)}{problem}")
 
 
 def _dims(encoded: bytes, raw_key: bytes, value: bytes, key: str, path: str
@@ -229,7 +229,7 @@ def _dtype(entry: Any, key: str, path: str) -> str:
     name = DTYPE_OF.get(entry.dtype)
     if name is None:
         raise UnsupportedDTypeError(
-            f"{path}: tensor {_shown(key)} has TensorFlow dtype "
+            f"{path}: tensor {shown(key)} has TensorFlow dtype "
             f"{DATA_TYPE_NAMES.get(entry.dtype, entry.dtype)}, which shardkit cannot store or "
             f"read (it reads {', '.join(DATA_TYPE_NAMES[t] for t in DTYPE_OF)})")
     return name
@@ -252,7 +252,7 @@ class TensorBundle(FormatAdapter):
             if data is None:
                 raise CheckpointNotFoundError(f"no TensorFlow checkpoint at {path}: the file "
                                               "is missing")
-        with _gc_paused():  # one object per entry: no cyclic GC pass is needed meanwhile
+        with gc_paused():  # one object per entry: no cyclic GC pass is needed meanwhile
             return decode_bundle(data, path, prefix_of(name), directory)
 
     def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
@@ -346,14 +346,14 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     for t in texts:
         if t[1] + t[3] > shards[t[0]].bytes:
             raise CorruptIndexError(
-                f"{path}: tensor {_shown(t[4])}: bytes [{t[1]}, {t[1] + t[3]}) are past the "
+                f"{path}: tensor {shown(t[4])}: bytes [{t[1]}, {t[1] + t[3]}) are past the "
                 f"end of {files[t[0]]} ({shards[t[0]].bytes} bytes)")
     if len(past):
         j = int(past[0])
         a, s_ = int(offset[j]), int(shard[j])
         b = a + int(size[j])
         raise CorruptIndexError(
-            f"{path}: tensor {_shown(keys[int(row[j])])}: bytes [{a}, {b}) are past the end of "
+            f"{path}: tensor {shown(keys[int(row[j])])}: bytes [{a}, {b}) are past the end of "
             f"{files[s_]} ({shards[s_].bytes} bytes)")
     slice_tensor = row.tolist()
     slice_shard = shard.tolist()
@@ -387,7 +387,7 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             sizes=[t[3] for t in texts], crcs=[t[2] for t in texts])
     if rows.specs or len(row) != len(keys) or not (
             np.bincount(row, minlength=len(keys)) == 1).all():
-        _check_slices(index, path)  # else every tensor is one whole entry, named by its key
+        check_slices(index, path)  # else every tensor is one whole entry, named by its key
     return index
 
 
@@ -589,7 +589,7 @@ def _whole_columns(raw_keys: list[bytes], value: Any, numbered: _Numbered, codes
         all_keys = _decoded(raw_keys)
     except UnicodeDecodeError:
         raw = next(k for k in raw_keys if not _is_utf8(k))
-        raise CorruptIndexError(f"{path}: key {_shown(raw)} is not valid UTF-8") from None
+        raise CorruptIndexError(f"{path}: key {shown(raw)} is not valid UTF-8") from None
     distinct, which = numbered
     dims = _shapes_at_once(distinct)
     if dims is None:  # one is bad: the first entry that has it raises, with the wording
@@ -703,7 +703,7 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
         try:
             key = raw_key.decode("utf-8")
         except UnicodeDecodeError:
-            raise CorruptIndexError(f"{path}: key {_shown(raw_key)} is not valid UTF-8") from None
+            raise CorruptIndexError(f"{path}: key {shown(raw_key)} is not valid UTF-8") from None
         shape = shape_of.get(encoded)  # type: ignore[assignment]
         if shape is None:
             shape = shape_of[encoded] = _dims(encoded, raw_key, value, key, path)
@@ -712,7 +712,7 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
             _no_array(key, dtype, shape, path)
         if dtype == STRING:  # string tensors: apart (`CheckpointIndex.strings`)
             if flat.slices:
-                raise UnsupportedDTypeError(f"{path}: string tensor {_shown(key)} is stored "
+                raise UnsupportedDTypeError(f"{path}: string tensor {shown(key)} is stored "
                                             "as slices, which shardkit does not read")
             t = _stored(flat, key, dtype, shape, WHOLE, key, -1, n, path, 0)
             texts.append((t[0], t[1], t[6], t[5], key, shape))
@@ -734,7 +734,7 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
         for s in entry.slices:
             if len(s.extent) != len(shape):
                 raise CorruptIndexError(
-                    f"{path}: tensor {_shown(key)}: a slice has {len(s.extent)} extents for a "
+                    f"{path}: tensor {shown(key)}: a slice has {len(s.extent)} extents for a "
                     f"tensor of rank {len(shape)}")
             starts = [e.start for e in s.extent]
             lengths = [e.length if e.HasField("length") else -1 for e in s.extent]
@@ -743,34 +743,34 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
             for d, (o, ln) in enumerate(zip(offsets, sizes)):
                 if o < 0 or ln < 0 or o + ln > shape[d]:
                     raise CorruptIndexError(
-                        f"{path}: tensor {_shown(key)}: slice extent {d} (start {o}, length "
+                        f"{path}: tensor {shown(key)}: slice extent {d} (start {o}, length "
                         f"{ln}) is outside dimension {shape[d]}")
             slice_key = encode_slice_key(key, starts, lengths)
             at = position.get(slice_key)
             spec = format_slice_spec(shape, offsets, sizes)
             if at is None:
-                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} has no "
+                raise CorruptIndexError(f"{path}: tensor {shown(key)}: slice {spec!r} has no "
                                         "entry of its own (its encoded key is missing)")
             claimed.add(at)
             slice_entry = _entry(slice_key, body[at][1], path)
             if slice_entry.slices:
-                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: the entry of slice "
+                raise CorruptIndexError(f"{path}: tensor {shown(key)}: the entry of slice "
                                         f"{spec!r} is itself sliced")
             if slice_entry.dtype != entry.dtype:
                 raise CorruptIndexError(
-                    f"{path}: tensor {_shown(key)}: slice {spec!r} has dtype "
+                    f"{path}: tensor {shown(key)}: slice {spec!r} has dtype "
                     f"{DATA_TYPE_NAMES.get(slice_entry.dtype, slice_entry.dtype)}, the tensor "
                     f"{DATA_TYPE_NAMES.get(entry.dtype, entry.dtype)}")
             got = _shape(slice_entry, key, path)
             if got != tuple(sizes):
-                raise CorruptIndexError(f"{path}: tensor {_shown(key)}: slice {spec!r} is "
+                raise CorruptIndexError(f"{path}: tensor {shown(key)}: slice {spec!r} is "
                                         f"stored with shape {list(got)}, expected {sizes}")
             rows.append(_stored(slice_entry, key, dtype, tuple(sizes), spec, f"{key}:{spec}",
                                 row, n, path, len(rows)))
     orphan = next((k for i, (k, _) in enumerate(body) if k[:1] == b"\x00" and i not in claimed),
                   None)
     if orphan is not None:  # TensorFlow's own reader refuses such a table too
-        raise CorruptIndexError(f"{path}: entry {_shown(orphan)} is a slice of no tensor the "
+        raise CorruptIndexError(f"{path}: entry {shown(orphan)} is a slice of no tensor the "
                                 "table lists (its tensor's own entry is missing or names "
                                 "other slices)")
     columns = tuple(np.array([r[i] for r in rows], np.int64).reshape(len(rows))
@@ -791,7 +791,7 @@ _Row = tuple[int, int, int, str, str, int, int, int]
 
 def _stored(entry: Any, key: str, dtype: str, shape: tuple[int, ...], spec: str, name: str,
             row: int, n: int, path: str, order: int) -> _Row:
-    where = f"tensor {_shown(key)}" + (f" slice {spec!r}" if spec else "")
+    where = f"tensor {shown(key)}" + (f" slice {spec!r}" if spec else "")
     if not 0 <= entry.shard_id < n:
         raise CorruptIndexError(f"{path}: {where}: shard_id {entry.shard_id} is out of range "
                                 f"(the header records {n} data files)")
