@@ -62,15 +62,10 @@ from .optional import lazy_attributes
 
 if TYPE_CHECKING:
     from .api import DefaultShardingPolicy, SaveInfo, get_policy, load, open, restore_into, save
-    from .callback import (
-        Shard,
-        ShardingCallback,
-        as_tensorflow_callback,
-        shard_tensors,
-        validate_shards,
-    )
+    from .callback import Shard, ShardingCallback, shard_tensors, validate_shards
     from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
     from .devices import DeviceSpec
+    from .frameworks import as_tensorflow_callback
     from .options import CheckpointOptions
     from .policies import (
         AllInOnePolicy,
@@ -95,7 +90,6 @@ _LAZY: dict[str, str] = {  # public name -> the module that defines it, imported
     "save": "api",
     "Shard": "callback",
     "ShardingCallback": "callback",
-    "as_tensorflow_callback": "callback",
     "shard_tensors": "callback",
     "validate_shards": "callback",
     "Checkpoint": "checkpoint",
@@ -103,6 +97,7 @@ _LAZY: dict[str, str] = {  # public name -> the module that defines it, imported
     "CheckpointManager": "checkpoint",
     "SaveHandle": "checkpoint",
     "DeviceSpec": "devices",
+    "as_tensorflow_callback": "frameworks",
     "CheckpointOptions": "options",
     "AllInOnePolicy": "policies",
     "BalancedPolicy": "policies",

@@ -419,18 +419,6 @@ def _runner(callback: Any) -> Any:
     return callback
 
 
-def as_tensorflow_callback(callback: ShardingCallback) -> Any:
-    """`callback` as a ``tf.train.experimental.ShardingCallback`` for TensorFlow's own saver:
-    ``tf.train.CheckpointOptions(experimental_sharding_callback=as_tensorflow_callback(p))``.
-    Imports TensorFlow (MissingDependencyError without it)."""
-    from .optional import require
-
-    require("tensorflow", "as_tensorflow_callback")
-    from .frameworks import tf_sharding
-
-    return tf_sharding.as_tensorflow_callback(callback)
-
-
 def callback_description(callback: ShardingCallback) -> str:
     """`callback.description`, checked to be a str (ShardingValidationError otherwise)."""
     try:

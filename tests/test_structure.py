@@ -23,7 +23,6 @@ import structure
 # code (fix the code, or the doc's layer order with the change it describes).
 
 KNOWN_CIRCLES = {
-    ("shardkit.callback", "shardkit.frameworks.tf_sharding"),
     (
         "shardkit.files",
         "shardkit.format",

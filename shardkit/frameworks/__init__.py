@@ -74,4 +74,24 @@ def convert_all(arrays: Mapping[str, np.ndarray], conv: Converter | None) -> dic
         return dict(zip(arrays, map(conv, arrays.values(), arrays)))
 
 
-__all__ = ["FRAMEWORKS", "Converter", "convert_all", "converter", "to_framework"]
+def as_tensorflow_callback(callback: Any) -> Any:
+    """`callback` as a ``tf.train.experimental.ShardingCallback`` for TensorFlow's own saver.
+
+    ``tf.train.CheckpointOptions(experimental_sharding_callback=as_tensorflow_callback(p))``.
+
+    Args:
+        callback: a shardkit `ShardingCallback`.
+    Returns:
+        The wrapper (`tf_saver_callback.TensorFlowShardingCallback`).
+    Raises:
+        MissingDependencyError: TensorFlow is not installed.
+        InvalidArgumentTypeError: `callback` is not a shardkit `ShardingCallback`.
+    """
+    require("tensorflow", "as_tensorflow_callback")
+    from .tf_saver_callback import as_tensorflow_callback as wrap
+
+    return wrap(callback)
+
+
+__all__ = ["FRAMEWORKS", "Converter", "as_tensorflow_callback", "convert_all", "converter",
+           "to_framework"]

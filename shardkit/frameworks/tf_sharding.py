@@ -1,15 +1,15 @@
-"""TensorFlow's sharding callbacks and shardkit's, each usable by the other.
+"""TensorFlow's sharding callbacks run by shardkit's save.
 
-- `run_tensorflow_callback`: a ``tf.train.experimental.ShardingCallback`` (TensorFlow's own
-  `MaxShardSizePolicy`, `ShardByTaskPolicy`, or a subclass) run by shardkit's save. It gets
-  TensorFlow's own ``ShardableTensor``s (``tf.Tensor``, ``tf.DType``, ``TensorShape``,
-  ``tf.DeviceSpec``, a ``SaveSpec`` as ``_tensor_save_spec``); what it returns is turned back
-  into host arrays (a tensor it hands back unchanged is the caller's array again, no copy) and
-  then validated by `shardkit.callback` as any callback's result.
-- `as_tensorflow_callback`: a shardkit callback as a ``tf.train.experimental.ShardingCallback``
-  that ``tf.train.CheckpointOptions(experimental_sharding_callback=...)`` accepts.
+`run_tensorflow_callback` runs a ``tf.train.experimental.ShardingCallback`` (TensorFlow's own
+`MaxShardSizePolicy`, `ShardByTaskPolicy`, or a subclass). It gets TensorFlow's own
+``ShardableTensor``s (``tf.Tensor``, ``tf.DType``, ``TensorShape``, ``tf.DeviceSpec``, a
+``SaveSpec`` as ``_tensor_save_spec``); what it returns is turned back into host arrays (a tensor
+it hands back unchanged is the caller's array again, no copy) and then validated by
+`shardkit.callback` as any callback's result. The other direction, shardkit's callbacks for
+TensorFlow's saver, is `tf_saver_callback` (it imports `shardkit.callback`; this module must not,
+since `callback.shard_tensors` calls it).
 
-Imported only when one of these is used: it imports TensorFlow.
+Imported only when a TensorFlow callback is run: it imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ from tensorflow.python.checkpoint.sharding import (  # type: ignore[import-untyp
 )
 from tensorflow.python.training.saving import saveable_object  # type: ignore[import-untyped]
 
-from ..callback import ShardingCallback, callback_description, validate_shards
-from ..devices import DeviceSpec
-from ..errors import InvalidArgumentTypeError, ShardingValidationError
-from ..tensors import ShardableTensor, fast_constructor
-
-_new_shardable = fast_constructor(ShardableTensor)
+from ..tensors import ShardableTensor
 
 
 def is_tensorflow_callback(callback: Any) -> bool:
@@ -44,7 +39,7 @@ class Returned(NamedTuple):
     device: str
 
 
-def _tf_tensor(array: np.ndarray) -> Any:
+def tf_tensor(array: np.ndarray) -> Any:
     """An eager CPU tensor of `array` (TensorFlow shares aligned numpy memory when it can)."""
     if array.dtype.kind == "O":
         return tf.constant(array, tf.string)
@@ -63,7 +58,7 @@ def to_tensorflow_shardables(tensors: Sequence[ShardableTensor]
         dev = devices.get(id(t.device))
         if dev is None:
             dev = devices[id(t.device)] = tf.DeviceSpec.from_string(t.device.to_string())
-        value = _tf_tensor(t.tensor)
+        value = tf_tensor(t.tensor)
         given[id(value)] = t.tensor
         spec = saveable_object.SaveSpec(value, t.slice_spec, t.name, value.dtype,
                                         dev.to_string())
@@ -120,66 +115,3 @@ def _host(value: Any, given: dict[int, np.ndarray]) -> Any:
             device = getattr(value, "device", "") or ""
         return Returned(array, device if isinstance(device, str) else device.to_string())
     return value
-
-
-# --- shardkit callback -> TensorFlow callback -------------------------------------------------
-
-
-class TensorFlowShardingCallback(sharding_util.ShardingCallback):  # type: ignore[misc]
-    """A shardkit `ShardingCallback` wrapped for TensorFlow's saver
-    (``tf.train.CheckpointOptions(experimental_sharding_callback=...)``)."""
-
-    def __init__(self, callback: ShardingCallback) -> None:
-        self.callback = callback
-
-    @property
-    def description(self) -> str:
-        return callback_description(self.callback)
-
-    def __call__(self, shardable_tensors: Sequence[Any]) -> list[dict[str, dict[str, Any]]]:
-        ours: list[ShardableTensor] = []
-        originals: dict[int, Any] = {}
-        for t in shardable_tensors:
-            value = t.tensor
-            array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-            if not isinstance(array, np.ndarray):  # a string scalar: bytes
-                boxed = np.empty((), object)
-                boxed[()] = array
-                array = boxed
-            originals[id(array)] = value
-            device = DeviceSpec.from_string(
-                t.device.to_string() if hasattr(t.device, "to_string") else str(t.device or ""))
-            ours.append(_new_shardable(array, array.dtype, device, t.name, tuple(array.shape),
-                                       t.slice_spec, t.checkpoint_key))
-        shards = self.callback(ours)
-        if isinstance(shards, Mapping) or not isinstance(shards, Sequence):
-            raise ShardingValidationError(
-                f"sharding callback {self.description!r} must return a list of shards, got "
-                f"{type(shards).__name__}")
-        validate_shards(shards, ours, self.description)  # shardkit's rules, its wording
-        by_key = {(t.checkpoint_key, t.slice_spec): t for t in shardable_tensors}
-        out = []
-        for shard in shards:
-            tf_shard: dict[str, dict[str, Any]] = {}
-            for key, slices in shard.items():
-                for spec, value in slices.items():
-                    array = getattr(value, "tensor", value)
-                    original = originals.get(id(array))
-                    if original is None:  # a slice: a new tensor on the parent's device
-                        parent = by_key.get((key, spec)) or next(
-                            t for t in shardable_tensors if t.checkpoint_key == key)
-                        with tf.device(parent.device):
-                            original = tf.identity(_tf_tensor(np.asarray(array)))
-                    tf_shard.setdefault(key, {})[spec] = original
-            if tf_shard:
-                out.append(tf_shard)
-        return out
-
-
-def as_tensorflow_callback(callback: ShardingCallback) -> TensorFlowShardingCallback:
-    """`callback` as a ``tf.train.experimental.ShardingCallback``."""
-    if not isinstance(callback, ShardingCallback):
-        raise InvalidArgumentTypeError(
-            f"as_tensorflow_callback takes a shardkit.ShardingCallback, got "
-            f"{type(callback).__name__}")
-    return TensorFlowShardingCallback(callback)
