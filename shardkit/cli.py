@@ -529,13 +529,13 @@ def _add_gc_parser(sub: Any) -> None:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .errors import InvalidArgumentError
-    from .storage import is_url
+    from .storage import is_url, open_storage
     from .storage.housekeeping import gc
 
     if not is_url(args.url):
         raise InvalidArgumentError(f"{args.url}: gc works on checkpoint URLs (local saves "
                                    "clean up after themselves)")
-    removed = gc(args.url, older_than=args.older_than)
+    removed = gc(open_storage(args.url), older_than=args.older_than)
     for name in removed:
         print(f"removed {name}")
     print(f"{args.url}: {len(removed)} object(s) removed")

@@ -222,6 +222,11 @@ class CheckpointFile:
                 self._users -= 1
                 pool._trim()
 
+    def read_all(self) -> bytes:
+        """The whole file (its `size` bytes when it was opened; fewer if it shrank since)."""
+        with self as fd:
+            return read_whole(fd, self.size, self.path, self.role)
+
     def stamp(self) -> tuple[int, int, int, int]:
         """(device, inode, size, mtime in ns) of the open file now: equal stamps mean a
         header parsed earlier is still the file's (`formats.ParsedHeader`)."""

@@ -17,6 +17,8 @@ str) are refused with UnsupportedDTypeError.
 `read` / `verify` of one row. `StringFile` implements it for shardkit's ``.skstr`` file; another
 layout (e.g. TensorFlow's TensorBundle) implements it over its own bytes and puts it in
 `CheckpointIndex.strings`; `decode_elements` turns the elements' bytes into the array of a kind.
+The manifest's ``shardkit.strings`` section is decoded by `format.decode_strings_section`,
+which makes the `StringFile`: this module imports nothing of format/ (it sits below it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ STRING_FILE: Final = "strings.skstr"
 MAGIC: Final = b"SKSTRNG1"
 STRING_DTYPE: Final = "STRING"
 """The dtype name `CheckpointReader.info` reports for a string tensor."""
-_KIND_RE: Final = re.compile(r"bytes|str|[SU][1-9][0-9]{0,8}")
+KIND_RE: Final = re.compile(r"bytes|str|[SU][1-9][0-9]{0,8}")
+"""The kinds a string tensor may have (the module docstring)."""
 _U64 = struct.Struct("<Q")
 
 
@@ -64,11 +67,6 @@ def check_string_framework(framework: str, key: str) -> None:
         raise UnsupportedDTypeError(
             f"{key!r} is a string tensor, and {framework} has no string tensors; load it with "
             "framework='numpy' (the default) or 'tensorflow', or leave it out of keys=")
-
-
-def is_string_array(value: Any) -> bool:
-    """Whether `value` is a numpy array (or scalar) of bytes, str or objects."""
-    return isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "OSU"
 
 
 def string_kind(array: np.ndarray, key: str) -> str:
@@ -295,9 +293,7 @@ class StringFile(StringTensors):
                 cls = TruncatedShardError if size < self.size else CheckpointFormatError
                 raise cls(f"{path}: string file has {size} bytes, the manifest records "
                           f"{self.size}")
-            with f as fd:
-                from .files import read_whole
-                data = read_whole(fd, size, path, self.file)
+            data = f.read_all()
         finally:
             f.close()
         check_preamble(data, path, self.generation)
@@ -419,61 +415,3 @@ def write_string_file(fd: int, columns: StringColumns, generation: str | None,
                       [tuple(a.shape) for a in columns.arrays], list(columns.devices),
                       file=STRING_FILE, size=len(data), offsets=offsets, lengths=lengths,
                       xxh3=hashes, generation=generation)
-
-
-def decode_section(sec: Any, path: str, generation: str | None) -> StringFile:
-    """The manifest's ``shardkit.strings`` object, checked; CorruptIndexError naming `path`."""
-    from .format import MAX_NDIM, check_shard_file_name
-    from .keys import check_keys
-
-    where = "shardkit.strings"
-    if type(sec) is not dict:
-        raise CorruptIndexError(f"{path}: {where} must be a JSON object")
-    for name, kind in (("file", str), ("bytes", int)):
-        if type(sec.get(name)) is not kind:
-            raise CorruptIndexError(f"{path}: field {where}.{name} is missing or not a "
-                                    f"{kind.__name__}")
-    file = check_shard_file_name(sec["file"], path)
-    size = sec["bytes"]
-    cols = {}
-    for name in ("key", "kind", "shape", "device", "offset", "length", "xxh3"):
-        col = sec.get(name)
-        if type(col) is not list:
-            raise CorruptIndexError(f"{path}: field {where}.{name} is missing or not a list")
-        cols[name] = col
-    n = len(cols["key"])
-    bad = [name for name, col in cols.items() if len(col) != n]
-    if bad:
-        raise CorruptIndexError(f"{path}: {where}.{bad[0]} has {len(cols[bad[0]])} items, "
-                                f"{where}.key {n}")
-    keys = cols["key"]
-    if not all(type(k) is str for k in keys):
-        raise CorruptIndexError(f"{path}: {where}.key must hold strings")
-    check_keys(keys, error=CorruptIndexError, where=f"{path}: {where}.key: ")
-    for i, key in enumerate(keys):
-        kind, shape, dev = cols["kind"][i], cols["shape"][i], cols["device"][i]
-        off, length, digest = cols["offset"][i], cols["length"][i], cols["xxh3"][i]
-        if type(kind) is not str or not _KIND_RE.fullmatch(kind):
-            raise CorruptIndexError(f"{path}: string tensor {key!r} has unknown kind "
-                                    f"{str(kind)[:40]!r} (bytes, str, S<n>, U<n>)")
-        if (type(shape) is not list or len(shape) > MAX_NDIM
-                or not all(type(d) is int and 0 <= d < 2**40 for d in shape)):
-            raise CorruptIndexError(f"{path}: string tensor {key!r} shape must be a list of "
-                                    "non-negative integers")
-        if type(dev) is not str:
-            raise CorruptIndexError(f"{path}: string tensor {key!r} device must be a string")
-        if not (type(off) is int and type(length) is int and 0 <= off and 0 <= length
-                and off + length <= size and off % 8 == 0):
-            raise CorruptIndexError(f"{path}: string tensor {key!r}: offset / length out of "
-                                    f"range for a {size}-byte string file")
-        if 16 + 8 * math.prod(shape) > length:
-            raise CorruptIndexError(f"{path}: string tensor {key!r}: {length} bytes cannot hold "
-                                    f"{math.prod(shape)} elements")
-        if digest is not None and not (type(digest) is str and re.fullmatch(r"[0-9a-f]{16}",
-                                                                             digest)):
-            raise CorruptIndexError(f"{path}: string tensor {key!r}: xxh3 must be 16 "
-                                    "lowercase hex digits or null")
-    return StringFile(list(keys), list(cols["kind"]), [tuple(s) for s in cols["shape"]],
-                      list(cols["device"]), file=file, size=size, offsets=list(cols["offset"]),
-                      lengths=list(cols["length"]), xxh3=list(cols["xxh3"]),
-                      generation=generation)

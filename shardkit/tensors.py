@@ -176,8 +176,6 @@ _shape_of = operator.attrgetter("shape")
 
 def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:
     """Put `value` in `strings` if it is a string tensor; whether it was one."""
-    from .strings import is_string_array
-
     array, dev = value, None
     if is_tf_value(value):
         if not _tf().tf_is_string(value):
@@ -424,6 +422,11 @@ def _is_torch(value: Any) -> bool:
 def _is_jax(value: Any) -> bool:
     jax = sys.modules.get("jax")
     return jax is not None and isinstance(value, jax.Array)
+
+
+def is_string_array(value: Any) -> bool:
+    """Whether `value` is a numpy array (or scalar) of bytes, str or objects."""
+    return isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "OSU"
 
 
 _TF_TYPES: dict[type, bool] = {}  # type -> whether its instances are tf.Tensor / tf.Variable

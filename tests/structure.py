@@ -86,20 +86,21 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ),
     ("slicing.py",),
     ("sources.py",),
-    ("strings.py",),
     ("options.py",),
     ("commit.py",),
     ("compression.py",),
     ("files.py",),
     # format/: "Its modules, each importing only those before it: common.py; strictjson.py;
-    # header.py; manifest.py; __init__.py re-exports every name"
+    # header.py; string_section.py; manifest.py; __init__.py re-exports every name"
     [
         ("format/__init__.py",),
         ("format/manifest.py",),
+        ("format/string_section.py",),
         ("format/header.py",),
         ("format/strictjson.py",),
         ("format/common.py", "format/"),
     ],
+    ("strings.py",),
     ("policies.py",),
     ("callback.py",),
     ("tensors.py",),

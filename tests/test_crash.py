@@ -258,7 +258,8 @@ def test_sigkill_before_every_step_of_an_s3_overwrite(s3):
         return {s.name.split("/")[0] for s in store.list(SHARDS_PREFIX)}
 
     def after_kill(_got: str) -> None:
-        gc(url, older_than=0)  # what the killed save left; `_kill_every_step` checks the rest
+        # what the killed save left; `_kill_every_step` checks the rest
+        gc(open_storage(url), older_than=0)
         assert len(generations()) == 1, generations()
 
     def after_reset() -> None:

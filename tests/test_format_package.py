@@ -10,7 +10,8 @@ import shardkit.format as fmt
 
 PACKAGE = Path(fmt.__file__).parent
 ROOT = PACKAGE.parent.parent
-MODULES = ("common", "strictjson", "header", "manifest")  # each imports only those before it
+# each imports only those before it
+MODULES = ("common", "strictjson", "header", "string_section", "manifest")
 
 def _defined(tree: ast.Module) -> list[str]:
     names: list[str] = []

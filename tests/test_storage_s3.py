@@ -445,7 +445,7 @@ def test_gc_removes_only_what_shardkit_staged(bucket, capsys):
     files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     gen = _crashed_save(store, files)
     name, upload = _foreign(store, "")
-    assert gc(url) == []  # younger than the default hour: maybe a save in progress
+    assert gc(open_storage(url)) == []  # younger than the default hour: maybe a save in progress
     assert cli_main(["gc", url, "--older-than", "0"]) == 0
     out = capsys.readouterr().out
     assert "2 object(s) removed" in out and object_name(files[0], gen) in out  # and its marker
@@ -541,7 +541,7 @@ def test_sigkill_mid_upload_never_exposes_a_partial_checkpoint(s3, bucket):
     print(f"\nkill rounds: {outcomes.count(False)} mid-save, {outcomes.count(True)} after it")
     assert not all(outcomes), "every save finished before the kill: the test tested nothing"
     # the crashed saves' objects: the next save, or gc, removes them
-    gc(url, older_than=0)
+    gc(open_storage(url), older_than=0)
     gen = shardkit.open(url).generation
     store = open_storage(url)
     assert {s.name.split("/")[0] for s in store.list("")} == {fmt.MANIFEST_FILE,

@@ -89,8 +89,7 @@ class LocalShard:
 
 
 def _is_string(value: Any) -> bool:
-    from ..strings import is_string_array
-    from ..tensors import is_tf_value
+    from ..tensors import is_string_array, is_tf_value
 
     if is_tf_value(value):
         from ..frameworks.tensorflow import tf_is_string

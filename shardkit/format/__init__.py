@@ -8,7 +8,8 @@ bytes they were given (``read_safetensors_header`` reads the header from an open
 
 The modules, each importing only those before it: `common` (constants and limits, naming,
 generations, `shown`), `strictjson` (JSON parsed with repeated keys and nesting checked),
-`header` (the shard header), `manifest` (the manifest and `CheckpointIndex`). Every name is
+`header` (the shard header), `string_section` (the manifest's ``shardkit.strings``
+section), `manifest` (the manifest and `CheckpointIndex`). Every name is
 importable from this package, as it was from the single module it replaces.
 """
 
@@ -47,8 +48,10 @@ from .common import (  # noqa: F401
     STRINGS_MINOR,
     STRINGS_VERSION,
     ZSTD_SUFFIX,
+    _encodable,
     _Shown,
     check_generation,
+    check_shard_file_name,
     entry_name,
     find_manifest,
     legacy_shard_metadata,
@@ -112,7 +115,6 @@ from .manifest import (  # noqa: F401
     _decode_shards,
     _document_within_depth,
     _dumps,
-    _encodable,
     _encodes_to,
     _field,
     _index_objects,
@@ -125,7 +127,6 @@ from .manifest import (  # noqa: F401
     _shared,
     _shared_lists,
     _str_list,
-    check_shard_file_name,
     check_slices,
     decode_index,
     encode_index,
@@ -144,6 +145,7 @@ from .strictjson import (  # noqa: F401
     pairs_to_plain,
     parse_strict_object,
 )
+from .string_section import decode_strings_section
 
 __all__ = [
     "safetensors_name",
@@ -152,6 +154,7 @@ __all__ = [
     "pairs_to_plain",
     "parse_strict_object",
     "check_slices",
+    "decode_strings_section",
     "shape_problem",
     "FORMAT_NAME",
     "FORMAT_VERSION",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from ..dtypes import SAFETENSORS_NAMES, itemsize
-from ..errors import GenerationMismatchError
+from ..errors import CorruptIndexError, GenerationMismatchError, ShardPathError
 from ..slices import WHOLE
 
 FORMAT_NAME: Final = "shardkit"
@@ -152,3 +152,38 @@ def check_generation(metadata: Mapping[str, Any], expected: str | None, path: st
         f"{expected}, the shard header records generation {found_text} (the directory mixes files "
         "of different saves, or was partially replaced); a reader reads one generation only"
     )
+
+
+def check_shard_file_name(name: Any, path: str) -> str:
+    """`name` if it is a plain file name inside the checkpoint directory, else ShardPathError."""
+    if not isinstance(name, str) or not name:
+        raise CorruptIndexError(f"{path}: shard file name must be a non-empty string, got "
+                                f"{shown(name)}")
+    if (
+        "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name in (".", "..")
+        or name.startswith("..")
+        or os.path.isabs(name)
+        or (len(name) > 1 and name[1] == ":")  # Windows drive
+        or name in MANIFEST_FILES
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME_BYTES
+        or not _encodable(name)
+    ):
+        raise ShardPathError(
+            f"{path}: shard file name {shown(name)} is not a plain file name inside the "
+            f"checkpoint "
+            f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, lone "
+            f"surrogates, {MANIFEST_FILE} or {LEGACY_MANIFEST_FILE}; at most "
+            f"{MAX_FILE_NAME_BYTES} bytes of UTF-8)"
+        )
+    return name
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no file name can hold one
+        return False
+    return True

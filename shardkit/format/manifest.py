@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import operator
-import os
 import re
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,7 +20,6 @@ from ..dtypes import SAFETENSORS_NAMES
 from ..errors import (
     CheckpointFormatError,
     CorruptIndexError,
-    ShardPathError,
     SliceSpecError,
     UnsupportedVersionError,
 )
@@ -41,18 +39,16 @@ from .common import (
     FORMAT_VERSION,
     GENERATION_KEY,
     GENERATION_MINOR,
-    LEGACY_MANIFEST_FILE,
-    MANIFEST_FILE,
-    MANIFEST_FILES,
     MAX_DEPTH,
-    MAX_FILE_NAME_BYTES,
     MAX_NDIM,
     STRINGS_MINOR,
+    check_shard_file_name,
     entry_name,
     shown,
 )
 from .header import _INT_ONLY, _first, shape_problem
 from .strictjson import nesting_within, pairs_to_dict, pairs_to_plain, parse_strict_object
+from .string_section import decode_strings_section
 
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
 _GENERATION_RE: Final = re.compile(r"[0-9A-Za-z_.-]{1,64}")
@@ -436,41 +432,6 @@ def parse_version(version: Any, path: str) -> tuple[int, int]:
     return major, minor
 
 
-def check_shard_file_name(name: Any, path: str) -> str:
-    """`name` if it is a plain file name inside the checkpoint directory, else ShardPathError."""
-    if not isinstance(name, str) or not name:
-        raise CorruptIndexError(f"{path}: shard file name must be a non-empty string, got "
-                                f"{shown(name)}")
-    if (
-        "/" in name
-        or "\\" in name
-        or "\0" in name
-        or name in (".", "..")
-        or name.startswith("..")
-        or os.path.isabs(name)
-        or (len(name) > 1 and name[1] == ":")  # Windows drive
-        or name in MANIFEST_FILES
-        or len(name.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME_BYTES
-        or not _encodable(name)
-    ):
-        raise ShardPathError(
-            f"{path}: shard file name {shown(name)} is not a plain file name inside the "
-            f"checkpoint "
-            f"directory (no '/', '\\', '..', absolute paths, drive letters, NUL, lone "
-            f"surrogates, {MANIFEST_FILE} or {LEGACY_MANIFEST_FILE}; at most "
-            f"{MAX_FILE_NAME_BYTES} bytes of UTF-8)"
-        )
-    return name
-
-
-def _encodable(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: no file name can hold one
-        return False
-    return True
-
-
 def decode_index(data: bytes, path: str) -> CheckpointIndex:
     """Parse and validate a manifest; every error is a CorruptIndexError (or subclass)
     naming `path` and the field, except other majors: UnsupportedVersionError."""
@@ -599,9 +560,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         raise CorruptIndexError(f"{path}: shardkit.strings (string tensors) needs format_version "
                                 f"2.3, found {shown(version)}")
     if "strings" in sk:  # format 2.3: string tensors (shardkit.strings)
-        from ..strings import decode_section
-
-        strings = decode_section(sk["strings"], path, generation)
+        strings = decode_strings_section(sk["strings"], path, generation)
         both = set(strings.keys).intersection(keys)
         if both:
             raise CorruptIndexError(f"{path}: key {shown(min(both))} is both a tensor and a "

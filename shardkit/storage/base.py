@@ -40,6 +40,7 @@ RETRIES = 6  # attempts of one request before a transient error is given up on
 BACKOFF = 0.05  # seconds before the first retry, doubled each time (plus jitter)
 BACKOFF_MAX = 2.0
 COALESCE_GAP = 0  # ranges at most this many bytes apart are fetched as one
+MAX_COALESCED = 32 * 1024 * 1024  # adjacent ranges merge into GETs of at most this many bytes
 
 
 @dataclass(frozen=True, slots=True)

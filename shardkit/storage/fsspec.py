@@ -23,14 +23,13 @@ from typing import Any, TypeVar
 from .._threads import WorkerPool
 from ..errors import MissingDependencyError, StorageError
 from ..optional import missing, require
-from .base import Fetched, ShardFile, Storage, Stored, coalesce, with_retries
+from .base import MAX_COALESCED, Fetched, ShardFile, Storage, Stored, coalesce, with_retries
 
 _T = TypeVar("_T")
 
 PART_SIZE = 32 * 1024 * 1024  # bytes per multipart part (S3's minimum is 5 MiB); the first
 # part may be twice that, so objects up to 2 * PART_SIZE leave in one PutObject (as s3fs does)
 PARTS_IN_FLIGHT = 2  # parts of one file uploading at once: memory <= 3 * PART_SIZE per file
-MAX_COALESCED = 32 * 1024 * 1024  # adjacent ranges merge into GETs of at most this many bytes
 _pool_lock = threading.Lock()
 _pool: WorkerPool | None = None
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from .. import format as fmt
 from ..commit import is_shardkit_manifest
 from ..errors import CheckpointFormatError, ShardkitError
-from . import Storage, open_storage
+from .base import Storage
 from .layout import SHARDS_PREFIX, generation_of, is_marker, new_marker_name, object_name
 
 MARKER_FORMAT = "shardkit-staging"
@@ -102,16 +102,15 @@ def remove_owned(store: Storage, keep: str | None, *, older_than: float | None =
     return doomed + markers
 
 
-def gc(url: str, *, older_than: float = 3600.0) -> list[str]:
-    """Remove the objects at `url` of crashed or superseded saves (`remove_owned`: what their
-    staging markers name) last modified at least `older_than` seconds ago, so a save in
-    progress keeps its objects; the current manifest's generation is kept. Returns the names
-    removed.
+def gc(store: Storage, *, older_than: float = 3600.0) -> list[str]:
+    """Remove the objects in `store` (``open_storage(url)``) of crashed or superseded saves
+    (`remove_owned`: what their staging markers name) last modified at least `older_than`
+    seconds ago, so a save in progress keeps its objects; the current manifest's generation is
+    kept. Returns the names removed.
 
     Raises:
-        CorruptIndexError: the manifest at `url` cannot be read (nothing is deleted).
+        CorruptIndexError: the manifest in `store` cannot be read (nothing is deleted).
     """
-    store = open_storage(url)
     found = store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
     keep = None
     if found is not None:
@@ -119,10 +118,9 @@ def gc(url: str, *, older_than: float = 3600.0) -> list[str]:
     return remove_owned(store, keep, older_than=older_than)
 
 
-def list_checkpoints(url: str | Storage) -> list[tuple[str, float]]:
-    """The committed shardkit checkpoints directly under the prefix `url` (a HuggingFace
+def list_checkpoints(store: Storage) -> list[tuple[str, float]]:
+    """The committed shardkit checkpoints directly under the prefix of `store` (a HuggingFace
     export's manifest is not one): (name, manifest mtime)."""
-    store = url if isinstance(url, Storage) else open_storage(url)
     tail = "/" + fmt.MANIFEST_FILE
     out = []
     for s in store.list(""):
@@ -134,8 +132,8 @@ def list_checkpoints(url: str | Storage) -> list[tuple[str, float]]:
     return out
 
 
-def remove_checkpoint(url: str | Storage) -> None:
-    """Delete the checkpoint at `url`: the manifest first (it stops being a checkpoint at
+def remove_checkpoint(store: Storage) -> None:
+    """Delete the checkpoint in `store`: the manifest first (it stops being a checkpoint at
     once), then the objects it names and those its staging markers (and any crashed save's
     there) name. Other objects under the prefix stay.
 
@@ -143,7 +141,6 @@ def remove_checkpoint(url: str | Storage) -> None:
         CorruptIndexError: the manifest cannot be read, so what it names is unknown (nothing
             is deleted).
     """
-    store = url if isinstance(url, Storage) else open_storage(url)
     found = store.fetch(fmt.MANIFEST_FILE, fmt.MAX_INDEX_BYTES)
     named: list[str] = []
     if found is not None:

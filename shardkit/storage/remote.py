@@ -5,7 +5,7 @@ tag); shard objects are named by the manifest's generation (`layout.object_name`
 never sees another save's objects. `RemoteRawShard` and `RemoteSkzShard` are the shard sources:
 no memory map (`view` is None), every read a ranged GET. `read_tasks` turns a batch of reads
 into pieces of at most PIECE bytes, coalesces adjacent pieces into GETs of at most
-`fsspec.MAX_COALESCED` bytes, and groups those into tasks whose GETs run concurrently, so a
+`base.MAX_COALESCED` bytes, and groups those into tasks whose GETs run concurrently, so a
 whole-checkpoint load keeps several requests in flight while a one-row `get_slice` fetches
 only that row. A `.skz` shard fetches each chunk's frame on the thread that decompresses it:
 fetches and decompression overlap across the reader's pool.
@@ -36,8 +36,7 @@ from ..format import (
     header_length,
 )
 from ..sources import ShardSource, check_shard_size
-from . import open_storage
-from .base import Storage, coalesce
+from .base import MAX_COALESCED, Storage, coalesce
 from .layout import object_name
 
 HEAD_GUESS = 16 * 1024  # bytes fetched first for a header (most fit: one request)
@@ -70,30 +69,18 @@ class RemoteFile:
 
 
 class LocalCopy:
-    """A small object fetched whole, as `files.CheckpointFile` offers a file: `size`, and an
-    unlinked temp file's descriptor while in a ``with`` block."""
+    """A small object fetched whole, offered as `files.CheckpointFile` offers a small file
+    (the string file): `size` and `read_all`."""
 
     def __init__(self, data: bytes) -> None:
         self.size = len(data)
         self._data = data
-        self._file: Any = None
 
-    def __enter__(self) -> int:
-        import tempfile
-
-        self._file = tempfile.TemporaryFile()
-        self._file.write(self._data)
-        self._file.flush()
-        self._file.seek(0)
-        return int(self._file.fileno())
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def read_all(self) -> bytes:
+        return self._data
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        pass
 
 
 class RemoteDirectory:
@@ -105,8 +92,8 @@ class RemoteDirectory:
 
     single = None  # a store holds directories only: no single-file layout
 
-    def __init__(self, store: Storage | str) -> None:
-        self.store = open_storage(store) if isinstance(store, str) else store
+    def __init__(self, store: Storage) -> None:
+        self.store = store
         self.path = self.store.url
         self.tag: str | None = None
         self.generation: str | None = None  # the manifest's, once the reader decoded it
@@ -149,7 +136,7 @@ class RemoteDirectory:
 
     def open_shard(self, name: str, listed_in: str | None = None) -> Any:
         """File `name` of this checkpoint's generation (the string file) as the readers of
-        small files take it: fetched whole into an anonymous local file (`LocalCopy`)."""
+        small files take it: fetched whole (`LocalCopy`)."""
         if self.generation is None:
             raise ShardkitError(f"{self.join(name)}: only shardkit checkpoints are read from "
                                 "URLs (a HuggingFace or single-file layout needs a local copy)")
@@ -233,8 +220,6 @@ class RemoteRawShard(ShardSource):
                 pieces.append((at + pos, at + nxt))
                 dests.append(out[pos - begin : nxt - begin])
                 pos = nxt
-        from .fsspec import MAX_COALESCED
-
         groups = coalesce(pieces, limit=MAX_COALESCED)
         tasks: list[Callable[[], None]] = []
         batch: list[tuple[int, int, list[int]]] = []

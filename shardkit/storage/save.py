@@ -30,8 +30,7 @@ from .. import format as fmt
 from .._threads import WorkerPool
 from ..errors import CheckpointExistsError, CheckpointFormatError, ShardkitError
 from ..strings import STRING_FILE, StringColumns, StringFile, write_string_file
-from . import Storage
-from .base import ShardFile
+from .base import ShardFile, Storage
 from .housekeeping import manifest_objects, mark_staging, remove_owned
 from .layout import object_name
 from .native import _as_bytes, _run_zstd
