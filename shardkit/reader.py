@@ -55,12 +55,11 @@ from .files import (
     FilePool,
 )
 from .format import (
-    CheckpointIndex,
     EntryLayout,
     SliceInfo,
     TensorInfo,
 )
-from .formats import SHARDKIT, FormatAdapter, ParsedHeader
+from .formats import SHARDKIT, ParsedHeader
 from .formats import read_index as read_layout
 from .frameworks import convert_all, converter
 from .slices import SliceSpec, parse_slice_spec
@@ -186,8 +185,7 @@ class CheckpointReader:
         self._dir_path, single = directory.path, directory.single
         self._dir_closer: Callable[[], Any] = directory.close
         try:
-            self.layout, self._manifest, self.index = _read_index(directory, single,
-                                                                  self._headers)
+            self.layout, self._manifest, self.index = read_layout(directory, single, self._headers)
         except BaseException:
             self._dir_closer()
             raise
@@ -1252,17 +1250,7 @@ class CheckpointReader:
 
 
 
-def _read_index(directory: Any, single: str | None,
-                headers: dict[int, ParsedHeader] | None = None
-                ) -> tuple[FormatAdapter, str, CheckpointIndex]:
-    """The entry table of the checkpoint in `directory` (or of its one file `single`): the
-    format adapter `shardkit.formats.detect` picks decodes it. Returns (adapter, the file the
-    table comes from, the table)."""
-    return read_layout(directory, single, headers)
-
-
 _dtype_name_of = operator.attrgetter("dtype_name")
-_dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
 
 
@@ -1274,7 +1262,6 @@ def _as_view(local: tuple[slice, ...]) -> Any:
 def _bytes_of(a: np.ndarray) -> memoryview:
     """A writable byte view of a C-contiguous array (any dtype, 0-d included)."""
     return a.reshape(-1).view(np.uint8).data
-
 
 
 def _without_path(message: str, path: str) -> str:
@@ -1364,6 +1351,8 @@ def load(
                     start, under = reader._keys_under(prefix)
                     wanted = under if keys is None else [
                         start + k if isinstance(k, str) else k for k in keys]
+                if reader._strings is None and wanted == reader.index.keys:
+                    wanted = None  # every key, in saved order: the full read (one C compare)
                 # rows: fail on a missing key before reading anything
                 rows = None if wanted is None else reader._rows_of(wanted)
                 if reader._strings is not None:
