@@ -303,7 +303,7 @@ def _coordinator(state: Mapping[str, Any], process_group: Any, timeout: float | 
     if process_group is None and timeout is None and (
             "torch.distributed.tensor" not in sys.modules):
         return None
-    from .distributed import coordinator_for
+    from .distributed.routing import coordinator_for
 
     return coordinator_for(state, process_group, timeout)
 

@@ -512,7 +512,7 @@ class Checkpoint:
         check_keys(list(tensors))  # here, not in the background write
         where: dict[str, Any] = {}
         if coord is not None:
-            from .distributed import as_local_shards, local_parts
+            from .distributed.routing import as_local_shards, local_parts
 
             tensors, where = local_parts(tensors)  # a rank snapshots its local shards only
             coord = coord.background()
@@ -747,7 +747,7 @@ class CheckpointManager:
         self._restore_status: CheckpointLoadStatus | None = None
         self._coord: Any = None
         if process_group is not None or timeout is not None:
-            from .distributed import coordinator_for
+            from .distributed.routing import coordinator_for
 
             self._coord = coordinator_for({}, process_group, timeout)
 

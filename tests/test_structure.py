@@ -44,11 +44,6 @@ KNOWN_LONG_CLASSES = {
 
 # (importer, module on a row above it in docs/ARCHITECTURE.md's table)
 KNOWN_LAYER_VIOLATIONS = {
-    ("shardkit.callback", "shardkit.frameworks.tf_sharding"),
-    ("shardkit.distributed", "shardkit.distributed.save"),
-    ("shardkit.distributed", "shardkit.tensors"),
-    ("shardkit.distributed.save", "shardkit.frameworks.tensorflow"),
-    ("shardkit.distributed.save", "shardkit.writer"),
     ("shardkit.tensors", "shardkit.frameworks.tensorflow"),
 }
 

@@ -3,78 +3,13 @@
 `Coordinator` (base.py) is what a collective save needs from a group of processes;
 `TorchCoordinator` (torch.py) implements it over a torch.distributed process group. `save.py`
 is the collective save itself, called by `shardkit.save` when the state holds DTensors or a
-`process_group` is given. torch is imported only then: `import shardkit` never imports it.
+`process_group` is given, and `routing.py` decides that (`coordinator_for`); both sit with the
+front door in docs/ARCHITECTURE.md's layer order, above the seam. torch is imported only then:
+`import shardkit` never imports it.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from .base import DEFAULT_TIMEOUT, Coordinator, CountingCoordinator
 
-
-def coordinator_for(state: Any, process_group: Any = None,
-                    timeout: float | None = None) -> Coordinator | None:
-    """The coordinator of a save of `state`: for `process_group` (a torch.distributed process
-    group, or a `Coordinator`), else for the process group of the state's DTensors; None for
-    a single-process save (no DTensor in the state, or torch.distributed.tensor not loaded, in
-    which case nothing is imported and the state is not walked)."""
-    if timeout is not None:
-        from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise InvalidArgumentTypeError(f"timeout must be a number of seconds, got "
-                                           f"{timeout!r}")
-        if not timeout > 0:
-            raise InvalidArgumentError(f"timeout must be positive, got {timeout!r}")
-    if isinstance(process_group, Coordinator):
-        return process_group.with_timeout(timeout)
-    if process_group is None:
-        from .dtensor import dtensor_type
-
-        dtensor = dtensor_type()
-        if dtensor is None:
-            return None
-        from ..tensors import flatten_columns
-
-        dtensors = [v for v in flatten_columns(state)[1] if isinstance(v, dtensor)]
-        if not dtensors:
-            return None
-        from .dtensor import mesh_group
-
-        process_group = mesh_group(dtensors)
-    from .torch import TorchCoordinator
-
-    return TorchCoordinator(process_group, DEFAULT_TIMEOUT if timeout is None else timeout)
-
-
-def local_parts(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`tensors` with each DTensor replaced by its local tensor, and key -> (global shape,
-    offset) of those: what an async save snapshots (`as_local_shards` puts them back)."""
-    from .dtensor import dtensor_type, local_slice
-
-    dtensor = dtensor_type()
-    if dtensor is None:
-        return tensors, {}
-    out, where = {}, {}
-    for key, value in tensors.items():
-        if isinstance(value, dtensor):
-            local, shape, offset = local_slice(value, key)
-            out[key] = local
-            where[key] = (shape, offset)
-        else:
-            out[key] = value
-    return out, where
-
-
-def as_local_shards(snapshot: dict[str, Any], where: dict[str, Any]) -> dict[str, Any]:
-    """The snapshot of `local_parts`' tensors, the local ones as `save.LocalShard`s."""
-    if not where:
-        return snapshot
-    from .save import LocalShard
-
-    return {k: LocalShard(v, *where[k]) if k in where else v for k, v in snapshot.items()}
-
-
-__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "CountingCoordinator", "as_local_shards",
-           "coordinator_for", "local_parts"]
+__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "CountingCoordinator"]
