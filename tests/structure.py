@@ -88,7 +88,15 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("sources.py",),
     ("options.py",),
     ("commit.py",),
-    ("compression.py",),
+    # compression/: "Its modules, each importing only those before it: container.py; codec.py;
+    # writer.py; reader.py; __init__.py re-exports the names other modules use"
+    [
+        ("compression/__init__.py",),
+        ("compression/reader.py",),
+        ("compression/writer.py",),
+        ("compression/codec.py",),
+        ("compression/container.py", "compression/"),
+    ],
     ("files.py",),
     # format/: "Its modules, each importing only those before it: common.py; strictjson.py;
     # header.py; string_section.py; manifest.py; __init__.py re-exports every name"
@@ -128,9 +136,9 @@ LAYER_GAPS = (
     "(formats/__init__.py detects it, its adapter subclasses formats.base): encoded as one row",
     "rows name no order among their own modules (cli / __main__, profiling / models, storage/, "
     "formats/, frameworks/, distributed/, slices / dtypes / devices): they may import each other",
-    "format/ is one line of the table, ordered within by its own sentence ('each importing only "
-    "those before it'); a new module of format/ goes with common.py at its bottom until the doc "
-    "places it",
+    "format/ and compression/ are one line of the table each, ordered within by their own "
+    "sentence ('each importing only those before it'); a new module of either goes with its "
+    "lowest module (common.py, container.py) until the doc places it",
     "the rule that only api.py and checkpoint.py import distributed/save.py and "
     "distributed/routing.py ('Many processes') is not encoded beyond the row order",
 )

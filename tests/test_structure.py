@@ -30,7 +30,6 @@ KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 # module: its line ceiling (today's count)
 KNOWN_LONG_MODULES = {
     "shardkit.reader": 1373,
-    "shardkit.compression": 1226,
     "shardkit.checkpoint": 895,
     "shardkit.format.manifest": 838,
     "shardkit.formats.tensorbundle.adapter": 813,  # +16: the zero-dimension shape check
@@ -39,7 +38,7 @@ KNOWN_LONG_MODULES = {
 # (module, class): its line ceiling (today's count)
 KNOWN_LONG_CLASSES = {
     ("shardkit.reader", "CheckpointReader"): 1099,
-    ("shardkit.compression", "SkzShard"): 483,
+    ("shardkit.compression.reader", "SkzShard"): 483,
 }
 
 # (importer, module on a row above it in docs/ARCHITECTURE.md's table)
@@ -170,7 +169,7 @@ def test_the_layer_table_follows_the_document():
     seen = [
         (position(name), layer)
         for name, layer in structure.layer_table()
-        if name != "__init__.py" and not name.startswith("format/")
+        if name != "__init__.py" and not name.startswith(("format/", "compression/"))
     ]
     # the encoded rows keep the document's order (rows merged in LAYER_GAPS stay merged)
     for (pos_a, layer_a), (pos_b, layer_b) in itertools.pairwise(seen):

@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import compression as skz
 from ..errors import (
+    CheckpointFormatError,
     CheckpointReplacedError,
     CorruptHeaderError,
     MissingShardError,
@@ -332,7 +333,7 @@ class RemoteSkzShard(skz.SkzShard):
         self.path, self.info, self._file, self._map = path, info, file, None  # type: ignore[assignment]
         size = file.size
         if size != info.bytes:
-            cls = TruncatedShardError if size < info.bytes else skz.CheckpointFormatError
+            cls = TruncatedShardError if size < info.bytes else CheckpointFormatError
             raise cls(f"{path}: shard object has {size} bytes, the index records {info.bytes}")
         self.header = _read_skz_header(file, size, path)
         self._frames = self.header.frames.tolist()
@@ -363,10 +364,10 @@ def _read_skz_header(file: RemoteFile, size: int, path: str) -> Any:
     if len(head) < first_len:
         raise TruncatedShardError(f"{path}: object is {size} bytes, shorter than the "
                                   f"{first_len}-byte .skz preamble")
-    _, _, _, n, _ = skz._check_preamble(head[:first_len], path)
+    _, _, _, n, _ = skz.check_skz_preamble(head[:first_len], path)
     n_len = header_length(head[skz.PREAMBLE.size : first_len], size - skz.PREAMBLE.size, path)
     want = first_len + n_len + n * skz.FRAME_DTYPE.itemsize + 8
-    skz._check_room(n, want, size, path)
+    skz.check_header_room(n, want, size, path)
     if want > len(head):
         head += file.read(len(head), want)
     return skz.decode_skz_header(bytearray(head[:want]), size, path)
