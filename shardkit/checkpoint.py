@@ -22,14 +22,12 @@ With ``CheckpointOptions(enable_async=True)`` a save copies the state into a poo
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import operator
 import os
 import re
-import sys
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,372 +37,30 @@ from ._snapshot import AsyncWriter, HostBufferPool, SaveHandle
 from .errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
-    InvalidKeyError,
-    InvalidKeyTypeError,
     RestoreMismatchError,
     RetentionWarning,
     ShardkitError,
 )
 from .keys import check_keys
 from .options import CheckpointOptions
-from .reader import CheckpointReader, open_checkpoint
-from .restore import CheckpointLoadStatus, check_complete, copy_into_dtensor, is_dtensor
+from .reader import open_checkpoint
+from .restore import CheckpointLoadStatus, check_complete, is_dtensor
 from .storage import open_storage
-from .tensors import SEPARATOR, is_tf_value, to_host, torch_numpy_dtype, torch_reinterpret
+from .tensors import SEPARATOR
+from .tracked_state import (
+    MISSING,
+    StateCollector,
+    StateRestorer,
+    collect_tensor_keys,
+    encode_skeleton,
+    is_tensor,
+    object_kind,
+    tf_module,
+)
 
 SAVE_COUNTER = "save_counter"
 METADATA_KEY = "shardkit.checkpoint"
 LAYOUT_VERSION = 1
-
-_MISSING: Any = object()  # "no value here" (distinct from None, which is a value)
-
-
-# --- what a tracked object is -------------------------------------------------------------------
-
-
-def _is_tensor(x: Any) -> bool:
-    if isinstance(x, (np.ndarray, np.generic)):
-        return True
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return True
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(x, jax.Array):
-        return True
-    return is_tf_value(x) or _tf_variable(x)
-
-
-def _tf_variable(x: Any) -> bool:
-    """A TensorFlow (or Keras) variable: restored in place with ``assign``."""
-    return "tensorflow" in sys.modules and _tfw().is_variable(x)
-
-
-def _tfw() -> Any:
-    from .frameworks import tensorflow
-
-    return tensorflow
-
-
-def _tensor_kind(x: Any) -> str:
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    if isinstance(x, np.generic):
-        return "scalar"
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return "torch"
-    if is_tf_value(x) or _tf_variable(x):
-        return "tensorflow"
-    return "jax"
-
-
-def _object_kind(name: str, obj: Any) -> str:
-    if _is_tensor(obj):
-        return "array"
-    if "tensorflow" in sys.modules and _tfw().is_trackable(obj):
-        return "tensorflow"  # tf.Module, Keras model / optimizer: TensorFlow's keys
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if isinstance(obj, torch.nn.Module):
-            return "module"
-    if callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    ):
-        return "stateful"
-    if isinstance(obj, MutableMapping):
-        return "tree"
-    raise InvalidArgumentTypeError(
-        f"Checkpoint({name}=...): cannot track a {type(obj).__name__}; pass an array, a dict "
-        "of arrays, a torch module or optimizer, or an object with state_dict() and "
-        "load_state_dict()"
-    )
-
-
-# --- saving: state -> flat tensors + a JSON skeleton --------------------------------------------
-
-
-def _identity(x: Any) -> tuple[Any, ...] | None:
-    """What makes two tensors the same memory (tied weights); None for ones never shared."""
-    if isinstance(x, np.ndarray):
-        if x.size == 0:
-            return None
-        return ("numpy", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        if x.numel() == 0:
-            return None
-        if type(x).__name__ == "DTensor":  # a wrapper without storage: its local shard's
-            x = x.to_local()
-        return (
-            "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
-            tuple(x.shape), x.stride(), x.dtype,
-        )
-    if _tf_variable(x):  # one variable reached from two objects (a model and its optimizer)
-        return ("tensorflow", id(x))
-    return None
-
-
-class _Collector:
-    """Gathers the tensors to store while the JSON skeleton of each object is built."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, Any] = {}
-        self._keys: set[str] = set()
-        self._first: dict[tuple[Any, ...], str] = {}
-
-    def tensor(self, key: str, value: Any) -> dict[str, Any]:
-        if key in self._keys:
-            raise InvalidKeyError(
-                f"two values map to the checkpoint key {key!r}; a dict key containing "
-                f"{SEPARATOR!r} collides with a nested one. Rename one of them"
-            )
-        self._keys.add(key)
-        enc: dict[str, Any] = {"x": key, "k": _tensor_kind(value)}
-        ident = _identity(value)
-        if ident is not None:
-            first = self._first.setdefault(ident, key)
-            if first != key:
-                enc["alias"] = first  # tied: the data is stored once, under `first`
-                return enc
-        self.tensors[key] = value
-        return enc
-
-
-def _encode(node: Any, key: str, col: _Collector) -> dict[str, Any]:
-    """The JSON skeleton of `node`; tensors are replaced by references to checkpoint keys."""
-    if _is_tensor(node):
-        return col.tensor(key, node)
-    if node is None or isinstance(node, (bool, int, str)):
-        return {"v": node}
-    if isinstance(node, float):
-        return {"f": repr(node)}  # exact, and also for inf / nan (which JSON lacks)
-    if isinstance(node, Mapping):
-        items = []
-        for k, v in node.items():
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise InvalidKeyTypeError(
-                    f"{key!r}: key {k!r} is not a str or int; cannot checkpoint it")
-            items.append([k, _encode(v, f"{key}{SEPARATOR}{k}", col)])
-        return {"d": items}
-    if isinstance(node, (list, tuple)):
-        tag = "t" if isinstance(node, tuple) else "l"
-        return {tag: [_encode(v, f"{key}{SEPARATOR}{i}", col) for i, v in enumerate(node)]}
-    raise InvalidArgumentTypeError(
-        f"{key!r}: cannot checkpoint a {type(node).__name__}; state may hold tensors, dicts, "
-        "lists, tuples, None, bool, int, float and str"
-    )
-
-
-# --- restoring: JSON skeleton + reader -> values, in place --------------------------------------
-
-
-def _dtype_of(x: Any) -> np.dtype:
-    if isinstance(x, (np.ndarray, np.generic)):
-        dt = x.dtype
-        return dt.newbyteorder("<") if dt.byteorder == ">" else dt
-    kind = _tensor_kind(x)
-    if kind == "torch":
-        return torch_numpy_dtype(x.dtype)
-    if kind == "tensorflow":
-        return _tfw().numpy_dtype(_tfw().tf.as_dtype(x.dtype))
-    return np.dtype(x.dtype)
-
-
-def _to_torch(array: np.ndarray) -> Any:
-    """A torch tensor sharing `array`'s memory (bfloat16 / float8 through an integer carrier)."""
-    import torch
-
-    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
-        if array.dtype == np_dtype:
-            carrier = np.int16 if np_dtype.itemsize == 2 else np.uint8
-            return torch.from_numpy(array.view(carrier)).view(torch_dtype)
-    return torch.from_numpy(array)
-
-
-def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:
-    """A new object of `kind` holding a copy of the stored `array` (which may be a map view)."""
-    if kind == "torch":
-        t = _to_torch(np.array(array))
-        device = getattr(like, "device", None)
-        return t if device is None or device.type == "cpu" else t.to(device)
-    if kind == "scalar":
-        return array[()]
-    if kind == "tensorflow":
-        return _tfw().tf.convert_to_tensor(np.array(array))
-    if kind == "jax":
-        jax = importlib.import_module("jax")  # optional; present if the state held JAX arrays
-        sharding = getattr(like, "sharding", None)
-        return jax.device_put(np.array(array), sharding) if sharding is not None else (
-            jax.numpy.asarray(np.array(array))
-        )
-    return np.array(array)
-
-
-def _empty_like_dtensor(like: Any, dtype: np.dtype) -> Any:
-    """An uninitialised DTensor of `like`'s global shape, mesh and placements, in `dtype`."""
-    import torch
-
-    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
-        if dtype == np_dtype:
-            return torch.empty_like(like, dtype=torch_dtype)
-    return torch.empty_like(like, dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
-
-
-def _copy_into(target: Any, stored: np.ndarray) -> None:
-    if isinstance(target, np.ndarray):
-        np.copyto(target, stored, casting="equiv")
-        return
-    if _tf_variable(target):
-        target.assign(stored)  # in place: the variable keeps its identity
-        return
-    if target.device.type == "cpu" and not (target.is_conj() or target.is_neg()):
-        np.copyto(to_host(target)[0], stored, casting="no")  # a view of the tensor's memory
-        return
-    import torch
-
-    with torch.no_grad():
-        target.copy_(_to_torch(np.ascontiguousarray(stored)))
-
-
-class _Restorer:
-    """One pass over the skeletons: a dry pass validates everything, the real one copies."""
-
-    def __init__(self, reader: CheckpointReader, dry: bool,
-                 templates: Mapping[str, Any] | None = None) -> None:
-        self.reader = reader
-        self.dry = dry
-        self.templates = templates or {}  # key prefix -> DTensor new values are made like
-        self.restored: list[str] = []
-        self.missing: list[str] = []
-        self.used: set[str] = set()
-        self.changed = False  # a value was replaced or created, not copied in place
-
-    def value(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
-        if "x" in enc:
-            return self.tensor(enc, current, key, create)
-        if "d" in enc:
-            return self.mapping(enc["d"], current, key, create)
-        if "l" in enc or "t" in enc:
-            return self.sequence(enc, current, key, create)
-        if current is _MISSING and not create:
-            return _MISSING
-        value = float(enc["f"]) if "f" in enc else enc["v"]
-        if not (type(current) is type(value) and (current == value or value != value)):
-            self.changed = True
-        return value
-
-    def mapping(self, items: list[Any], current: Any, key: str, create: bool) -> Any:
-        if current is _MISSING and not create:
-            return _MISSING
-        if not isinstance(current, Mapping):
-            create = True  # a new container: everything in it is new
-        mutable = isinstance(current, MutableMapping)
-        cur = current if isinstance(current, Mapping) else {}
-        target: Any = current if mutable else {}
-        stored = set()
-        for k, sub in items:
-            stored.add(k)
-            child = cur.get(k, _MISSING)
-            new = self.value(sub, child, f"{key}{SEPARATOR}{k}", create)
-            if new is not _MISSING and not self.dry and (child is not new or not mutable):
-                target[k] = new
-        for k, v in cur.items():
-            if k not in stored:
-                self.note_missing(v, f"{key}{SEPARATOR}{k}")
-                if not mutable and not self.dry:
-                    target[k] = v
-        if not mutable:
-            self.changed = True
-        return target
-
-    def sequence(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
-        items = enc["l"] if "l" in enc else enc["t"]
-        if current is _MISSING and not create:
-            return _MISSING
-        if not isinstance(current, (list, tuple)):
-            create = True
-        cur = current if isinstance(current, (list, tuple)) else ()
-        out = []
-        for i, sub in enumerate(items):
-            child = cur[i] if i < len(cur) else _MISSING
-            new = self.value(sub, child, f"{key}{SEPARATOR}{i}", create)
-            if new is not _MISSING:
-                out.append(new)
-            elif child is not _MISSING:
-                out.append(child)
-        for i in range(len(items), len(cur)):
-            self.note_missing(cur[i], f"{key}{SEPARATOR}{i}")
-        if "l" in enc and isinstance(current, list) and len(current) == len(out):
-            if not self.dry:
-                current[:] = out
-            return current
-        self.changed = True
-        return tuple(out) if "t" in enc else out
-
-    def note_missing(self, value: Any, key: str) -> None:
-        col = _Collector()
-        _encode_quiet(value, key, col)
-        self.missing.extend(col.tensors)
-
-    def tensor(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
-        src = enc.get("alias", enc["x"])
-        if src not in self.reader:
-            if current is not _MISSING:
-                self.note_missing(current, key)
-            return current
-        if current is _MISSING and not create:
-            return _MISSING
-        self.used.add(src)
-        info = self.reader.info(src)
-        self.restored.append(key)
-        where = f"{key!r}" if src == key else f"{key!r} (tied to {src!r})"
-        if current is _MISSING or not _is_tensor(current):
-            self.changed = True
-            like = self.templates.get(key.rpartition(SEPARATOR)[0] + SEPARATOR)
-            if like is not None and tuple(like.shape) == tuple(info.shape):
-                # new optimizer state of a DTensor parameter: a DTensor like it
-                copy_into_dtensor(self.reader, src, like, dry=True)
-                if self.dry:
-                    return current
-                new = _empty_like_dtensor(like, info.dtype)
-                copy_into_dtensor(self.reader, src, new)
-                return new
-            if self.dry:
-                return current
-            return _new_value(self.reader.get(src), enc.get("k", "numpy"), None)
-        found_shape, found_dtype = tuple(current.shape), _dtype_of(current)
-        if found_shape != tuple(info.shape) or found_dtype != info.dtype:
-            raise RestoreMismatchError(
-                f"cannot restore {where} from {self.reader.path}: the checkpoint has shape "
-                f"{list(info.shape)} dtype {info.dtype}, the object has shape "
-                f"{list(found_shape)} dtype {found_dtype}"
-            )
-        if is_dtensor(current):  # this rank's box of the stored tensor, into its local tensor
-            copy_into_dtensor(self.reader, src, current, self.dry)
-            return current
-        kind = _tensor_kind(current)
-        if kind in ("scalar", "jax") or (kind == "tensorflow" and not _tf_variable(current)):
-            # immutable: replaced by a new value of the same kind
-            self.changed = True
-            return current if self.dry else _new_value(self.reader.get(src), kind, current)
-        if kind == "numpy" and not current.flags.writeable:
-            raise RestoreMismatchError(
-                f"cannot restore {where} in place: the numpy array is read-only"
-            )
-        if not self.dry:
-            _copy_into(current, self.reader.get(src))
-        return current
-
-
-def _encode_quiet(value: Any, key: str, col: _Collector) -> None:
-    """Collect the tensor keys under `value`, ignoring what cannot be checkpointed."""
-    try:
-        _encode(value, key, col)
-    except (TypeError, ValueError):
-        pass
-
 
 # --- Checkpoint ---------------------------------------------------------------------------------
 
@@ -443,7 +99,7 @@ class Checkpoint:
             if SEPARATOR in name:
                 raise InvalidArgumentError(
                     f"object name {name!r} must not contain {SEPARATOR!r}")
-            kinds[name] = _object_kind(name, obj)
+            kinds[name] = object_kind(name, obj)
         self._objects: dict[str, Any] = dict(objects)
         self._kinds = kinds
         self._save_counter = 0
@@ -536,14 +192,14 @@ class Checkpoint:
         obj = self._objects[name]
         kind = self._kinds[name]
         if kind == "tensorflow":
-            return _tfw().object_variables(obj)  # {TensorFlow's key: variable}
+            return tf_module().object_variables(obj)  # {TensorFlow's key: variable}
         return obj if kind in ("array", "tree") else obj.state_dict()
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        col = _Collector()
+        col = StateCollector()
         objects = {}
         for name, kind in self._kinds.items():
-            objects[name] = {"kind": kind, "tree": _encode(self._current(name), name, col)}
+            objects[name] = {"kind": kind, "tree": encode_skeleton(self._current(name), name, col)}
         col.tensor(SAVE_COUNTER, np.array(self._save_counter, np.int64))
         metadata = {METADATA_KEY: {"version": LAYOUT_VERSION, "objects": objects}}
         return col.tensors, metadata
@@ -575,16 +231,16 @@ class Checkpoint:
                 current = self._current(name)
                 enc = stored.get(name, {}).get("tree")
                 if enc is None:  # not saved by a Checkpoint: match tensors by key
-                    enc = _encode(current, name, _Collector())
+                    enc = encode_skeleton(current, name, StateCollector())
                 plans.append((name, kind, current, enc, kind in ("optimizer", "stateful")))
             templates = self._state_templates()
-            dry = _Restorer(reader, dry=True, templates=templates)
+            dry = StateRestorer(reader, dry=True, templates=templates)
             for name, _, current, enc, create in plans:
                 dry.value(enc, current, name, create)
             if not partial:
                 dry.used.add(SAVE_COUNTER)
                 check_complete(path, dry.missing, [k for k in reader.keys() if k not in dry.used])
-            restorer = _Restorer(reader, dry=False, templates=templates)
+            restorer = StateRestorer(reader, dry=False, templates=templates)
             for name, kind, current, enc, create in plans:
                 restorer.changed = False
                 new = restorer.value(enc, current, name, create)
@@ -617,9 +273,9 @@ class Checkpoint:
         status lists every value as missing)."""
         if save_path is None:
             self._writer.wait()
-            col = _Collector()
+            col = StateCollector()
             for name in self._objects:
-                _encode_quiet(self._current(name), name, col)
+                collect_tensor_keys(self._current(name), name, col)
             return CheckpointLoadStatus(None, [], list(col.tensors), [])
         return self.read(save_path, options, partial=partial)
 
@@ -627,7 +283,7 @@ class Checkpoint:
                path: str) -> None:
         obj = self._objects[name]
         if kind in ("array", "tree"):
-            if new is not _MISSING and new is not current:
+            if new is not MISSING and new is not current:
                 self._objects[name] = new
             return
         if kind == "module" and not changed:
@@ -797,7 +453,7 @@ class CheckpointManager:
 
     def _step(self) -> int:
         value = self._step_counter
-        if callable(value) and not _is_tensor(value):
+        if callable(value) and not is_tensor(value):
             value = value()
         return int(value)
 
@@ -868,6 +524,8 @@ class CheckpointManager:
         if self._max_to_keep is None:
             return
         committed = self._listing()
+        for path in self._storage.interrupted_removals():  # a removal killed halfway
+            self._remove(path)
         newest = {p for _, p in committed[-self._max_to_keep :]}
         newest.add(open_storage(new_path).url)
         last_kept: float | None = None
@@ -879,11 +537,15 @@ class CheckpointManager:
                 if last_kept is None or stamp >= last_kept + self._keep_seconds:
                     last_kept = stamp
                     continue
-            try:
-                open_storage(path).remove_checkpoint()
-            except ShardkitError as e:  # the new checkpoint is committed: keep going
-                warnings.warn(f"{path}: not deleted by retention: {e}", RetentionWarning,
-                              stacklevel=2)
+            self._remove(path)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            open_storage(path).remove_checkpoint()
+        except ShardkitError as e:  # the new checkpoint is committed: keep going
+            warnings.warn(f"{path}: not deleted by retention: {e}", RetentionWarning,
+                          stacklevel=3)
 
 
 __all__ = [

@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("demo.py",),
     ("pytest_plugin.py",),
     ("checkpoint.py",),
+    ("tracked_state.py",),
     ("_snapshot.py",),
     ("api.py",),
     ("distributed/save.py", "distributed/routing.py"),

@@ -223,6 +223,40 @@ def test_retention_deletes_only_files_the_manifest_names(tmp_path):
     assert names(tmp_path) == ["ckpt-0", "ckpt-2", "ckpt-4"]
 
 
+def test_a_removal_killed_halfway_is_finished_by_the_next_save(tmp_path):
+    """Retention SIGKILLed right after it deleted a checkpoint's manifest (the directory is no
+    checkpoint any more, its shards still there) leaves nothing behind for long: the next
+    save's retention finishes that removal, and only that checkpoint's own files go."""
+    import signal
+
+    from shardkit.storage import open_storage
+
+    manager, _ = make(tmp_path, max_to_keep=1)
+    manager.save(options=FAST)
+    (tmp_path / "ckpt-1" / "README.md").write_text("notes")
+    pid = os.fork()
+    if pid == 0:  # the child: killed just after its first deletion (the manifest)
+        unlink = os.unlink
+
+        def unlink_then_die(*args, **kwargs):
+            unlink(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        os.unlink = unlink_then_die
+        try:
+            open_storage(str(tmp_path / "ckpt-1")).remove_checkpoint()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    left = names(tmp_path / "ckpt-1")
+    assert MANIFEST_FILE not in left and any(n.endswith(".safetensors") for n in left), left
+    assert manager.checkpoints == []  # half deleted: no checkpoint
+    manager.save(options=FAST)
+    assert names(tmp_path) == ["ckpt-1", "ckpt-2"]
+    assert names(tmp_path / "ckpt-1") == ["README.md"]  # the user's file stays, nothing else
+
+
 @pytest.mark.parametrize("target", ["directory", "file"])
 def test_retention_never_follows_a_symlinked_checkpoint(tmp_path, target):
     """A ``ckpt-N`` that is a symbolic link (to a checkpoint directory, or to a file) is

@@ -177,7 +177,9 @@ def test_kill_and_resume(script, uninterrupted, tmp_path, mode, kill_at):
     latest = committed[-1]
     expected_latest = {("sync", 11): {9}, ("async", 12): {9, 12}}[(mode, kill_at)]
     assert latest in expected_latest
-    assert len(committed) <= MAX_TO_KEEP
+    # a kill can land after an (async) save's commit and before its retention: one more then,
+    # never fewer, and never a half-deleted one (the final listing below)
+    assert len(committed) <= MAX_TO_KEEP + 1
     assert file_digest(str(run / f"ckpt-{latest}")) == saved[latest].split(" ")[0]
 
     second = train(script, run, mode)

@@ -167,6 +167,12 @@ class Storage(ABC):
     def remove_checkpoint(self) -> None:
         """Delete the checkpoint here, so that no half-deleted one is ever visible."""
 
+    def interrupted_removals(self) -> list[str]:
+        """The paths of the children here whose `remove_checkpoint` was killed halfway (no
+        checkpoint any more, but files of one left), for retention to finish. None here:
+        at a URL, `shardkit gc` removes what a killed removal left."""
+        return []
+
     # -- bytes
 
     @abstractmethod

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import time
 import uuid
@@ -45,7 +46,14 @@ from ..files import (
     open_directory,
     open_shard_file,
 )
-from ..format import MANIFEST_FILE, MAX_INDEX_BYTES, decode_index, find_manifest
+from ..format import (
+    MANIFEST_FILE,
+    MANIFEST_FILES,
+    MAX_INDEX_BYTES,
+    check_shard_file_name,
+    decode_index,
+    find_manifest,
+)
 from ..sources import shard_opener
 from . import native
 from .base import Fetched, ShardFile, Storage, Stored
@@ -198,10 +206,21 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return time.time()
 
+    def interrupted_removals(self) -> list[str]:
+        try:
+            names = os.listdir(self.url)
+        except FileNotFoundError:
+            return []
+        paths = (os.path.join(self.url, name) for name in names)
+        return [p for p in paths if not os.path.islink(p)
+                and os.path.isfile(os.path.join(p, REMOVAL_MARKER)) and find_manifest(p) is None]
+
     def remove_checkpoint(self) -> None:
-        """The manifest first (the directory stops being a checkpoint at once), then the files
-        it names, then the directory if nothing else is in it; a file shardkit did not write
-        stays. A symbolic link is neither followed nor removed (RetentionWarning)."""
+        """The files to delete written to a marker, then the manifest (the directory stops
+        being a checkpoint at once), the files it names, the marker, then the directory if
+        nothing else is in it; a file shardkit did not write stays. A removal killed halfway
+        (a marker, no manifest) is finished by the next call. A symbolic link is neither
+        followed nor removed (RetentionWarning)."""
         path = self.url
         if os.path.islink(path):
             warnings.warn(f"{path}: a symbolic link, not a checkpoint directory shardkit "
@@ -217,16 +236,18 @@ class LocalStorage(Storage):
                                         f"{e.strerror}") from None
         try:
             manifest = find_manifest(fd)
-            if manifest is None:
-                return
-            mfd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            with os.fdopen(mfd, "rb") as f:
-                data = f.read(MAX_INDEX_BYTES + 1)
-            try:
-                files = decode_index(data, os.path.join(path, manifest)).files()
-            except CheckpointFormatError as e:
-                raise type(e)(f"{e}; not deleted, since what it names is unknown") from None
-            for name in (manifest, *files):
+            names = _marked_for_removal(fd, path) if manifest is None else None
+            if manifest is not None:
+                mfd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                with os.fdopen(mfd, "rb") as f:
+                    data = f.read(MAX_INDEX_BYTES + 1)
+                try:
+                    files = decode_index(data, os.path.join(path, manifest)).files()
+                except CheckpointFormatError as e:
+                    raise type(e)(f"{e}; not deleted, since what it names is unknown") from None
+                names = [manifest, *files]
+                _mark_for_removal(fd, names)
+            for name in [*names, REMOVAL_MARKER] if names is not None else []:
                 try:
                     os.unlink(name, dir_fd=fd)
                 except FileNotFoundError:
@@ -236,6 +257,8 @@ class LocalStorage(Storage):
                                         f"{e.strerror}") from None
         finally:
             os.close(fd)
+        if names is None:
+            return  # neither a checkpoint nor one being removed
         try:
             os.rmdir(path)
         except OSError as e:
@@ -330,3 +353,36 @@ class LocalStorage(Storage):
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+REMOVAL_MARKER = ".shardkit-removing"
+"""The file `LocalStorage.remove_checkpoint` writes into a checkpoint before it deletes the
+manifest: a JSON list of the names it deletes, so that a removal killed halfway can be
+finished."""
+
+
+def _mark_for_removal(dir_fd: int, names: list[str]) -> None:
+    fd = os.open(REMOVAL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps(names).encode())
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the manifest's deletion is
+
+
+def _marked_for_removal(dir_fd: int, path: str) -> list[str] | None:
+    """The names the removal marker lists, each a plain name inside the directory; None
+    when there is no marker or it cannot be trusted (then nothing is deleted)."""
+    try:
+        fd = os.open(REMOVAL_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_INDEX_BYTES + 1)
+    try:
+        names = json.loads(data)
+        if not isinstance(names, list):
+            return None
+        return [n if n in MANIFEST_FILES else check_shard_file_name(n, path) for n in names]
+    except (ValueError, ShardkitError):
+        return None
