@@ -228,27 +228,29 @@ def test_a_removal_killed_halfway_is_finished_by_the_next_save(tmp_path):
     checkpoint any more, its shards still there) leaves nothing behind for long: the next
     save's retention finishes that removal, and only that checkpoint's own files go."""
     import signal
-
-    from shardkit.storage import open_storage
+    import subprocess
+    import sys
+    import textwrap
 
     manager, _ = make(tmp_path, max_to_keep=1)
     manager.save(options=FAST)
     (tmp_path / "ckpt-1" / "README.md").write_text("notes")
-    pid = os.fork()
-    if pid == 0:  # the child: killed just after its first deletion (the manifest)
+    # a process of its own (no fork of this one, which may hold JAX's threads), killed just
+    # after its first deletion: the manifest
+    script = textwrap.dedent(f"""
+        import os, signal
+        from shardkit.storage import open_storage
         unlink = os.unlink
-
         def unlink_then_die(*args, **kwargs):
             unlink(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
-
         os.unlink = unlink_then_die
-        try:
-            open_storage(str(tmp_path / "ckpt-1")).remove_checkpoint()
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        open_storage({str(tmp_path / "ckpt-1")!r}).remove_checkpoint()
+    """)
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": root}, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
     left = names(tmp_path / "ckpt-1")
     assert MANIFEST_FILE not in left and any(n.endswith(".safetensors") for n in left), left
     assert manager.checkpoints == []  # half deleted: no checkpoint
