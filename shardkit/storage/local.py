@@ -236,8 +236,9 @@ class LocalStorage(Storage):
                                         f"{e.strerror}") from None
         try:
             manifest = find_manifest(fd)
-            names = _marked_for_removal(fd, path) if manifest is None else None
-            if manifest is not None:
+            if manifest is None:  # no checkpoint; perhaps one whose removal was killed halfway
+                names = _marked_for_removal(fd, path)
+            else:
                 mfd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
                 with os.fdopen(mfd, "rb") as f:
                     data = f.read(MAX_INDEX_BYTES + 1)
@@ -248,10 +249,8 @@ class LocalStorage(Storage):
                 names = [manifest, *files]
                 _mark_for_removal(fd, names)
             for name in [*names, REMOVAL_MARKER] if names is not None else []:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=fd)
-                except FileNotFoundError:
-                    pass
         except OSError as e:
             raise ShardIOError(e.errno, f"{path}: deleting the checkpoint failed: "
                                         f"{e.strerror}") from None
