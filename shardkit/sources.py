@@ -33,7 +33,7 @@ from .format import (
 )
 
 READ_CHUNK = 8 * 1024 * 1024  # bytes per pread job; big enough that syscall cost vanishes
-_PARALLEL_MIN = 2 * READ_CHUNK
+PARALLEL_MIN = 2 * READ_CHUNK  # bytes of reads from which they go to a pool
 _ADVISE_MIN = 64 * 1024 * 1024  # bytes of a whole-array read from which readahead is asked for
 _PARALLEL_MIN_ENTRY = 256 * 1024  # mean entry size from which whole-entry reads go in parallel
 
@@ -168,7 +168,7 @@ class RawShard(ShardSource):
                 reads.append(partial(self._read_arrays, bufs, at, want))
         # Many small arrays are bound by per-array work under the GIL: threads do not help them.
         if run is None or int(nbytes.sum()) < len(arrays) * _PARALLEL_MIN_ENTRY:
-            run = _run_each
+            run = run_each
         run(reads)
         return arrays
 
@@ -243,7 +243,8 @@ def _read_pieces(arrays: list[np.ndarray], start: int, chunk: int
     return out
 
 
-def _run_each(calls: Sequence[Callable[[], None]]) -> None:
+def run_each(calls: Sequence[Callable[[], None]]) -> None:
+    """Run `calls` one after the other, on this thread."""
     for call in calls:
         call()
 

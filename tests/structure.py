@@ -70,6 +70,7 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("writer.py",),
     ("restore.py",),
     ("reader.py",),
+    ("reading/",),
     ("frameworks/",),
     # the table's lines "formats/" and "formats/tensorbundle/": one row (see LAYER_GAPS)
     ("formats/", "formats/tensorbundle/"),

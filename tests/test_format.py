@@ -909,7 +909,7 @@ def test_slices_are_listed_in_data_region_order(tmp_path):
     header, _, _ = fmt.decode_safetensors_header(shard, len(shard), "s")
     assert list(header) == ["d", "h", "u"]
     with CheckpointReader(tmp_path) as r:
-        assert r._source(0).matches_index
+        assert r._shards.source(0).matches_index
 
 
 def _doc_section(title: str) -> str:
@@ -1090,7 +1090,7 @@ def test_a_2_0_or_2_1_checkpoint_is_still_read_verified_and_replaceable(tmp_path
         assert r.verify() == 3
         np.testing.assert_array_equal(r["a"], a)
         # the old headers are recognised as the writer's own: taken without parsing
-        assert all(r._source(i).matches_index for i in range(2))
+        assert all(r._shards.source(i).matches_index for i in range(2))
     assert main(["verify", str(ckpt)]) == 0
     doc = json.loads((ckpt / "index.json").read_bytes())
     doc["shardkit"]["shards"][1]["bytes"] += 8

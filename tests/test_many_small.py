@@ -487,7 +487,7 @@ def test_header_the_writer_made_is_taken_without_parsing(tmp_path):
     state["i8"] = np.arange(3, dtype=np.int8)
     path, _ = _saved(tmp_path, state)
     with CheckpointReader(path) as r:
-        sources = [r._source(i) for i in range(len(r.index.shards))]
+        sources = [r._shards.source(i) for i in range(len(r.index.shards))]
         assert all(src.matches_index for src in sources)
         for src in sources:  # the same result as parsing the header
             with open(src.path, "rb") as f:
@@ -511,7 +511,7 @@ def test_header_in_another_order_is_parsed_and_checked(tmp_path):
     index["shardkit"]["shards"][0]["bytes"] = len(data)
     (path / MANIFEST_FILE).write_text(json.dumps(index))
     with CheckpointReader(path) as r:
-        assert not r._source(0).matches_index
+        assert not r._shards.source(0).matches_index
         assert _same(r["a"], state["a"]) and _same(r["b"], state["b"])
 
 
@@ -528,7 +528,7 @@ def test_index_listing_a_shard_in_another_order_is_parsed_and_checked(tmp_path):
         column[0], column[1] = column[1], column[0]
     (path / MANIFEST_FILE).write_text(json.dumps(index))
     with CheckpointReader(path) as r:
-        assert not r._source(0).matches_index
+        assert not r._shards.source(0).matches_index
         assert all(_same(r[k], a) for k, a in state.items())
         assert r.verify() == 3
 

@@ -33,6 +33,10 @@ from shardkit.errors import (
     TruncatedShardError,
 )
 from shardkit.format import MANIFEST_FILE
+from shardkit.reading import boxes as reading_boxes
+from shardkit.reading import jobs as reading_jobs
+from shardkit.reading import verify as reading_verify
+from shardkit.reading.shards import ShardSet
 from shardkit.restore import restore_into
 from shardkit.slices import format_slice_spec
 from shardkit.tensors import flatten, unflatten
@@ -206,9 +210,9 @@ def test_info_and_contains(tmp_path):
 def test_shards_are_opened_lazily(tmp_path):
     write_checkpoint(tmp_path, whole({"a": np.ones(3), "b": np.zeros(2)}, n_shards=2))
     with rd.CheckpointReader(tmp_path) as r:
-        assert r._sources == {}
+        assert r._shards.sources == {}
         r["b"]
-        assert list(r._sources) == [1]
+        assert list(r._shards.sources) == [1]
 
 
 # --- split tensors -------------------------------------------------------------------------------
@@ -240,7 +244,7 @@ def test_split_tensor_is_assembled(tmp_path, dtype, use_mmap):
 
 def test_row_split_across_shards_large_enough_for_parallel_reads(tmp_path, monkeypatch):
     # Small chunk size so the pool path and chunk splitting run on a small array.
-    monkeypatch.setattr(rd, "_PARALLEL_MIN", 1024)
+    monkeypatch.setattr(reading_jobs, "PARALLEL_MIN", 1024)
     monkeypatch.setattr(sources.RawShard, "read_granularity", 1000)
     a = _sample(np.float64, (64, 33))
     b = _sample(np.int16, (10_001,))
@@ -249,8 +253,8 @@ def test_row_split_across_shards_large_enough_for_parallel_reads(tmp_path, monke
         _same(r["a"], a)
         _same(r["b"], b)
         _same(r.get_slice("a", np.s_[5:60:3, ::-2]), a[5:60:3, ::-2])
-        assert r._pool is not None
-    assert r._pool is None
+        assert r._shards._pool is not None
+    assert r._shards._pool is None
 
 
 INDEXES = [
@@ -354,7 +358,7 @@ def test_get_slice_skips_large_gaps_in_pread_mode(tmp_path, monkeypatch):
         reads.clear()
         _same(r.get_slice("a", np.s_[::13, ::-7, 3]), a[::13, ::-7, 3])
         assert reads == [2] * 20  # 4 rows x 5 columns, one element each
-        monkeypatch.setattr(rd, "MAX_PIECES", 1)
+        monkeypatch.setattr(reading_boxes, "MAX_PIECES", 1)
         reads.clear()
         _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
         assert reads == [(10 * 30 * 20 + 20) * 2, 20 * 2]  # over budget: not split
@@ -427,7 +431,7 @@ def test_views_outlive_the_reader(tmp_path):
     r = rd.CheckpointReader(tmp_path)
     view = r["a"]
     part = r.get_slice("a", np.s_[3:5])
-    mm = weakref.ref(r._sources[0]._map)
+    mm = weakref.ref(r._shards.sources[0]._map)
     assert mm() is not None
     r.close()  # must not raise although views are exported
     r.close()  # idempotent
@@ -449,7 +453,7 @@ def test_map_is_closed_when_no_view_is_alive(tmp_path):
     r = rd.CheckpointReader(tmp_path)
     float(r["a"].sum())  # the temporary view dies at once
     gc.collect()
-    mm = weakref.ref(r._sources[0]._map)
+    mm = weakref.ref(r._shards.sources[0]._map)
     r.close()
     assert mm() is None
 
@@ -484,7 +488,7 @@ def test_close_waits_for_reads_in_other_threads(tmp_path, monkeypatch):
     closer = threading.Thread(target=lambda: (r.close(), events.append("closed")))
     closer.start()
     for _ in range(10_000):  # wait until close() has begun (it then blocks on the read)
-        if r._closed:
+        if r._shards.closed:
             break
         threading.Event().wait(0.001)
     with pytest.raises(ReaderClosedError):  # new reads are refused once close() began
@@ -561,7 +565,7 @@ def test_verify_counts_checked_entries(tmp_path):
 
 
 def test_verify_streams_large_entries_in_pread_mode(tmp_path, monkeypatch):
-    monkeypatch.setattr(rd, "READ_CHUNK", 1000)
+    monkeypatch.setattr(reading_verify, "READ_CHUNK", 1000)
     a = _sample(np.float32, (3001,))
     write_checkpoint(tmp_path, whole({"a": a}))
     with rd.CheckpointReader(tmp_path, mmap=False) as r:
@@ -989,7 +993,7 @@ def test_load_retries_from_scratch_when_the_checkpoint_is_replaced(tmp_path, mon
                                                                    two_shard_policy):
     path = tmp_path / "c"
     api.save(path, _gen(1, 4), durable=False, sharding_callback=two_shard_policy)
-    real = rd.CheckpointReader._source
+    real = ShardSet.source
     replaced = []
 
     def source(self, i):
@@ -999,7 +1003,7 @@ def test_load_retries_from_scratch_when_the_checkpoint_is_replaced(tmp_path, mon
                      sharding_callback=two_shard_policy)
         return real(self, i)
 
-    monkeypatch.setattr(rd.CheckpointReader, "_source", source)
+    monkeypatch.setattr(ShardSet, "source", source)
     for use_mmap in (True, False):
         replaced.clear()
         got = rd.load(path, mmap=use_mmap)
@@ -1038,7 +1042,7 @@ def test_load_gives_up_after_a_bounded_number_of_replacements(tmp_path, monkeypa
                                                               two_shard_policy):
     path = tmp_path / "c"
     api.save(path, _gen(1, 4), durable=False, sharding_callback=two_shard_policy)
-    real = rd.CheckpointReader._source
+    real = ShardSet.source
     count = [0]
 
     def source(self, i):
@@ -1048,7 +1052,7 @@ def test_load_gives_up_after_a_bounded_number_of_replacements(tmp_path, monkeypa
                      sharding_callback=two_shard_policy)
         return real(self, i)
 
-    monkeypatch.setattr(rd.CheckpointReader, "_source", source)
+    monkeypatch.setattr(ShardSet, "source", source)
     with pytest.raises(rd.CheckpointReplacedError, match="replaced"):
         rd.load(path)
     assert count[0] == rd.LOAD_ATTEMPTS
