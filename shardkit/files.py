@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 from ._kernels import _mmap
 from .errors import (
@@ -175,6 +175,30 @@ def read_whole(fd: int, size: int, path: str, role: str) -> bytes:
     return b"".join(parts)
 
 
+class ByteSource(Protocol):
+    """The bytes of one shard, wherever they live: what the raw and ``.skz`` readers use.
+
+    Two implementations: `CheckpointFile` (a local file: pread, a copy-on-write map) and
+    `shardkit.storage.remote.RemoteFile` (a store's object: ranged GETs, no map). Call
+    sequence: the storage opens it (``Storage.open_checkpoint(...).open_shard_file``), a
+    shard reader reads its header with `read`, takes a map with `take_map` when mapping
+    (None when the source cannot map: read on), reads on, and `close`s it.
+    """
+
+    path: str
+    size: int
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` (fewer at the end)."""
+        ...
+
+    def take_map(self) -> Any:
+        """A copy-on-write map of the whole source (it then holds no descriptor), or None."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class CheckpointFile:
     """One regular file of a checkpoint, opened with `open_file`.
 
@@ -226,6 +250,26 @@ class CheckpointFile:
         """The whole file (its `size` bytes when it was opened; fewer if it shrank since)."""
         with self as fd:
             return read_whole(fd, self.size, self.path, self.role)
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the file (fewer at its end), by pread.
+
+        Raises:
+            ShardIOError: the read failed.
+        """
+        parts, at = [], start
+        with self as fd:
+            while at < end:
+                try:
+                    data = os.pread(fd, end - at, at)
+                except OSError as e:
+                    raise ShardIOError(e.errno, f"{self.path}: cannot read {end - at} bytes "
+                                                f"at {at}: {e.strerror}") from None
+                if not data:
+                    break
+                parts.append(data)
+                at += len(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def stamp(self) -> tuple[int, int, int, int]:
         """(device, inode, size, mtime in ns) of the open file now: equal stamps mean a

@@ -4,7 +4,6 @@ follow. The layout is `shardkit.compression`'s docstring."""
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ _U64: Final = struct.Struct("<Q")
 DEFAULT_CHUNK_SIZE: Final = 4 * 1024 * 1024
 MIN_CHUNK_SIZE: Final = 64
 MAX_CHUNK_SIZE: Final = 64 * 1024 * 1024  # writers and readers alike: a chunk is decoded at once
+HEAD_GUESS: Final = 16 * 1024  # header bytes read with the preamble (most headers fit)
 
 
 # --- header -------------------------------------------------------------------------------------
@@ -202,25 +202,27 @@ def _check_frames(frames: np.ndarray, chunk: int, size: int, data_start: int, fi
                                  f"(frames end at {end}, file has {file_size})")
 
 
-def read_skz_header(fd: int, file_size: int, path: str) -> SkzHeader:
-    """Read and decode the header of an open .skz file: preamble, entry table, frame table."""
-    first = os.pread(fd, PREAMBLE.size + 8, 0)
-    if len(first) < PREAMBLE.size + 8:
+def read_skz_header(file: Any, file_size: int, path: str) -> SkzHeader:
+    """Read and decode the header of an open .skz shard: preamble, entry table, frame table.
+
+    `file` is the shard's byte source (`shardkit.files.ByteSource`: a local file or a store's
+    object): ``file.read(start, end)``. The first read takes HEAD_GUESS bytes more than the
+    preamble, so most headers come in one read (one request from a store).
+    """
+    first_len = PREAMBLE.size + 8
+    head = file.read(0, min(file_size, first_len + HEAD_GUESS))
+    if len(head) < first_len:
         raise TruncatedShardError(f"{path}: file is {file_size} bytes, shorter than the "
-                                  f"{PREAMBLE.size + 8}-byte .skz preamble")
-    _, _, _, n, _ = check_skz_preamble(first, path)  # before anything claimed is allocated
-    n_len = header_length(first[PREAMBLE.size :], file_size - PREAMBLE.size, path)
-    want = PREAMBLE.size + 8 + n_len + n * FRAME_DTYPE.itemsize + 8
+                                  f"{first_len}-byte .skz preamble")
+    _, _, _, n, _ = check_skz_preamble(head[:first_len], path)  # before anything is allocated
+    n_len = header_length(head[PREAMBLE.size : first_len], file_size - PREAMBLE.size, path)
+    want = first_len + n_len + n * FRAME_DTYPE.itemsize + 8
     check_header_room(n, want, file_size, path)
-    buf = bytearray(want)
-    view = memoryview(buf)
-    got = 0
-    while got < want:
-        k = os.preadv(fd, [view[got:]], got)
-        if k == 0:
-            raise TruncatedShardError(f"{path}: header cut short at byte {got} of {want}")
-        got += k
-    return decode_skz_header(buf, file_size, path)
+    if want > len(head):
+        head += file.read(len(head), want)
+    if len(head) < want:
+        raise TruncatedShardError(f"{path}: header cut short at byte {len(head)} of {want}")
+    return decode_skz_header(bytearray(head[:want]), file_size, path)
 
 
 # --- chunk planning -----------------------------------------------------------------------------

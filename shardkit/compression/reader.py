@@ -3,7 +3,6 @@ streamed, and frames and entries verified."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -20,10 +19,9 @@ from ..errors import (
     CheckpointFormatError,
     ChecksumError,
     CorruptHeaderError,
-    ShardIOError,
     TruncatedShardError,
 )
-from ..files import CheckpointFile, open_shard_file
+from ..files import ByteSource, open_shard_file
 from ..format import (
     EntryLayout,
     ShardInfo,
@@ -58,21 +56,21 @@ class SkzShard:
     """
 
     def __init__(self, path: str, info: ShardInfo | None = None, *, mmap: bool = True,
-                 file: CheckpointFile | None = None, follow_symlinks: bool = False) -> None:
-        """`file`: the shard already opened through the checkpoint's directory handle (else
-        `path` is opened, see `shardkit.files`). A mapped shard is mapped copy-on-write and
-        keeps no descriptor."""
+                 file: ByteSource | None = None, follow_symlinks: bool = False) -> None:
+        """`file`: the shard's byte source (`shardkit.files.ByteSource`), already opened
+        through the checkpoint's storage: a local file (else `path` is opened, see
+        `shardkit.files`) or a store's object. A mapped shard (`mmap`, on a source that maps)
+        is mapped copy-on-write and keeps no descriptor."""
         self.path = path
         self.info = info
         self._map: Any = None
-        self._file = file if file is not None else open_shard_file(path, follow_symlinks)
+        self._file: Any = file if file is not None else open_shard_file(path, follow_symlinks)
         try:
             size = self._file.size
             if info is not None and size != info.bytes:
                 cls = TruncatedShardError if size < info.bytes else CheckpointFormatError
                 raise cls(f"{path}: shard file has {size} bytes, the index records {info.bytes}")
-            with self._file as fd:
-                self.header = read_skz_header(fd, size, path)
+            self.header = read_skz_header(self._file, size, path)
             self._frames: list[tuple[int, ...]] = self.header.frames.tolist()  # rows as ints
             self.entries = self.header.entries
             self.metadata = self.header.metadata
@@ -397,12 +395,7 @@ class SkzShard:
             return memoryview(self._map)[offset : offset + n]
         if self._closed:
             raise CheckpointFormatError(f"{self.path}: shard is closed")
-        with self._file as fd:
-            try:
-                data = os.pread(fd, n, offset)
-            except OSError as e:
-                raise ShardIOError(e.errno, f"{self.path}: cannot read {n} bytes at {offset}: "
-                                            f"{e.strerror}") from None
+        data = self._file.read(offset, offset + n)
         if len(data) != n:
             raise TruncatedShardError(f"{self.path}: frame at byte {offset} cut short")
         return data
@@ -533,6 +526,6 @@ class SkzShard:
 
 
 def open_zstd_shard(path: str, info: ShardInfo, *, mmap: bool = True,
-                    file: CheckpointFile | None = None) -> SkzShard:
+                    file: ByteSource | None = None) -> SkzShard:
     """The reader's opener for codec ``"zstd"``."""
     return SkzShard(path, info, mmap=mmap, file=file)

@@ -2,13 +2,14 @@
 
 `RemoteDirectory` stands in for `files.CheckpointDirectory` (the manifest is one GET, with its
 tag); shard objects are named by the manifest's generation (`layout.object_name`), so a reader
-never sees another save's objects. `RemoteRawShard` and `RemoteSkzShard` are the shard sources:
-no memory map (`view` is None), every read a ranged GET. `read_tasks` turns a batch of reads
-into pieces of at most PIECE bytes, coalesces adjacent pieces into GETs of at most
-`base.MAX_COALESCED` bytes, and groups those into tasks whose GETs run concurrently, so a
-whole-checkpoint load keeps several requests in flight while a one-row `get_slice` fetches
-only that row. A `.skz` shard fetches each chunk's frame on the thread that decompresses it:
-fetches and decompression overlap across the reader's pool.
+never sees another save's objects. `RemoteFile` is a shard object as a `files.ByteSource`
+(every read a ranged GET, no map): the `.skz` reader (`compression.SkzShard`) reads it as it
+reads a local file. `RemoteRawShard` is the raw shard source (`view` is None): its
+`read_tasks` turns a batch of reads into pieces of at most PIECE bytes, coalesces adjacent
+pieces into GETs of at most `base.MAX_COALESCED` bytes, and groups those into tasks whose
+GETs run concurrently, so a whole-checkpoint load keeps several requests in flight while a
+one-row `get_slice` fetches only that row. A `.skz` shard fetches each chunk's frame on the
+thread that decompresses it: fetches and decompression overlap across the reader's pool.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ from typing import Any
 
 from .. import compression as skz
 from ..errors import (
-    CheckpointFormatError,
     CheckpointReplacedError,
-    CorruptHeaderError,
     MissingShardError,
     ShardkitError,
-    TruncatedShardError,
 )
 from ..format import (
     MANIFEST_FILE,
@@ -47,7 +45,8 @@ VERIFY_WINDOW = 3  # batches of TASK_BYTES a verify keeps in flight per shard
 
 
 class RemoteFile:
-    """A shard object opened by a reader: its store, object name, URL and size."""
+    """A shard object opened by a reader (a `files.ByteSource`): its store, object name, URL
+    and size; every read a ranged GET."""
 
     def __init__(self, store: Storage, name: str, path: str) -> None:
         self.store, self.name, self.path = store, name, path
@@ -64,6 +63,10 @@ class RemoteFile:
             raise CheckpointReplacedError(
                 f"{self.path}: the shard object was deleted while it was being read (the "
                 "checkpoint was overwritten); open the checkpoint again") from None
+
+    def take_map(self) -> None:
+        """A store's object is never mapped (`files.ByteSource`): its readers read on."""
+        return None
 
     def close(self) -> None:
         pass
@@ -184,7 +187,7 @@ def open_raw(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile)
 
 
 def open_skz(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile) -> Any:
-    return RemoteSkzShard(path, info, file)
+    return skz.SkzShard(path, info, mmap=False, file=file)
 
 
 class RemoteRawShard(ShardSource):
@@ -322,55 +325,4 @@ class RemoteRawShard(ShardSource):
         self._file.close()
 
 
-class RemoteSkzShard(skz.SkzShard):
-    """A ``.skz`` shard object: the header in one or two GETs, each frame fetched when its
-    chunk is decoded."""
-
-    def __init__(self, path: str, info: ShardInfo, file: RemoteFile) -> None:
-        import threading
-        from collections import OrderedDict
-
-        self.path, self.info, self._file, self._map = path, info, file, None  # type: ignore[assignment]
-        size = file.size
-        if size != info.bytes:
-            cls = TruncatedShardError if size < info.bytes else CheckpointFormatError
-            raise cls(f"{path}: shard object has {size} bytes, the index records {info.bytes}")
-        self.header = _read_skz_header(file, size, path)
-        self._frames = self.header.frames.tolist()
-        self.entries = self.header.entries
-        self.metadata = self.header.metadata
-        check_generation(self.metadata, info.generation, path)
-        try:
-            self.plan = skz.plan_chunks(list(self.entries.values()), self.header.chunk_size,
-                                        self.header.shuffle, path)
-        except ValueError as e:
-            raise CorruptHeaderError(str(e)) from None
-        self._names = list(self.entries)
-        self.read_granularity = self.header.chunk_size
-        self._closed = False
-        self._lock = threading.Lock()
-        self._cache = OrderedDict()
-
-    def _stored(self, offset: int, n: int) -> Any:
-        data = self._file.read(offset, offset + n)  # type: ignore[attr-defined]
-        if len(data) != n:
-            raise TruncatedShardError(f"{self.path}: frame at byte {offset} cut short")
-        return data
-
-
-def _read_skz_header(file: RemoteFile, size: int, path: str) -> Any:
-    first_len = skz.PREAMBLE.size + 8
-    head = file.read(0, min(size, first_len + HEAD_GUESS))
-    if len(head) < first_len:
-        raise TruncatedShardError(f"{path}: object is {size} bytes, shorter than the "
-                                  f"{first_len}-byte .skz preamble")
-    _, _, _, n, _ = skz.check_skz_preamble(head[:first_len], path)
-    n_len = header_length(head[skz.PREAMBLE.size : first_len], size - skz.PREAMBLE.size, path)
-    want = first_len + n_len + n * skz.FRAME_DTYPE.itemsize + 8
-    skz.check_header_room(n, want, size, path)
-    if want > len(head):
-        head += file.read(len(head), want)
-    return skz.decode_skz_header(bytearray(head[:want]), size, path)
-
-
-__all__ = ["RemoteDirectory", "RemoteFile", "RemoteRawShard", "RemoteSkzShard", "opener"]
+__all__ = ["RemoteDirectory", "RemoteFile", "RemoteRawShard", "opener"]
