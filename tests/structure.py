@@ -101,10 +101,13 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ],
     ("files.py",),
     # format/: "Its modules, each importing only those before it: common.py; strictjson.py;
-    # header.py; string_section.py; manifest.py; __init__.py re-exports every name"
+    # header.py; string_section.py; index.py; index_encoding.py; index_decoding.py; __init__.py
+    # re-exports every name"
     [
         ("format/__init__.py",),
-        ("format/manifest.py",),
+        ("format/index_decoding.py",),
+        ("format/index_encoding.py",),
+        ("format/index.py",),
         ("format/string_section.py",),
         ("format/header.py",),
         ("format/strictjson.py",),

@@ -1153,7 +1153,7 @@ def test_the_column_wise_fast_decode_is_the_checked_decode():
     metadata that spell those markers (escaped inside their strings) decode exactly as the
     checked path decodes them, and so does an index whose bytes are not shardkit's own
     spelling (the checked path then runs)."""
-    from shardkit.format import manifest as m
+    from shardkit.format import index_decoding as m
 
     keys = ['a],"dtype":["x', 'b},"slices":{"tensor":[', 'c]}', '},"shardkit":{"callback":']
     info = fmt.CheckpointIndex(

@@ -11,7 +11,8 @@ import shardkit.format as fmt
 PACKAGE = Path(fmt.__file__).parent
 ROOT = PACKAGE.parent.parent
 # each imports only those before it
-MODULES = ("common", "strictjson", "header", "string_section", "manifest")
+MODULES = ("common", "strictjson", "header", "string_section", "index", "index_encoding",
+           "index_decoding")
 
 def _defined(tree: ast.Module) -> list[str]:
     names: list[str] = []

@@ -9,7 +9,9 @@ bytes they were given (``read_safetensors_header`` reads the header from an open
 The modules, each importing only those before it: `common` (constants and limits, naming,
 generations, `shown`), `strictjson` (JSON parsed with repeated keys and nesting checked),
 `header` (the shard header), `string_section` (the manifest's ``shardkit.strings``
-section), `manifest` (the manifest and `CheckpointIndex`). Every name is
+section), `index` (`CheckpointIndex` and its per-shard, per-slice and per-tensor objects),
+`index_encoding` (the manifest's bytes and its ``weight_map``), `index_decoding` (the
+manifest decoded with every check). Every name is
 importable from this package, as it was from the single module it replaces.
 """
 
@@ -93,19 +95,23 @@ from .header import (  # noqa: F401
     read_safetensors_header,
     shape_problem,
 )
-from .manifest import (  # noqa: F401
+from .index import (  # noqa: F401
+    _INDEX_FIELDS,
+    CheckpointIndex,
+    ShardInfo,
+    SliceInfo,
+    TensorInfo,
+    _new_slice_infos,
+    _new_tensor_infos,
+)
+from .index_decoding import (  # noqa: F401
     _COLUMN_MARKS,
     _COLUMNS,
     _GENERATION_RE,
     _HEAD_RE,
     _HEX_RUN,
-    _INDEX_FIELDS,
     _SHARDKIT_SECTION,
     _XXH3_RE,
-    CheckpointIndex,
-    ShardInfo,
-    SliceInfo,
-    TensorInfo,
     _all_in,
     _canonical_document,
     _check_ids,
@@ -114,14 +120,10 @@ from .manifest import (  # noqa: F401
     _decode_index,
     _decode_shards,
     _document_within_depth,
-    _dumps,
     _encodes_to,
     _field,
     _index_objects,
     _index_of,
-    _index_pieces,
-    _new_slice_infos,
-    _new_tensor_infos,
     _nonneg_int,
     _nonneg_ints,
     _shared,
@@ -129,11 +131,15 @@ from .manifest import (  # noqa: F401
     _str_list,
     check_slices,
     decode_index,
+    parse_version,
+)
+from .index_encoding import (  # noqa: F401
+    _dumps,
+    _index_pieces,
     encode_index,
     encode_index_parts,
     huggingface_weight_map,
     index_chunks,
-    parse_version,
 )
 from .strictjson import (  # noqa: F401
     _CONTAINERS,

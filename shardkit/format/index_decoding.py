@@ -1,17 +1,13 @@
-"""The manifest (``model.safetensors.index.json``; ``index.json`` before 2.2): ShardInfo,
-SliceInfo, TensorInfo, the column-wise CheckpointIndex, its encoding (orjson, in pieces a
-writer writes as they are) and its decoding with every check (docs/FORMAT.md section 2)."""
+"""The manifest's decoding with every check (docs/FORMAT.md section 2): `decode_index` (a
+fast column-wise path for shardkit's own encoding, proven by encoding the index it decodes;
+else the strict parse), `check_slices`, `parse_version`."""
 
 from __future__ import annotations
 
-import json
-import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -25,8 +21,8 @@ from ..errors import (
 )
 from ..keys import check_keys
 from ..optional import lazy_import
-from ..slices import WHOLE, SliceSpec, check_tiling, parse_slice_spec
-from ..tensors import columns_constructor, gc_paused
+from ..slices import SliceSpec, check_tiling, parse_slice_spec
+from ..tensors import gc_paused
 
 if TYPE_CHECKING:
     import orjson
@@ -36,348 +32,22 @@ from .common import (
     _ITEMSIZE,
     FORMAT_MAJOR,
     FORMAT_NAME,
-    FORMAT_VERSION,
     GENERATION_KEY,
     GENERATION_MINOR,
     MAX_DEPTH,
     MAX_NDIM,
     STRINGS_MINOR,
     check_shard_file_name,
-    entry_name,
     shown,
 )
-from .header import _INT_ONLY, _first, shape_problem
+from .header import _INT_ONLY, shape_problem
+from .index import CheckpointIndex, ShardInfo
+from .index_encoding import _index_pieces, huggingface_weight_map
 from .strictjson import nesting_within, pairs_to_dict, pairs_to_plain, parse_strict_object
 from .string_section import decode_strings_section
 
 _XXH3_RE: Final = re.compile(r"[0-9a-f]{16}")
 _GENERATION_RE: Final = re.compile(r"[0-9A-Za-z_.-]{1,64}")
-
-
-@dataclass(frozen=True, slots=True)
-class ShardInfo:
-    """One shard file: plain file name, device task, codec ("raw" / "zstd"), size in bytes,
-    and the checkpoint generation its header must record (the manifest's ``shardkit.generation``;
-    None for an index without one, format 2.0: then nothing is checked)."""
-
-    file: str
-    task: int
-    codec: str
-    bytes: int
-    generation: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SliceInfo:
-    """Where one slice of a tensor is stored: shard number, entry name, xxh3-64 hex or None."""
-
-    spec: str
-    shard: int
-    entry: str
-    xxh3: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """A tensor of the checkpoint: safetensors dtype name, full shape, device, its slices."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    device: str
-    slices: list[SliceInfo]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-
-    @property
-    def is_split(self) -> bool:
-        """More than one stored slice (one slice always covers the whole tensor)."""
-        return len(self.slices) > 1
-
-
-_new_slice_infos = columns_constructor(SliceInfo)
-_new_tensor_infos = columns_constructor(TensorInfo)
-
-
-@dataclass(slots=True, eq=False)
-class CheckpointIndex:
-    """The content of the manifest, column-wise (docs/FORMAT.md section 2).
-
-    Tensors, in save order: `keys`, `dtypes` (safetensors names), full `shapes`, `devices`.
-    Stored slices, shard by shard and within a shard in data-region order: `slice_tensor` (the
-    row of their tensor), `slice_spec` (``""`` = whole), `slice_shard`, `slice_xxh3`.
-    Per-tensor objects (`tensors`) are built only when asked for: a 50,000-tensor load never
-    needs them.
-    """
-
-    callback: str
-    shards: list[ShardInfo]
-    keys: list[str]
-    dtypes: list[str]
-    shapes: list[tuple[int, ...]]
-    devices: list[str]
-    slice_tensor: list[int]
-    slice_spec: list[str]
-    slice_shard: list[int]
-    slice_xxh3: Sequence[str | None]  # a list, or a column made on first use (TensorBundle)
-    user_metadata: dict[str, Any] = field(default_factory=dict)
-    version: str = FORMAT_VERSION
-    generation: str | None = None  # shardkit.generation (format 2.1); every shard records it
-    strings: Any = None  # the string tensors (a strings.StringTensors, format 2.3), or None
-    # per stored slice, the algorithm of its `slice_xxh3` value (docs/FORMAT.md, "Checksum
-    # kinds"); None: all "xxh3" (shardkit's own format)
-    slice_checksum_kind: list[str] | None = None
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, CheckpointIndex):
-            return NotImplemented
-        return all(getattr(self, f) == getattr(other, f) for f in _INDEX_FIELDS)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    @classmethod
-    def from_tensors(
-        cls, callback: str, shards: list[ShardInfo], tensors: Mapping[str, TensorInfo],
-        user_metadata: dict[str, Any] | None = None, generation: str | None = None,
-    ) -> CheckpointIndex:
-        """An index from per-tensor objects; slices are listed shard by shard, in tensor order
-        (the order of a writer that lays out one item size per shard)."""
-        keys = list(tensors)
-        infos = list(tensors.values())
-        rows = [(shard, row, s) for row, t in enumerate(infos) for s in t.slices
-                for shard in (s.shard,)]
-        rows.sort(key=_first)  # stable: tensor order within a shard
-        for _, row, s in rows:
-            if s.entry != entry_name(keys[row], s.spec):
-                raise ValueError(f"entry of {shown(keys[row])} slice {shown(s.spec)} must be "
-                                 f"{shown(entry_name(keys[row], s.spec))}, got {shown(s.entry)}")
-        return cls(
-            callback, list(shards), keys, [t.dtype for t in infos],
-            [tuple(t.shape) for t in infos], [t.device for t in infos],
-            [r for _, r, _ in rows], [s.spec for _, _, s in rows],
-            [s.shard for _, _, s in rows], [s.xxh3 for _, _, s in rows],
-            dict(user_metadata or {}), FORMAT_VERSION, generation,
-        )
-
-    @property
-    def tensors(self) -> dict[str, TensorInfo]:
-        """checkpoint key -> TensorInfo, in save order (built on first use)."""
-        got = self._cache.get("tensors")
-        if got is None:
-            per_tensor: list[list[SliceInfo]] = [[] for _ in self.keys]
-            made = _new_slice_infos(self.slice_spec, self.slice_shard, self.entry_names(),
-                                    self.slice_xxh3)
-            for row, info in zip(self.slice_tensor, made):
-                per_tensor[row].append(info)
-            got = self._cache["tensors"] = dict(zip(self.keys, _new_tensor_infos(
-                self.dtypes, self.shapes, self.devices, per_tensor)))
-        return got
-
-    def files(self) -> list[str]:
-        """The files this index names (besides the manifest): its shards, then its string
-        file."""
-        names = [s.file for s in self.shards]
-        if self.strings is not None and getattr(self.strings, "file", None):
-            names.append(self.strings.file)
-        return names
-
-    def set_checksums(self, xxh3: list[str | None]) -> None:
-        """Fill in the slices' checksums (a writer knows them only once the data is written)."""
-        if len(xxh3) != len(self.slice_tensor):
-            raise ValueError(f"{len(xxh3)} checksums for {len(self.slice_tensor)} slices")
-        self.slice_xxh3 = xxh3
-        self._cache.pop("tensors", None)
-
-    def set_total_size(self, total: int) -> None:
-        """Record the bytes of all tensors when the caller knows them already."""
-        self._cache["total_size"] = int(total)
-
-    def tensor_info(self, key: str) -> TensorInfo:
-        """The TensorInfo of `key` alone (KeyError if absent)."""
-        got = self._cache.get("tensors")
-        if got is not None:
-            return got[key]
-        row = self.row(key)
-        names = self.entry_names()
-        slices = [SliceInfo(self.slice_spec[j], self.slice_shard[j], names[j], self.slice_xxh3[j])
-                  for j in self.slices_of()[row]]
-        return TensorInfo(self.dtypes[row], self.shapes[row], self.devices[row], slices)
-
-    def slices_of(self) -> list[list[int]]:
-        """The stored slices of each tensor row."""
-        got = self._cache.get("slices_of")
-        if got is None:
-            got = [[] for _ in self.keys]
-            for j, row in enumerate(self.slice_tensor):
-                got[row].append(j)
-            self._cache["slices_of"] = got
-        return got
-
-    def first_slice(self) -> np.ndarray:
-        """For each tensor row, the number of its first stored slice."""
-        got = self._cache.get("first")
-        if got is None:
-            got = np.empty(len(self.keys), np.int64)
-            tensor = np.asarray(self.slice_tensor, np.int64)
-            got[tensor[::-1]] = np.arange(len(tensor) - 1, -1, -1)  # the last write wins
-            self._cache["first"] = got
-        return got
-
-    def shard_range(self, shard: int) -> range:
-        """The stored slices of `shard` (slices are listed shard by shard)."""
-        got = self._cache.get("bounds")
-        if got is None:
-            got = self._cache["bounds"] = np.searchsorted(
-                np.asarray(self.slice_shard, np.int64), np.arange(len(self.shards) + 1))
-        return range(int(got[shard]), int(got[shard + 1]))
-
-    def row(self, key: str) -> int:
-        """The row of `key` (KeyError if absent)."""
-        return self.rows()[key]
-
-    def rows(self) -> dict[str, int]:
-        """checkpoint key -> row."""
-        rows = self._cache.get("rows")
-        if rows is None:
-            rows = self._cache["rows"] = dict(zip(self.keys, range(len(self.keys))))
-        return rows
-
-    def entry_names(self) -> list[str]:
-        """Entry name of every stored slice (section 4: the key, or ``key:spec``)."""
-        got = self._cache.get("entries")
-        if got is None:
-            names = list(map(self.keys.__getitem__, self.slice_tensor))
-            got = self._cache["entries"] = [
-                n if s == WHOLE else f"{n}:{s}" for n, s in zip(names, self.slice_spec)
-            ] if any(self.slice_spec) else names
-        return got
-
-    def slice_counts(self) -> np.ndarray:
-        """How many stored slices each tensor has."""
-        got = self._cache.get("counts")
-        if got is None:
-            got = self._cache["counts"] = np.bincount(
-                np.asarray(self.slice_tensor, dtype=np.int64), minlength=len(self.keys))
-        return got
-
-    def slice_shapes(self) -> list[tuple[int, ...]]:
-        """Shape of every stored slice (the tensor's for a whole one)."""
-        got = self._cache.get("slice_shapes")
-        if got is None:
-            shapes = list(map(self.shapes.__getitem__, self.slice_tensor))
-            if any(self.slice_spec):
-                for j, spec in enumerate(self.slice_spec):
-                    if spec != WHOLE:
-                        shapes[j] = parse_slice_spec(spec, shapes[j]).shape
-            got = self._cache["slice_shapes"] = shapes
-        return got
-
-    def total_size(self) -> int:
-        """Bytes of all tensors (HuggingFace's metadata.total_size)."""
-        known = self._cache.get("total_size")
-        if known is not None:
-            return int(known)
-        return sum(map(operator.mul, map(math.prod, self.shapes),
-                       map(_ITEMSIZE.__getitem__, self.dtypes)))
-
-
-_INDEX_FIELDS: Final = tuple(f for f in CheckpointIndex.__slots__ if f != "_cache")
-
-
-def encode_index(index: CheckpointIndex) -> bytes:
-    """The manifest's bytes: compact UTF-8 JSON (as ``json.dumps(doc, separators=(",", ":"),
-    ensure_ascii=False)``) and a newline. Column-wise, encoded by orjson (byte-identical to
-    that json.dumps for these values, about 10x faster on 50,000 tensors).
-    """
-    return b"".join(index_chunks(index))
-
-
-def index_chunks(
-    index: CheckpointIndex, parts: tuple[list[bytes], list[bytes]] | None = None
-) -> list[bytes]:
-    """`encode_index` as the pieces that, joined, are its bytes (a writer writes them as they
-    are). `parts`: what `encode_index_parts` gave for this index, if it was called already."""
-    head, tail = parts or encode_index_parts(index)
-    return [*head, orjson.dumps(index.slice_xxh3, default=list), *tail]  # list: any Sequence
-
-
-def encode_index_parts(index: CheckpointIndex) -> tuple[list[bytes], list[bytes]]:
-    """`index_chunks` without the checksum column: the pieces before it and after it, so that
-    a writer can encode the rest while the checksums are still being computed."""
-    head: list[bytes] = []
-    tail: list[bytes] = []
-    for piece in _index_pieces(index):
-        if piece is None:
-            head, tail = tail, head
-        else:
-            tail.append(piece)
-    return head, tail
-
-
-def _index_pieces(index: CheckpointIndex) -> Iterator[bytes | None]:
-    """The manifest's pieces in order, None where the checksum column goes; each is encoded
-    only when it is asked for, so that a reader comparing them one by one (`_encodes_to`)
-    never holds them all."""
-    try:
-        user_metadata = _dumps(index.user_metadata).encode("utf-8")
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"checkpoint metadata is not JSON-serialisable: {e}") from None
-    n_tensors = len(index.keys)
-    devices = list(dict.fromkeys(index.devices))
-    dumps = orjson.dumps
-    yield from (b'{"format":', dumps(FORMAT_NAME), b',"format_version":', dumps(index.version),
-                b',"metadata":{"total_size":', str(index.total_size()).encode(),
-                b'},"weight_map":')
-    yield dumps(huggingface_weight_map(index))
-    yield from (b',"shardkit":{"callback":', dumps(index.callback))
-    if index.generation is not None:
-        yield from (b',"generation":', dumps(index.generation))
-    yield from (b',"devices":', dumps(devices), b',"shards":', dumps(
-        [{"file": s.file, "task": s.task, "codec": s.codec, "bytes": s.bytes}
-         for s in index.shards]))
-    yield from (b',"tensors":{"key":', dumps(index.keys), b',"dtype":', dumps(index.dtypes),
-                b',"shape":')
-    try:
-        yield dumps(index.shapes)
-    except TypeError:  # numpy integers in a shape
-        yield dumps([list(map(int, s)) for s in index.shapes])
-    yield b',"device":'
-    yield dumps([0] * n_tensors if len(devices) == 1 else
-                list(map({d: i for i, d in enumerate(devices)}.__getitem__, index.devices)))
-    yield from (b'},"slices":{"tensor":', dumps(index.slice_tensor), b',"spec":',
-                dumps(index.slice_spec), b',"shard":', dumps(index.slice_shard), b',"xxh3":',
-                None, b'}')
-    if index.strings is not None:
-        yield from (b',"strings":', dumps(index.strings.section()))
-    yield from (b',"user_metadata":', user_metadata, b"}}\n")
-
-
-
-def huggingface_weight_map(index: CheckpointIndex) -> dict[str, str]:
-    """HuggingFace's ``weight_map`` of `index` (docs/FORMAT.md section 2): checkpoint key ->
-    shard file, for the tensors stored whole in an entry named like their key (one slice, spec
-    ``""``), in save order. String tensors are not in it. The writer writes it; the reader
-    requires the manifest's to be exactly this, so that HuggingFace's loaders read what
-    shardkit reads."""
-    files = [s.file for s in index.shards]
-    n_tensors = len(index.keys)
-    tensor = np.asarray(index.slice_tensor, np.int64)
-    if (len(tensor) == n_tensors and not any(index.slice_spec)
-            and np.array_equal(tensor, np.arange(n_tensors))):
-        # every tensor whole, listed in save order: the shard files, shard by shard
-        return dict(zip(index.keys, chain.from_iterable(
-            repeat(f, len(index.shard_range(i))) for i, f in enumerate(files))))
-    # else the slices of one row that are whole and alone, in save order, column by column
-    whole = np.fromiter(map(operator.not_, index.slice_spec), bool, len(index.slice_spec))
-    if len(tensor):
-        whole &= index.slice_counts()[tensor] == 1
-    picked = np.flatnonzero(whole)
-    picked = picked[np.argsort(tensor[picked], kind="stable")]  # save order
-    rows = tensor[picked].tolist()
-    shards = np.asarray(index.slice_shard, np.int64)[picked].tolist()
-    return dict(zip(map(index.keys.__getitem__, rows), map(files.__getitem__, shards)))
 
 
 def _check_weight_map(found: dict[str, Any], index: CheckpointIndex, path: str) -> None:
@@ -403,11 +73,6 @@ def _check_weight_map(found: dict[str, Any], index: CheckpointIndex, path: str) 
         f"{path}: weight_map puts {shown(key)} in {shown(found[key])}, but shardkit.slices "
         f"stores it in {shown(want[key])}; HuggingFace loaders would read other bytes than "
         "shardkit (the manifest's two sections disagree)")
-
-
-def _dumps(value: Any) -> str:
-    # compact: with indent, json falls back to its pure-Python encoder (20x slower)
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def parse_version(version: Any, path: str) -> tuple[int, int]:
