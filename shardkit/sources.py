@@ -109,16 +109,15 @@ class RawShard(ShardSource):
 
     def _read_header(self, size: int,
                      expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None) -> None:
-        with self._file as fd:
-            if expected is None:
-                self._entries, self.metadata, self.data_start = read_safetensors_header(
-                    fd, size, self.path
-                )
-            else:
-                self._entries, self.metadata, self.data_start, self.begins = (
-                    read_expected_safetensors_header(fd, size, self.path, *expected,
-                                                     generation=self.info.generation)
-                )
+        if expected is None:
+            self._entries, self.metadata, self.data_start = read_safetensors_header(
+                self._file.read, size, self.path
+            )
+        else:
+            self._entries, self.metadata, self.data_start, self.begins = (
+                read_expected_safetensors_header(self._file.read, size, self.path, *expected,
+                                                 generation=self.info.generation)
+            )
 
     @property
     def matches_index(self) -> bool:

@@ -308,13 +308,19 @@ def test_encode_header_rejects_bad_metadata_and_reserved_names():
         fmt.encode_safetensors_header(bad)
 
 
+def _pread_of(f):
+    """`f`'s bytes as the header readers take them: ``read(start, end)``."""
+    return lambda start, end: os.pread(f.fileno(), end - start, start)
+
+
 def test_read_header_from_file(tmp_path):
     layouts = fmt.layout_entries([("x", np.dtype("f4"), (4,))])
     header = fmt.encode_safetensors_header(layouts)
     p = tmp_path / "s.safetensors"
     p.write_bytes(header + bytes(16))
     with open(p, "rb") as f:
-        entries, _, start = fmt.read_safetensors_header(f, p.stat().st_size, str(p))
+        entries, _, start = fmt.read_safetensors_header(
+            _pread_of(f), p.stat().st_size, str(p))
     assert start == len(header)
     assert entries["x"].end == 16
 
@@ -577,13 +583,13 @@ def test_golden_header_bytes_with_a_generation(tmp_path, version):
     size = len(header) + 10
     with open(path, "rb") as f:  # the writer's bytes are taken without parsing
         entries, meta, start, begins = fmt.read_expected_safetensors_header(
-            f, size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation=GENERATION)
+            _pread_of(f), size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation=GENERATION)
     assert (entries, begins, start) == (None, [0, 8], len(header))
     assert meta == expected_meta
     fmt.check_generation(meta, GENERATION, "s")
     with open(path, "rb") as f:  # another generation: parsed, and the check then refuses it
         entries, meta, _, begins = fmt.read_expected_safetensors_header(
-            f, size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation="f" * 32)
+            _pread_of(f), size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation="f" * 32)
     assert begins is None and list(entries) == ["w", "b:2 0,1"] and meta == expected_meta
     with pytest.raises(GenerationMismatchError, match=(
             "s: shard belongs to another checkpoint: the manifest is of generation f{32}, the "

@@ -19,6 +19,7 @@ from ..errors import (
     TruncatedShardError,
 )
 from ..format import (
+    HEAD_GUESS,
     HEADER_ALIGNMENT,
     EntryLayout,
     decode_safetensors_header,
@@ -41,7 +42,6 @@ _U64: Final = struct.Struct("<Q")
 DEFAULT_CHUNK_SIZE: Final = 4 * 1024 * 1024
 MIN_CHUNK_SIZE: Final = 64
 MAX_CHUNK_SIZE: Final = 64 * 1024 * 1024  # writers and readers alike: a chunk is decoded at once
-HEAD_GUESS: Final = 16 * 1024  # header bytes read with the preamble (most headers fit)
 
 
 # --- header -------------------------------------------------------------------------------------

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import math
 import operator
-import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
-from typing import Any, BinaryIO, Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -36,6 +35,8 @@ from .common import (
 from .strictjson import pairs_to_dict, pairs_to_plain, parse_strict_object
 
 _LEN = struct.Struct("<Q")
+HEAD_GUESS: Final = 16 * 1024  # header bytes read with the length prefix (most headers fit)
+ReadRange = Callable[[int, int], bytes]  # read(start, end): bytes [start, end), fewer at the end
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,23 +429,31 @@ def _check_tiling(entries: Mapping[str, EntryLayout], region: int, path: str) ->
         )
 
 
-def read_safetensors_header(
-    f: BinaryIO | int, file_size: int, path: str
-) -> tuple[dict[str, EntryLayout], dict[str, str], int]:
-    """Read and decode the header of an open shard (file object or descriptor) of `file_size`.
+def read_header_bytes(read: ReadRange, file_size: int, path: str) -> bytes:
+    """The 8-byte prefix and the N header bytes of a shard of `file_size` bytes, read through
+    ``read(start, end)`` (a local file's pread, a store's ranged GET).
 
-    Reads 8 bytes, checks N against the limit and the file size, then reads exactly N bytes.
+    The first read takes HEAD_GUESS bytes more than the prefix, so most headers come in one
+    read; N is checked against the limit and the file size before more is read.
     """
-    prefix = _pread(f, 8, 0)
-    n = header_length(prefix, file_size, path)
-    body = _pread(f, n, 8)
-    if len(body) < n:
-        raise TruncatedShardError(f"{path}: header cut short: read {len(body)} of {n} bytes")
-    return decode_safetensors_header(prefix + body, file_size, path)
+    head = read(0, min(file_size, 8 + HEAD_GUESS))
+    n = header_length(head[:8], file_size, path)
+    if 8 + n > len(head):
+        head += read(len(head), 8 + n)
+    if len(head) < 8 + n:
+        raise TruncatedShardError(f"{path}: header cut short: read {len(head) - 8} of {n} bytes")
+    return head[: 8 + n]
+
+
+def read_safetensors_header(
+    read: ReadRange, file_size: int, path: str
+) -> tuple[dict[str, EntryLayout], dict[str, str], int]:
+    """Read (`read_header_bytes`) and decode the header of a shard of `file_size` bytes."""
+    return decode_safetensors_header(read_header_bytes(read, file_size, path), file_size, path)
 
 
 def read_expected_safetensors_header(
-    f: BinaryIO | int, file_size: int, path: str,
+    read: ReadRange, file_size: int, path: str,
     names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]],
     generation: str | None = None,
 ) -> tuple[dict[str, EntryLayout] | None, dict[str, str], int, list[int] | None]:
@@ -458,17 +467,14 @@ def read_expected_safetensors_header(
     entries' offsets. Otherwise the header is decoded and checked as usual: ``(entries,
     metadata, data_start, None)``.
     """
-    prefix = _pread(f, 8, 0)
-    n = header_length(prefix, file_size, path)
-    body = _pread(f, n, 8)
-    if len(body) < n:
-        raise TruncatedShardError(f"{path}: header cut short: read {len(body)} of {n} bytes")
+    head = read_header_bytes(read, file_size, path)
+    body, n = head[8:], len(head) - 8
     meta = (legacy_shard_metadata(generation) if body.startswith(_LEGACY_HEAD)
             else shard_metadata(generation))
     begins = _match_header(body, file_size - 8 - n, names, dtype_names, shapes, meta)
     if begins is not None:
         return None, meta, 8 + n, begins
-    return (*decode_safetensors_header(prefix + body, file_size, path), None)
+    return (*decode_safetensors_header(head, file_size, path), None)
 
 
 def _match_header(
@@ -495,16 +501,3 @@ def _match_header(
             and body.endswith(tail)
             and memoryview(body)[len(head) : len(body) - len(tail)] == entries)  # no copy
     return begins if same else None
-
-
-def _pread(f: BinaryIO | int, n: int, offset: int) -> bytes:
-    fd = f if isinstance(f, int) else f.fileno()
-    chunks = []
-    while n > 0:
-        b = os.pread(fd, n, offset)
-        if not b:
-            break
-        chunks.append(b)
-        n -= len(b)
-        offset += len(b)
-    return b"".join(chunks)

@@ -42,8 +42,7 @@ def _shard_header(directory: CheckpointDirectory, file: str, listed_in: str
     header; the header is checked in full (`format.read_safetensors_header`)."""
     f = directory.open_shard(file, listed_in)
     try:
-        with f as fd:
-            entries, metadata, data_start = read_safetensors_header(fd, f.size, f.path)
+        entries, metadata, data_start = read_safetensors_header(f.read, f.size, f.path)
         stamp = f.stamp()
     finally:
         f.close()

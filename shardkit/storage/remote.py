@@ -31,14 +31,12 @@ from ..format import (
     EntryLayout,
     ShardInfo,
     check_generation,
-    decode_safetensors_header,
-    header_length,
+    read_safetensors_header,
 )
 from ..sources import ShardSource, check_shard_size
 from .base import MAX_COALESCED, Storage, coalesce
 from .layout import object_name
 
-HEAD_GUESS = 16 * 1024  # bytes fetched first for a header (most fit: one request)
 PIECE = 16 * 1024 * 1024  # a large read is cut into GETs of this size
 TASK_BYTES = 64 * 1024 * 1024  # GETs grouped into one task (run concurrently) up to this
 VERIFY_WINDOW = 3  # batches of TASK_BYTES a verify keeps in flight per shard
@@ -200,12 +198,8 @@ class RemoteRawShard(ShardSource):
         self.path, self.info, self._file = path, info, file
         size = file.size
         check_shard_size(path, size, info)
-        head = file.read(0, min(size, 8 + HEAD_GUESS))
-        n = header_length(head[:8], size, path)
-        if 8 + n > len(head):
-            head += file.read(len(head), 8 + n)
-        self.entries, self.metadata, self.data_start = decode_safetensors_header(
-            head[: 8 + n], size, path)
+        self.entries, self.metadata, self.data_start = read_safetensors_header(
+            file.read, size, path)
         check_generation(self.metadata, info.generation, path)
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
