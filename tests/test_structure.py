@@ -31,7 +31,6 @@ KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 KNOWN_LONG_MODULES = {
     "shardkit.reader": 1373,
     "shardkit.format.manifest": 838,
-    "shardkit.formats.tensorbundle.adapter": 813,  # +16: the zero-dimension shape check
 }
 
 # (module, class): its line ceiling (today's count)
