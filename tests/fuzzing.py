@@ -361,7 +361,7 @@ BOUNDARY_INT32 = [0, 1, -1, 2, 2**31 - 1, -(2**31)]
 
 def _itemsize_of(data_type: int) -> int:
     from shardkit.dtypes import itemsize
-    from shardkit.formats.tensorbundle.adapter import DTYPE_OF, STRING
+    from shardkit.formats.tensorbundle.datatypes import DTYPE_OF, STRING
 
     name = DTYPE_OF.get(data_type)
     return itemsize(name) if name is not None and name != STRING else 1

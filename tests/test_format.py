@@ -583,13 +583,15 @@ def test_golden_header_bytes_with_a_generation(tmp_path, version):
     size = len(header) + 10
     with open(path, "rb") as f:  # the writer's bytes are taken without parsing
         entries, meta, start, begins = fmt.read_expected_safetensors_header(
-            _pread_of(f), size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation=GENERATION)
+            _pread_of(f), size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)],
+            generation=GENERATION)
     assert (entries, begins, start) == (None, [0, 8], len(header))
     assert meta == expected_meta
     fmt.check_generation(meta, GENERATION, "s")
     with open(path, "rb") as f:  # another generation: parsed, and the check then refuses it
         entries, meta, _, begins = fmt.read_expected_safetensors_header(
-            _pread_of(f), size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)], generation="f" * 32)
+            _pread_of(f), size, "s", ["w", "b:2 0,1"], ["F32", "I16"], [(2,), (1,)],
+            generation="f" * 32)
     assert begins is None and list(entries) == ["w", "b:2 0,1"] and meta == expected_meta
     with pytest.raises(GenerationMismatchError, match=(
             "s: shard belongs to another checkpoint: the manifest is of generation f{32}, the "

@@ -1,5 +1,5 @@
-"""The TensorBundle index read by one protobuf decode of all entries (`adapter._framed_columns`)
-against the entry-by-entry decode (`adapter._entry_columns`): the same table for every entry
+"""The TensorBundle index read by one protobuf decode of all entries (`columns.framed_columns`)
+against the entry-by-entry decode (`columns.entry_columns`): the same table for every entry
 TensorFlow writes, and the general path taken (same table, same errors) for every entry that
 decodes to the same BundleEntryProto by another encoding."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import shardkit
 from shardkit.errors import CorruptIndexError
-from shardkit.formats.tensorbundle import adapter, protos, table
+from shardkit.formats.tensorbundle import adapter, columns, protos, table
 
 
 def _varint(n: int) -> bytes:
@@ -47,13 +47,13 @@ def _columns(index) -> tuple:
 def general(monkeypatch):
     """Counts the bundles read by the general path; `both(prefix)` opens one by each path."""
     calls = []
-    entry_columns = adapter._entry_columns
+    entry_columns = columns.entry_columns
 
     def counted(*args):
         calls.append(args[0])
         return entry_columns(*args)
 
-    monkeypatch.setattr(adapter, "_entry_columns", counted)
+    monkeypatch.setattr(adapter, "entry_columns", counted)  # the name decode_bundle calls
 
     def both(prefix):
         """(table read as usual, table read by the general path, load); `calls` then counts
@@ -63,7 +63,7 @@ def general(monkeypatch):
         got = shardkit.load(prefix)
         del calls[1:]  # open and load: the same choice
         with monkeypatch.context() as m:
-            m.setattr(adapter, "_framed_columns", lambda *a: None)
+            m.setattr(adapter, "framed_columns", lambda *a: None)
             with shardkit.open(prefix) as r:
                 slow = _columns(r.index)
         return fast, slow, got
@@ -147,7 +147,7 @@ def test_other_encodings_take_the_general_path(bundle, general, how):
     except CorruptIndexError as e:  # the general path's words, whichever path raised it
         with pytest.raises(CorruptIndexError) as again:
             with pytest.MonkeyPatch.context() as m:
-                m.setattr(adapter, "_framed_columns", lambda *a: None)
+                m.setattr(adapter, "framed_columns", lambda *a: None)
                 shardkit.open(prefix)
         assert str(e) == str(again.value)
         assert calls  # the one decode declined: the general path raised it

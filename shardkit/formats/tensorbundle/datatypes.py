@@ -1,4 +1,5 @@
-"""TensorFlow's DataType enum (``tensorflow/core/framework/types.proto``), as plain numbers."""
+"""TensorFlow's DataType enum (``tensorflow/core/framework/types.proto``), as plain numbers,
+and its map to shardkit's dtype names (`DTYPE_OF`, `DATATYPE_OF`)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,18 @@ DATA_TYPES: Final[dict[str, int]] = {
     "DT_INT2": 31, "DT_UINT2": 32, "DT_FLOAT4_E2M1FN": 33,
 }
 DATA_TYPE_NAMES: Final[dict[int, str]] = {v: k for k, v in DATA_TYPES.items()}
+
+STRING: Final = "STRING"
+"""shardkit's dtype name for TensorFlow's DT_STRING (an object array of bytes when read)."""
+
+# DataType -> shardkit's dtype name
+DTYPE_OF: Final[dict[int, str]] = {
+    DATA_TYPES["DT_FLOAT"]: "F32", DATA_TYPES["DT_DOUBLE"]: "F64", DATA_TYPES["DT_HALF"]: "F16",
+    DATA_TYPES["DT_BFLOAT16"]: "BF16", DATA_TYPES["DT_FLOAT8_E4M3FN"]: "F8_E4M3",
+    DATA_TYPES["DT_FLOAT8_E5M2"]: "F8_E5M2", DATA_TYPES["DT_INT64"]: "I64",
+    DATA_TYPES["DT_INT32"]: "I32", DATA_TYPES["DT_INT16"]: "I16", DATA_TYPES["DT_INT8"]: "I8",
+    DATA_TYPES["DT_UINT64"]: "U64", DATA_TYPES["DT_UINT32"]: "U32",
+    DATA_TYPES["DT_UINT16"]: "U16", DATA_TYPES["DT_UINT8"]: "U8", DATA_TYPES["DT_BOOL"]: "BOOL",
+    DATA_TYPES["DT_STRING"]: STRING,
+}
+DATATYPE_OF: Final[dict[str, int]] = {v: k for k, v in DTYPE_OF.items()}

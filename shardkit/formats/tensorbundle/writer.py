@@ -36,8 +36,8 @@ from ..._threads import ParallelRun
 from ...dtypes import safetensors_name
 from ...errors import CheckpointExistsError, InvalidArgumentError, ShardIOError
 from ...slices import WHOLE, parse_slice_spec
-from .adapter import DATATYPE_OF, STRING
 from .crc import crc32c_extend, mask
+from .datatypes import DATATYPE_OF, STRING
 from .names import data_file, encode_slice_key, index_file
 from .protos import BundleEntryProto, BundleHeaderProto
 from .publish import publish
