@@ -162,16 +162,22 @@ def _lstat_kind(name: str, dir_fd: int | None, follow_symlinks: bool) -> str:
 
 def read_whole(fd: int, size: int, path: str, role: str) -> bytes:
     """The first `size` bytes of an open file (fewer if it ends first)."""
-    parts, done = [], 0
-    while done < size:
+    return read_range(fd, 0, size, path, role)
+
+
+def read_range(fd: int, start: int, end: int, path: str, what: str) -> bytes:
+    """Bytes ``[start, end)`` of an open file (fewer if it ends first), by pread; `what` names
+    them in the ShardIOError of a failed read."""
+    parts, at = [], start
+    while at < end:
         try:
-            data = os.pread(fd, size - done, done)
+            data = os.pread(fd, end - at, at)
         except OSError as e:
-            raise ShardIOError(e.errno, f"{path}: cannot read {role}: {e.strerror}") from None
+            raise ShardIOError(e.errno, f"{path}: cannot read {what}: {e.strerror}") from None
         if not data:
             break
         parts.append(data)
-        done += len(data)
+        at += len(data)
     return b"".join(parts)
 
 
@@ -257,19 +263,8 @@ class CheckpointFile:
         Raises:
             ShardIOError: the read failed.
         """
-        parts, at = [], start
         with self as fd:
-            while at < end:
-                try:
-                    data = os.pread(fd, end - at, at)
-                except OSError as e:
-                    raise ShardIOError(e.errno, f"{self.path}: cannot read {end - at} bytes "
-                                                f"at {at}: {e.strerror}") from None
-                if not data:
-                    break
-                parts.append(data)
-                at += len(data)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            return read_range(fd, start, end, self.path, f"{end - start} bytes at {start}")
 
     def stamp(self) -> tuple[int, int, int, int]:
         """(device, inode, size, mtime in ns) of the open file now: equal stamps mean a
