@@ -34,8 +34,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardkit.checkpoint import Checkpoint, CheckpointManager  # noqa: E402
-from shardkit.options import CheckpointOptions  # noqa: E402
+from shardkit.io.options import CheckpointOptions  # noqa: E402
+from shardkit.training.checkpoint import Checkpoint, CheckpointManager  # noqa: E402
 
 TENSOR_BYTES = 64 * 1024 * 1024
 TARGET_RATIO = 1.5

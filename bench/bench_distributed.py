@@ -87,7 +87,7 @@ def llm_shapes(hidden: int = 1024, layers: int = 24, vocab: int = 32000
 def _check_shapes() -> None:
     from _workloads import llm_state
 
-    from shardkit.tensors import flatten
+    from shardkit.sharding.tensors import flatten
 
     small = dict(hidden=8, layers=2, vocab=16)
     got = [(k, tuple(a.shape)) for k, a in flatten(llm_state(**small))]

@@ -28,7 +28,7 @@ import numpy as np
 
 from shardkit import format as fmt
 from shardkit.distributed.save import _part, columns, merge, plan
-from shardkit.slices import format_slice_spec
+from shardkit.values.slices import format_slice_spec
 
 
 def _parts(kind: str, n: int, ranks: int) -> tuple[list[bytes], list[bytes]]:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _workloads
 
-from shardkit import api
-from shardkit.tensors import flatten
+from shardkit.io import save as api
+from shardkit.sharding.tensors import flatten
 
 STATES = {
     "llm": lambda: _workloads.llm_state(hidden=256, layers=12),

@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import shardkit.policies as policies
+import shardkit.sharding.policies as policies
 from shardkit._kernels import _packing, _sizes
 from shardkit._reference import _packing as ref_packing
 from shardkit._reference import _sizes as ref_sizes
-from shardkit.callback import validate_shards
-from shardkit.policies import BalancedPolicy, BinPackPolicy, MaxShardSizePolicy
-from shardkit.tensors import shardable_tensors
+from shardkit.sharding.callback import validate_shards
+from shardkit.sharding.policies import BalancedPolicy, BinPackPolicy, MaxShardSizePolicy
+from shardkit.sharding.tensors import shardable_tensors
 
 MiB = 2**20
 KERNELS = {

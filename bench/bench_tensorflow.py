@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads
 
 import shardkit
-from shardkit.tensors import flatten, host_columns
+from shardkit.sharding.tensors import flatten, host_columns
 
 TARGETS = {("llm", "save"): 2.0, ("many-small", "save"): 20.0}
 

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _workloads
 
-from shardkit import api
-from shardkit.tensors import flatten
+from shardkit.io import save as api
+from shardkit.sharding.tensors import flatten
 
 MiB = 1024 * 1024
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -223,7 +223,7 @@ RSS_CHILD = """
 import json, sys
 sys.path[:0] = {paths!r}
 import _workloads
-from shardkit import api
+from shardkit.io import save as api
 from shardkit.tensors import flatten
 kind, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 fn = {{"llm": _workloads.llm_state, "many-small": _workloads.many_small_state}}[kind]
@@ -415,7 +415,7 @@ def run_compressed(name: str, args: argparse.Namespace, out: Path) -> list[bool]
 
     import bench_compression as bc
 
-    from shardkit import compression
+    from shardkit.shards import skz as compression
 
     table = _workloads.QUICK if args.quick else _workloads.WORKLOADS
     build, kwargs = table[name]

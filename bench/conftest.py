@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from shardkit.tensors import ShardableTensor, shardable_tensors
+from shardkit.sharding.tensors import ShardableTensor, shardable_tensors
 
 MiB = 2**20
 _BASE = np.zeros(1, dtype=np.float32)

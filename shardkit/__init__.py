@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _kernels  # noqa: F401  (fails loudly here if the native build is missing)
+from . import (
+    _kernels,  # noqa: F401  (fails loudly here if the native build is missing)
+    _moved,
+)
 from .errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -60,14 +63,15 @@ from .errors import (
 )
 from .optional import lazy_attributes
 
+_moved.install()  # the old module paths, for one release
+
 if TYPE_CHECKING:
-    from .api import DefaultShardingPolicy, SaveInfo, get_policy, load, open, restore_into, save
-    from .callback import Shard, ShardingCallback, shard_tensors, validate_shards
-    from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
-    from .devices import DeviceSpec
     from .frameworks import as_tensorflow_callback
-    from .options import CheckpointOptions
-    from .policies import (
+    from .io.options import CheckpointOptions
+    from .io.reader import CheckpointReader, Problem, VerifyReport
+    from .io.save import DefaultShardingPolicy, SaveInfo, get_policy, load, open, restore_into, save
+    from .sharding.callback import Shard, ShardingCallback, shard_tensors, validate_shards
+    from .sharding.policies import (
         AllInOnePolicy,
         BalancedPolicy,
         BinPackPolicy,
@@ -75,50 +79,51 @@ if TYPE_CHECKING:
         ShardByTaskPolicy,
         parse_size,
     )
-    from .profiling import PolicyProfile, profile
-    from .reader import CheckpointReader, Problem, VerifyReport
-    from .slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
+    from .sharding.tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
     from .storage import set_storage_options
-    from .tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
+    from .tools.profiling import PolicyProfile, profile
+    from .training.checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
+    from .values.devices import DeviceSpec
+    from .values.slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
 
 _LAZY: dict[str, str] = {  # public name -> the module that defines it, imported on first use
-    "DefaultShardingPolicy": "api",
-    "SaveInfo": "api",
-    "load": "api",
-    "open": "api",
-    "restore_into": "api",
-    "save": "api",
-    "Shard": "callback",
-    "ShardingCallback": "callback",
-    "shard_tensors": "callback",
-    "validate_shards": "callback",
-    "Checkpoint": "checkpoint",
-    "CheckpointLoadStatus": "checkpoint",
-    "CheckpointManager": "checkpoint",
-    "SaveHandle": "checkpoint",
-    "DeviceSpec": "devices",
+    "DefaultShardingPolicy": "io.save",
+    "SaveInfo": "io.save",
+    "load": "io.save",
+    "open": "io.save",
+    "restore_into": "io.save",
+    "save": "io.save",
+    "Shard": "sharding.callback",
+    "ShardingCallback": "sharding.callback",
+    "shard_tensors": "sharding.callback",
+    "validate_shards": "sharding.callback",
+    "Checkpoint": "training.checkpoint",
+    "CheckpointLoadStatus": "training.checkpoint",
+    "CheckpointManager": "training.checkpoint",
+    "SaveHandle": "training.checkpoint",
+    "DeviceSpec": "values.devices",
     "as_tensorflow_callback": "frameworks",
-    "CheckpointOptions": "options",
-    "AllInOnePolicy": "policies",
-    "BalancedPolicy": "policies",
-    "BinPackPolicy": "policies",
-    "MaxShardSizePolicy": "policies",
-    "ShardByTaskPolicy": "policies",
-    "get_policy": "api",  # api registers "default" in the policies registry
-    "parse_size": "policies",
-    "PolicyProfile": "profiling",
-    "profile": "profiling",
-    "CheckpointReader": "reader",
-    "Problem": "reader",
-    "VerifyReport": "reader",
-    "SliceSpec": "slices",
-    "check_tiling": "slices",
-    "format_slice_spec": "slices",
-    "parse_slice_spec": "slices",
+    "CheckpointOptions": "io.options",
+    "AllInOnePolicy": "sharding.policies",
+    "BalancedPolicy": "sharding.policies",
+    "BinPackPolicy": "sharding.policies",
+    "MaxShardSizePolicy": "sharding.policies",
+    "ShardByTaskPolicy": "sharding.policies",
+    "get_policy": "io.save",  # api registers "default" in the policies registry
+    "parse_size": "sharding.policies",
+    "PolicyProfile": "tools.profiling",
+    "profile": "tools.profiling",
+    "CheckpointReader": "io.reader",
+    "Problem": "io.reader",
+    "VerifyReport": "io.reader",
+    "SliceSpec": "values.slices",
+    "check_tiling": "values.slices",
+    "format_slice_spec": "values.slices",
+    "parse_slice_spec": "values.slices",
     "set_storage_options": "storage",
-    "ShardableTensor": "tensors",
-    "TensorSaveSpec": "tensors",
-    "shardable_tensors": "tensors",
+    "ShardableTensor": "sharding.tensors",
+    "TensorSaveSpec": "sharding.tensors",
+    "shardable_tensors": "sharding.tensors",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 

@@ -43,7 +43,7 @@ class InvalidArgumentTypeError(ShardkitError, TypeError):
 
 class InvalidKeyError(InvalidArgumentError):
     """A state key that a checkpoint cannot hold: two values flatten to it, it is empty,
-    reserved (``__metadata__``) or not valid UTF-8 (see shardkit.keys)."""
+    reserved (``__metadata__``) or not valid UTF-8 (see shardkit.values.keys)."""
 
 
 class InvalidKeyTypeError(InvalidKeyError, TypeError):

@@ -266,21 +266,21 @@ class TensorFlowOracle:
 
 
 def table_entries(data: bytes) -> list[tuple[bytes, bytes]]:
-    from shardkit.formats.tensorbundle.table import read_table
+    from shardkit.adapters.tensorbundle.table import read_table
 
     return read_table(data, "mutant.index")
 
 
 def table_bytes(items: list[tuple[bytes, bytes]]) -> bytes:
     """A table of `items` with every block checksum sealed (keys sorted, as a table needs)."""
-    from shardkit.formats.tensorbundle.table import build_table
+    from shardkit.adapters.tensorbundle.table import build_table
 
     return build_table(sorted(dict(items).items()))
 
 
 def table_blocks(data: bytes) -> list[tuple[int, int]]:
     """(offset, size) of every block of a table: data blocks, metaindex, index."""
-    from shardkit.formats.tensorbundle import table as t
+    from shardkit.adapters.tensorbundle import table as t
 
     footer = data[-t.FOOTER_SIZE:]
     meta_off, pos = t.get_varint(footer, 0, 40)
@@ -296,7 +296,7 @@ def table_blocks(data: bytes) -> list[tuple[int, int]]:
 
 def reseal_block(data: bytes, offset: int, size: int) -> bytes:
     """Recompute one block's trailer checksum, so a mutation inside reaches the parser."""
-    from shardkit.formats.tensorbundle.crc import crc32c, mask
+    from shardkit.adapters.tensorbundle.crc import crc32c, mask
 
     crc = struct.pack("<I", mask(crc32c(data[offset : offset + size + 1])))
     return data[: offset + size + 1] + crc + data[offset + size + 5 :]
@@ -304,7 +304,7 @@ def reseal_block(data: bytes, offset: int, size: int) -> bytes:
 
 def edit_proto(value: bytes, header: bool, rnd: random.Random) -> bytes:
     """One field of a BundleEntryProto (or the BundleHeaderProto) changed to a hostile value."""
-    from shardkit.formats.tensorbundle import protos
+    from shardkit.adapters.tensorbundle import protos
 
     if header:
         h = protos.BundleHeaderProto.FromString(value)
@@ -360,8 +360,8 @@ BOUNDARY_INT32 = [0, 1, -1, 2, 2**31 - 1, -(2**31)]
 
 
 def _itemsize_of(data_type: int) -> int:
-    from shardkit.dtypes import itemsize
-    from shardkit.formats.tensorbundle.datatypes import DTYPE_OF, STRING
+    from shardkit.adapters.tensorbundle.datatypes import DTYPE_OF, STRING
+    from shardkit.values.dtypes import itemsize
 
     name = DTYPE_OF.get(data_type)
     return itemsize(name) if name is not None and name != STRING else 1
@@ -382,7 +382,7 @@ def boundary_entry(value: bytes, rnd: random.Random) -> bytes:
     boundary value: 0, -1, 2**31, 2**32, 2**53, 2**63 - 1, 2**64 / itemsize, a shape whose
     element count times the item size is 2**63 or 2**64 (wrapping int64 to -2**63 or 0) with
     the size the wrapped product gives, an offset that wraps when the size is added."""
-    from shardkit.formats.tensorbundle import protos
+    from shardkit.adapters.tensorbundle import protos
 
     e = protos.BundleEntryProto.FromString(value)
     item = _itemsize_of(e.dtype)
@@ -416,8 +416,8 @@ def reseal_entries(d: Path, items: list[tuple[bytes, bytes]]) -> list[tuple[byte
     """`items` (a TensorBundle table of the checkpoint in `d`) with the crc32c of every numeric
     entry set to that of the bytes its offset and size name in its data file (clipped to the
     file), so that only the structure checks can refuse a mutant."""
-    from shardkit.formats.tensorbundle import protos
-    from shardkit.formats.tensorbundle.crc import crc32c, mask
+    from shardkit.adapters.tensorbundle import protos
+    from shardkit.adapters.tensorbundle.crc import crc32c, mask
 
     header = protos.BundleHeaderProto.FromString(items[0][1])
     files: dict[int, bytes] = {}
@@ -674,8 +674,8 @@ def run_entry_points(path: str, original: dict[str, np.ndarray], *,
     the restore's targets): any data is ``silent`` unless verified, ``verified_refused`` then,
     and so is a verify that passes."""
     import shardkit
-    from shardkit import cli
     from shardkit.errors import ShardkitError
+    from shardkit.tools import cli
 
     outcomes: dict[str, str] = {}
     verified = False

@@ -3,7 +3,7 @@ step of its commit in turn.
 
 A *step* is every call that changes or syncs what is on disk or in the store: ``os.rename``,
 ``os.replace``, ``os.link``, ``os.unlink``, ``os.rmdir``, ``os.fsync`` (also under
-`commit.fsync_dir`), the ``renameat2`` of `shardkit.commit`, and for a URL each object the
+`commit.fsync_dir`), the ``renameat2`` of `shardkit.storage.commit`, and for a URL each object the
 storage writes, publishes or deletes (`FsspecStorage.write_file`, ``upload_file``,
 ``publish``, ``delete``). Nothing in shardkit knows about this: the child process wraps those
 functions itself.
@@ -53,7 +53,7 @@ def same(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
 
 
 def _arm(kill_at: int, steps: list[str]) -> None:
-    from shardkit import commit
+    from shardkit.storage import commit
 
     def wrap(owner: Any, name: str) -> None:
         real = getattr(owner, name)
@@ -78,7 +78,7 @@ def _arm(kill_at: int, steps: list[str]) -> None:
 
 def _save(kind: str, path: str, seed: int, shards: int) -> None:
     import shardkit
-    from shardkit import commit
+    from shardkit.storage import commit
 
     kwargs: dict[str, Any] = {"sharding_callback": shardkit.BalancedPolicy(shards)}
     if kind == "zstd":

@@ -19,12 +19,12 @@ Every module of a package is parsed with `ast`; nothing is imported or executed.
   (module-level and function-level edges alike), each as the sorted tuple of its modules.
 - **Private names across subpackages.** A module's *subpackage* is the package that directly
   contains it: for ``shardkit/format/header.py`` that is ``shardkit.format``, for
-  ``shardkit/tensors.py`` it is ``shardkit`` (the root package counts as one of them), and for
+  ``shardkit/errors.py`` it is ``shardkit`` (the root package counts as one of them), and for
   a package's ``__init__.py`` the package itself. A private name is a name with one leading
   underscore (``_x``, not a dunder) imported with ``from m import _x`` where ``m._x`` is not a
   module. Such an import is *across subpackages* when the importer's subpackage is not the
   subpackage of ``m`` (the module the name is imported from). Private *modules* (``_kernels``,
-  ``_reference``, ``_threads``, ``_snapshot``) are not counted: they are the package's shared
+  ``_reference``, ``_threads``, ``_moved``) are not counted: they are the package's shared
   internals, placed in the layer order like any module.
 - **Sizes**: each module's line count (lines of its file) and each class's
   (``end_lineno - lineno + 1`` of its ``class`` statement; nested classes named
@@ -58,48 +58,32 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "shardkit"
 # is that module. A module takes the row of its most specific entry. Rows given as a list of
 # lists are ordered within themselves (top first).
 LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
-    ("cli.py", "__main__.py"),
-    ("demo.py",),
-    ("pytest_plugin.py",),
-    ("checkpoint.py",),
-    ("tracked_state.py",),
-    ("_snapshot.py",),
-    ("api.py",),
+    ("tools/", "__main__.py"),
+    ("training/",),
+    ("io/snapshot.py",),
+    ("io/save.py",),
     ("distributed/save.py", "distributed/routing.py"),
-    ("profiling.py", "models.py"),
-    ("writer.py",),
-    ("restore.py",),
-    ("reader.py",),
-    ("reading/",),
+    ("io/writer.py",),
+    ("io/restore.py",),
+    ("io/reader.py",),
+    ("io/reading/",),
+    ("io/options.py", "io/__init__.py"),
     ("frameworks/",),
-    # the table's lines "formats/" and "formats/tensorbundle/": one row (see LAYER_GAPS)
-    ("formats/", "formats/tensorbundle/"),
-    # the table's three lines of storage/: one row, as its "Layers" paragraph has it
-    (
-        "storage/__init__.py",
-        "storage/base.py",
-        "storage/local.py",
-        "storage/native.py",
-        "storage/fsspec.py",
-        "storage/save.py",
-        "storage/housekeeping.py",
-        "storage/remote.py",
-        "storage/layout.py",
-    ),
-    ("slicing.py",),
-    ("sources.py",),
-    ("options.py",),
-    ("commit.py",),
-    # compression/: "Its modules, each importing only those before it: container.py; codec.py;
+    # the table's lines "adapters/" and "adapters/tensorbundle/": one row (see LAYER_GAPS)
+    ("adapters/", "adapters/tensorbundle/"),
+    # the table's lines of storage/: one row, as its "Layers" paragraph has it
+    ("storage/",),
+    ("shards/raw.py", "shards/__init__.py"),
+    # shards/skz/: "Its modules, each importing only those before it: container.py; codec.py;
     # writer.py; reader.py; __init__.py re-exports the names other modules use"
     [
-        ("compression/__init__.py",),
-        ("compression/reader.py",),
-        ("compression/writer.py",),
-        ("compression/codec.py",),
-        ("compression/container.py", "compression/"),
+        ("shards/skz/__init__.py",),
+        ("shards/skz/reader.py",),
+        ("shards/skz/writer.py",),
+        ("shards/skz/codec.py",),
+        ("shards/skz/container.py", "shards/skz/"),
     ],
-    ("files.py",),
+    ("shards/files.py",),
     # format/: "Its modules, each importing only those before it: common.py; strictjson.py;
     # header.py; string_section.py; index.py; index_encoding.py; index_decoding.py; __init__.py
     # re-exports every name"
@@ -113,15 +97,14 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
         ("format/strictjson.py",),
         ("format/common.py", "format/"),
     ],
-    ("strings.py",),
-    ("policies.py",),
-    ("callback.py",),
-    ("frameworks/tf_sharding.py",),
-    ("tensors.py",),
-    ("keys.py",),
+    ("sharding/__init__.py", "sharding/policies.py"),
+    ("sharding/tf_saver_callback.py",),
+    ("sharding/callback.py",),
+    ("sharding/tf_sharding.py",),
+    ("sharding/tensors.py",),
     ("distributed/",),  # "distributed/ (but save.py, routing.py)"
-    ("slices.py", "dtypes.py", "devices.py"),
-    ("__init__.py",),  # not in the table: see LAYER_GAPS
+    ("values/",),
+    ("__init__.py", "_moved.py"),  # not in the table: see LAYER_GAPS
     ("optional.py",),
     ("errors.py",),
     ("_threads.py",),
@@ -137,14 +120,14 @@ LAYER_GAPS = (
     "the table gives storage/ three lines (the seam, local, object stores), but its 'Layers' "
     "paragraph places storage/ as one layer, and every storage module imports the seam "
     "(storage.base) the lines above it own: encoded as one row",
-    "the table's line formats/tensorbundle/ stands under formats/, whose adapters it is one of "
-    "(formats/__init__.py detects it, its adapter subclasses formats.base): encoded as one row",
-    "rows name no order among their own modules (cli / __main__, profiling / models, storage/, "
-    "formats/, frameworks/, distributed/, slices / dtypes / devices): they may import each other",
-    "format/ and compression/ are one line of the table each, ordered within by their own "
+    "the table's line adapters/tensorbundle/ stands under adapters/, whose adapters it is one of "
+    "(adapters/__init__.py detects it, its adapter subclasses adapters.base): encoded as one row",
+    "rows name no order among their own modules (tools/ / __main__, training/, storage/, "
+    "adapters/, frameworks/, distributed/, values/): they may import each other",
+    "format/ and shards/skz/ are one line of the table each, ordered within by their own "
     "sentence ('each importing only those before it'); a new module of either goes with its "
     "lowest module (common.py, container.py) until the doc places it",
-    "the rule that only api.py and checkpoint.py import distributed/save.py and "
+    "the rule that only io/save.py and training/checkpoint.py import distributed/save.py and "
     "distributed/routing.py ('Many processes') is not encoded beyond the row order",
 )
 

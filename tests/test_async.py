@@ -14,13 +14,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import shardkit.api as api
-from shardkit._snapshot import ALIGNMENT, HostBufferPool, alloc_host_buffer
-from shardkit.checkpoint import Checkpoint, CheckpointManager
+import shardkit.io.save as api
 from shardkit.errors import ShardkitError
 from shardkit.format import MANIFEST_FILE
-from shardkit.options import CheckpointOptions
-from shardkit.reader import load
+from shardkit.io.options import CheckpointOptions
+from shardkit.io.reader import load
+from shardkit.io.snapshot import ALIGNMENT, HostBufferPool, alloc_host_buffer
+from shardkit.training.checkpoint import Checkpoint, CheckpointManager
 
 ASYNC = CheckpointOptions(enable_async=True, durable=False)
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,9 +256,9 @@ def test_interpreter_exit_waits_for_pending_write(tmp_path):
     proc = run_script(tmp_path, """
         import sys, threading
         import numpy as np
-        import shardkit.api as api
+        import shardkit.io.save as api
         from shardkit.checkpoint import Checkpoint
-        from shardkit.options import CheckpointOptions
+        from shardkit.io.options import CheckpointOptions
         real = api.save
         gate = threading.Event()  # the write waits until the main thread has looked
         def slow(*a, **k):
@@ -283,9 +283,9 @@ def test_interpreter_exit_completes_a_pending_multi_shard_write(tmp_path, compre
     proc = run_script(tmp_path, """
         import sys, threading
         import numpy as np
-        import shardkit.api as api
+        import shardkit.io.save as api
         from shardkit.checkpoint import Checkpoint
-        from shardkit.options import CheckpointOptions
+        from shardkit.io.options import CheckpointOptions
         api.SINGLE_SHARD_BELOW = 0  # several shards, so several writer threads
         real = api.save
         gate = threading.Event()  # the write waits until the main thread has looked
@@ -336,9 +336,9 @@ def test_unreported_error_printed_at_exit(tmp_path):
     proc = run_script(tmp_path, """
         import sys
         import numpy as np
-        import shardkit.api as api
+        import shardkit.io.save as api
         from shardkit.checkpoint import Checkpoint
-        from shardkit.options import CheckpointOptions
+        from shardkit.io.options import CheckpointOptions
         def broken(*a, **k):
             raise OSError(28, "No space left on device")
         api.write_shards = broken
@@ -357,7 +357,7 @@ def test_unreported_error_printed_at_exit(tmp_path):
 def test_forked_child_does_not_wait_for_the_parents_write(tmp_path, gate):
     import warnings
 
-    from shardkit._snapshot import _wait_at_exit
+    from shardkit.io.snapshot import _wait_at_exit
 
     ckpt = Checkpoint(s={"x": np.ones(2)})
     h = ckpt.save(tmp_path / "c", ASYNC)
@@ -392,7 +392,7 @@ def test_device_staging_path_on_cpu(monkeypatch):
     """The CUDA staging code (pinned buffer, torch copy_, one synchronize) run with CPU tensors:
     only "is it on a GPU", the pinning and the synchronisation are stubbed."""
     torch = pytest.importorskip("torch", reason="torch is an optional dependency")
-    import shardkit._snapshot as snapshot
+    import shardkit.io.snapshot as snapshot
 
     pins, syncs = [], []
     real_alloc = snapshot.alloc_host_buffer

@@ -20,9 +20,7 @@ import numpy as np
 import pytest
 from test_format import row_slices, whole, write_checkpoint
 
-from shardkit import api
 from shardkit import format as fmt
-from shardkit import reader as rd
 from shardkit.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -41,7 +39,9 @@ from shardkit.errors import (
     UnsupportedVersionError,
 )
 from shardkit.format import MANIFEST_FILE
-from shardkit.restore import restore_into
+from shardkit.io import reader as rd
+from shardkit.io import save as api
+from shardkit.io.restore import restore_into
 
 M = re.escape(MANIFEST_FILE)  # in the messages that name the manifest
 

@@ -21,10 +21,10 @@ import pytest
 import xxhash
 import zstandard
 
-from shardkit import api
-from shardkit import compression as skz
 from shardkit import format as fmt
 from shardkit.format import MANIFEST_FILE
+from shardkit.io import save as api
+from shardkit.shards import skz
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
                                 reason="measures peak memory through Linux's /proc")
@@ -35,7 +35,7 @@ _MEASURE = textwrap.dedent("""
     import json, sys
     import numpy as np
     from shardkit.errors import ShardkitError
-    from shardkit.reader import CheckpointReader
+    from shardkit.io.reader import CheckpointReader
 
     path, what, mmap = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     def status(field):
@@ -198,7 +198,7 @@ def test_load_allocates_about_the_tensors_only(large, chunk):
 
 
 def test_load_of_a_tensor_split_by_columns_stages_no_whole_slice(tmp_path):
-    from shardkit.slices import format_slice_spec
+    from shardkit.values.slices import format_slice_spec
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_format import write_checkpoint

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from shardkit.callback import ShardingCallback, shard_tensors, validate_shards
-from shardkit.devices import DeviceSpec
 from shardkit.errors import ShardingValidationError
-from shardkit.tensors import shardable_tensors
+from shardkit.sharding.callback import ShardingCallback, shard_tensors, validate_shards
+from shardkit.sharding.tensors import shardable_tensors
+from shardkit.values.devices import DeviceSpec
 
 DESC = "test policy"
 

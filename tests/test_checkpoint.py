@@ -12,18 +12,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import shardkit.api as api
-from shardkit.checkpoint import (
+import shardkit.io.save as api
+from shardkit.errors import CheckpointNotFoundError, IncompleteRestoreError, RestoreMismatchError
+from shardkit.format import MANIFEST_FILE
+from shardkit.io.options import CheckpointOptions
+from shardkit.io.reader import load, open_checkpoint
+from shardkit.training.checkpoint import (
     METADATA_KEY,
     SAVE_COUNTER,
     Checkpoint,
     CheckpointLoadStatus,
     SaveHandle,
 )
-from shardkit.errors import CheckpointNotFoundError, IncompleteRestoreError, RestoreMismatchError
-from shardkit.format import MANIFEST_FILE
-from shardkit.options import CheckpointOptions
-from shardkit.reader import load, open_checkpoint
 
 torch = pytest.importorskip("torch", reason="torch is an optional dependency")
 

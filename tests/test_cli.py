@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit.cli import auto_max_shard_size, main
-from shardkit.models import synthetic_state
-from shardkit.tensors import flatten
+from shardkit.sharding.tensors import flatten
+from shardkit.tools.cli import auto_max_shard_size, main
+from shardkit.tools.models import synthetic_state
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ALL_POLICIES = ["default", "by-task", "max-shard-size", "all-in-one", "bin-pack", "balanced"]
@@ -243,7 +243,7 @@ def test_plan_llm_1b_uses_little_memory():
     # report the parent's peak.
     code = (
         "import re, sys\n"
-        "from shardkit.cli import main\n"
+        "from shardkit.tools.cli import main\n"
         "rc = main(['plan', '--model', 'llm-1b'])\n"
         "status = open('/proc/self/status').read()\n"
         "print('peak-rss-kib', re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"
@@ -261,8 +261,8 @@ def test_plan_llm_1b_uses_little_memory():
 
 
 def test_multi_line_errors_are_printed_on_one_line(capsys, monkeypatch):
-    from shardkit import profiling
     from shardkit.errors import ShardingValidationError
+    from shardkit.tools import profiling
 
     def broken(tensors, policies):
         raise ShardingValidationError("rule 'x' broken.\n  callback: c\n  key: 'k'")
@@ -288,7 +288,7 @@ def test_version(capsys):
 
 @pytest.mark.parametrize("command", ["demo", "plan", "inspect", "verify", "convert", "gc"])
 def test_every_subcommand_help_has_a_description(capsys, command):
-    from shardkit.cli import build_parser
+    from shardkit.tools.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -322,8 +322,8 @@ def test_default_policy_is_listed_first_in_plan(capsys):
 
 def test_plot_shares_y_scale_integer_ticks_limit_line_and_title(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib (the [plot] extra) is not installed")
-    from shardkit.cli import make_policy
-    from shardkit.profiling import plot_shard_sizes, profile
+    from shardkit.tools.cli import make_policy
+    from shardkit.tools.profiling import plot_shard_sizes, profile
 
     state = synthetic_state("llm-small")
     defaults = {"max_shard_size": 32 * 2**20, "num_shards": 8}
@@ -357,7 +357,7 @@ def test_plot_shares_y_scale_integer_ticks_limit_line_and_title(tmp_path):
 
 def test_plan_plot_names_the_model(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib", reason="matplotlib (the [plot] extra) is not installed")
-    from shardkit import profiling
+    from shardkit.tools import profiling
 
     seen = {}
     real = profiling.plot_shard_sizes

@@ -9,12 +9,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from shardkit.api import save
-from shardkit.cli import main
 from shardkit.errors import SplitTensorsWarning
 from shardkit.format import MANIFEST_FILE
-from shardkit.policies import MaxShardSizePolicy
-from shardkit.reader import load
+from shardkit.io.reader import load
+from shardkit.io.save import save
+from shardkit.sharding.policies import MaxShardSizePolicy
+from shardkit.tools.cli import main
 
 
 @pytest.fixture
@@ -42,13 +42,13 @@ def test_demo_says_what_it_builds_before_it_imports_the_save_flow(tmp_path):
     before the model is built (a fresh interpreter; the line is flushed)."""
     code = textwrap.dedent("""
         import io, sys
-        from shardkit.cli import main
+        from shardkit.tools.cli import main
         class First(io.StringIO):
             seen = None
             def write(self, s):
                 if First.seen is None:
-                    First.seen = sorted(m for m in ("shardkit.api", "shardkit.reader",
-                                                    "shardkit.writer", "tqdm", "orjson")
+                    First.seen = sorted(m for m in ("shardkit.io.save", "shardkit.io.reader",
+                                                    "shardkit.io.writer", "tqdm", "orjson")
                                         if m in sys.modules)
                     print("FIRST", First.seen, repr(s), file=sys.__stderr__)
                 return super().write(s)
@@ -183,8 +183,8 @@ def test_demo_holds_no_second_copy_of_the_state(tmp_path, monkeypatch):
     import io
     import tracemalloc
 
-    from shardkit import demo
-    from shardkit.models import state_nbytes
+    from shardkit.tools import demo
+    from shardkit.tools.models import state_nbytes
 
     monkeypatch.setattr(demo, "_GROUP_BYTES", 16 * 2**20)  # at least 16 MiB per group
     total = state_nbytes("llm-small")
@@ -325,7 +325,7 @@ def test_cli_errors_name_the_flag_not_the_keyword(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["inspect", "verify", "convert", "plan"])
 def test_help_says_files_are_accepted(command, capsys):
     with pytest.raises(SystemExit):
-        from shardkit.cli import build_parser
+        from shardkit.tools.cli import build_parser
 
         build_parser().parse_args([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from shardkit import commit
 from shardkit.errors import CheckpointExistsError, ShardkitError
 from shardkit.format import MANIFEST_FILE
+from shardkit.storage import commit
 
 INDEX = json.dumps({"format": "shardkit", "format_version": "2.0"}).encode()
 

@@ -16,10 +16,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardkit import api
-from shardkit import compression as skz
 from shardkit import format as fmt
-from shardkit.dtypes import SAFETENSORS_NAMES, numpy_dtype
 from shardkit.errors import (
     CheckpointFormatError,
     ChecksumError,
@@ -29,8 +26,11 @@ from shardkit.errors import (
     TruncatedShardError,
 )
 from shardkit.format import MANIFEST_FILE, EntryLayout, ShardInfo, layout_entries
-from shardkit.policies import MaxShardSizePolicy
-from shardkit.reader import CheckpointReader
+from shardkit.io import save as api
+from shardkit.io.reader import CheckpointReader
+from shardkit.sharding.policies import MaxShardSizePolicy
+from shardkit.shards import skz
+from shardkit.values.dtypes import SAFETENSORS_NAMES, numpy_dtype
 
 
 def make_state(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -501,7 +501,7 @@ def test_concurrent_reads_share_chunks_correctly(tmp_path):
 _FORK_SCRIPT = """
 import os, sys, time
 import numpy as np
-from shardkit import compression as skz
+from shardkit.shards import skz
 from shardkit.format import layout_entries
 
 def save(path):

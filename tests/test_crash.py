@@ -26,8 +26,8 @@ import pytest
 from s3server import S3Server
 
 import shardkit
-from shardkit import api
-from shardkit.reader import load
+from shardkit.io import save as api
+from shardkit.io.reader import load
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL (POSIX)")
 
@@ -35,7 +35,8 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     import numpy as np
-    from shardkit import api, commit
+    from shardkit.io import save as api
+    from shardkit.storage import commit
     path, seed, exchange = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     if not exchange:
         commit._renameat2_fn = None  # exercise the rename-aside fallback

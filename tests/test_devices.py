@@ -1,7 +1,7 @@
 import pytest
 
-from shardkit.devices import DeviceSpec
 from shardkit.errors import DeviceSpecError
+from shardkit.values.devices import DeviceSpec
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,8 @@ import distributed as harness  # noqa: E402  (tests/distributed.py)
 import torch.distributed as dist  # noqa: E402
 
 import shardkit  # noqa: E402
-from shardkit.callback import ShardingCallback  # noqa: E402
-from shardkit.slices import format_slice_spec  # noqa: E402
+from shardkit.sharding.callback import ShardingCallback  # noqa: E402
+from shardkit.values.slices import format_slice_spec  # noqa: E402
 
 SPAWN_TIMEOUT = 120.0  # seconds for all the cases of one spawn, from when its ranks started
 
@@ -173,7 +173,7 @@ class ByteCounter:
     reads), by file: the proof that a rank reads only what its boxes need."""
 
     def __init__(self) -> None:
-        from shardkit import sources
+        from shardkit.shards import raw as sources
 
         self.by_file: dict[str, int] = {}
         self._sources = sources
@@ -375,7 +375,7 @@ def test_world2_reshard_corrupt_others_errors_fsdp2(tmp_path: Path) -> None:
     model = _mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     _adam_step(model, opt, seed=1)
-    from shardkit.checkpoint import Checkpoint
+    from shardkit.training.checkpoint import Checkpoint
 
     Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "trained"))
     harness.raise_any(harness.run_ranks(world2, 2, paths, str(tmp_path), timeout=SPAWN_TIMEOUT))
@@ -433,7 +433,7 @@ def _adam_step(model: Any, opt: Any, seed: int) -> None:
 def fsdp2_read(rank: int, world: int, path: str) -> None:
     from torch.distributed.tensor import DTensor, init_device_mesh
 
-    from shardkit.checkpoint import Checkpoint
+    from shardkit.training.checkpoint import Checkpoint
 
     mesh = init_device_mesh("cpu", (world,))
     model, opt = _fsdp2_mlp(mesh)
@@ -573,7 +573,7 @@ def _gathered(value: Any) -> Any:
 
 
 def _manager(directory: str, model: Any, opt: Any, progress: Any, collective: bool) -> Any:
-    from shardkit.checkpoint import Checkpoint, CheckpointManager
+    from shardkit.training.checkpoint import Checkpoint, CheckpointManager
 
     return CheckpointManager(Checkpoint(model=model, optimizer=opt, progress=progress),
                              directory, max_to_keep=2,

@@ -20,12 +20,12 @@ pytest.importorskip("torch.distributed")
 import distributed as harness  # noqa: E402  (tests/distributed.py)
 
 import shardkit  # noqa: E402
-from shardkit import commit  # noqa: E402
 from shardkit.errors import (  # noqa: E402
     DistributedSaveError,
     DistributedStateError,
     DistributedTimeoutError,
 )
+from shardkit.storage import commit  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch built without torch.distributed")
@@ -178,7 +178,7 @@ def _failures(rank: int, world: int, root: str) -> dict:
     from shardkit._kernels import _gather
     from shardkit.distributed import CountingCoordinator
     from shardkit.distributed.torch import TorchCoordinator
-    from shardkit.policies import ShardByTaskPolicy
+    from shardkit.sharding.policies import ShardByTaskPolicy
 
     out: dict = {}
     path = os.path.join(root, "ckpt")
@@ -363,7 +363,7 @@ def _fsdp2(rank: int, world: int, path: str) -> dict:
     shardkit.save(path, state)
     from torch.distributed.tensor import DTensor
 
-    from shardkit.tensors import flatten_columns
+    from shardkit.sharding.tensors import flatten_columns
 
     full = {}
     for key, value in zip(*flatten_columns(state)):
@@ -388,7 +388,7 @@ KILL_ROUNDS = 20
 
 def _kill_round(rank: int, world: int, i: int, path: str, parent_generation: str) -> tuple:
     import shardkit.storage.native as writer  # the native write path
-    from shardkit.policies import ShardByTaskPolicy
+    from shardkit.sharding.policies import ShardByTaskPolicy
 
     victim = i % world
     where = ("callback", "write")[(i // world) % 2]

@@ -2,8 +2,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from shardkit.dtypes import SAFETENSORS_NAMES, itemsize, numpy_dtype, safetensors_name
 from shardkit.errors import UnsupportedDTypeError
+from shardkit.values.dtypes import SAFETENSORS_NAMES, itemsize, numpy_dtype, safetensors_name
 
 EXPECTED = {
     "F64": (np.float64, 8), "F32": (np.float32, 4), "F16": (np.float16, 2),

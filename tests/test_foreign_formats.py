@@ -1,6 +1,6 @@
 """The reader opens what users already have: single .safetensors files and HuggingFace
 directories (transformers' save_pretrained, huggingface_hub's save_torch_state_dict), through
-the same reader as shardkit's own checkpoints (`shardkit.formats`)."""
+the same reader as shardkit's own checkpoints (`shardkit.adapters`)."""
 
 import importlib.util
 import json
@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import shardkit
-import shardkit.reader
-from shardkit import formats
-from shardkit.cli import main
+import shardkit.io.reader
+from shardkit import adapters as formats
 from shardkit.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -28,6 +27,7 @@ from shardkit.errors import (
     SymlinkRefusedError,
     TruncatedShardError,
 )
+from shardkit.tools.cli import main
 
 torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
@@ -185,7 +185,7 @@ def test_verify_structure_only(layout):
         report = r.verify_report()
         assert report.ok and report.checked == 0 and not report.checksums_stored
         assert report.summary == NO_CHECKSUMS
-    with shardkit.reader.CheckpointReader(path, verify=True) as r:
+    with shardkit.io.reader.CheckpointReader(path, verify=True) as r:
         assert len(r) == len(state)
 
 
@@ -492,12 +492,12 @@ def test_bad_header_json(hf_dir):
 
 
 def test_headers_parsed_on_open_are_not_parsed_again(hf_dir, monkeypatch):
-    import shardkit.sources
+    import shardkit.shards.raw
 
     def parse_again(*args, **kwargs):
         raise AssertionError("header parsed a second time")
 
-    monkeypatch.setattr(shardkit.sources, "read_safetensors_header", parse_again)
+    monkeypatch.setattr(shardkit.shards.raw, "read_safetensors_header", parse_again)
     for mmap in (True, False):
         got = shardkit.load(hf_dir, mmap=mmap)
         assert got["a"].tolist() == [0, 1, 2, 3] and got["b"].tolist() == [[1, 1], [1, 1]]

@@ -30,7 +30,7 @@ from shardkit.errors import (
     UnsupportedVersionError,
 )
 from shardkit.format import MANIFEST_FILE
-from shardkit.slices import format_slice_spec
+from shardkit.values.slices import format_slice_spec
 
 # --- checkpoint factory (used by the reader tests too) -----------------------------------------
 
@@ -906,7 +906,7 @@ def test_write_checkpoint_helper_produces_a_valid_tree(tmp_path):
 def test_slices_are_listed_in_data_region_order(tmp_path):
     """Like the writer, the factory lists a shard's slices in layout order (descending item
     size), which is what lets the reader take the header without parsing it."""
-    from shardkit.reader import CheckpointReader
+    from shardkit.io.reader import CheckpointReader
 
     items = whole({"u": np.ones(3, np.uint8), "d": np.ones(2), "h": np.ones(1, np.float16)})
     write_checkpoint(tmp_path, items)
@@ -1084,9 +1084,9 @@ def test_shard_header_with_hostile_content_is_refused(text, match):
 
 @pytest.mark.parametrize("generation", [None, GENERATION], ids=["2.0", "2.1"])
 def test_a_2_0_or_2_1_checkpoint_is_still_read_verified_and_replaceable(tmp_path, generation):
-    from shardkit import commit
-    from shardkit.cli import main
-    from shardkit.reader import CheckpointReader, load
+    from shardkit.io.reader import CheckpointReader, load
+    from shardkit.storage import commit
+    from shardkit.tools.cli import main
 
     a = np.arange(12, dtype=np.float32).reshape(4, 3)
     items = row_slices("a", a, 2, [0, 1]) + whole({"b": np.ones(2, np.int8)})

@@ -40,7 +40,8 @@ def test_every_name_of_the_modules_is_defined_once_and_reexported():
             importlib.import_module(f"shardkit.format.{mod}"), name), name
     public = {n for n in where if not n.startswith("_")}
     assert public <= set(fmt.__all__), sorted(public - set(fmt.__all__))
-    assert fmt.safetensors_name is importlib.import_module("shardkit.dtypes").safetensors_name
+    dtypes = importlib.import_module("shardkit.values.dtypes")
+    assert fmt.safetensors_name is dtypes.safetensors_name
 
 
 def test_modules_import_one_way():

@@ -15,7 +15,6 @@ import pytest
 from test_reader import _split_ckpt
 
 import shardkit
-from shardkit.dtypes import STORABLE
 from shardkit.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -24,6 +23,7 @@ from shardkit.errors import (
     UnsupportedDTypeError,
 )
 from shardkit.frameworks import FRAMEWORKS, convert_all, converter, to_framework
+from shardkit.values.dtypes import STORABLE
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")

@@ -21,14 +21,14 @@ safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors
 
 import shardkit  # noqa: E402
 from shardkit import format as fmt  # noqa: E402
-from shardkit.cli import main  # noqa: E402
-from shardkit.policies import (  # noqa: E402
+from shardkit.sharding.policies import (  # noqa: E402
     AllInOnePolicy,
     BalancedPolicy,
     BinPackPolicy,
     MaxShardSizePolicy,
     ShardByTaskPolicy,
 )
+from shardkit.tools.cli import main  # noqa: E402
 
 
 def _bert():

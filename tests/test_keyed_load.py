@@ -1,4 +1,4 @@
-"""shardkit.reader: `load(keys=)` returns exactly what a full load returns, planned column-wise;
+"""shardkit.io.reader: `load(keys=)` returns exactly what a full load returns, planned column-wise;
 `load(prefix=)` / `restore_into(prefix=)` take a sub-tree, with the prefix stripped."""
 
 from __future__ import annotations

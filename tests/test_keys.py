@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit import keys as sk_keys
-from shardkit.checkpoint import Checkpoint
 from shardkit.errors import (
     CorruptIndexError,
     InvalidArgumentError,
@@ -23,7 +21,9 @@ from shardkit.errors import (
     UnsupportedDTypeError,
 )
 from shardkit.format import MANIFEST_FILE
-from shardkit.tensors import flatten_columns, unflatten
+from shardkit.sharding.tensors import flatten_columns, unflatten
+from shardkit.training.checkpoint import Checkpoint
+from shardkit.values import keys as sk_keys
 
 A = np.arange(3, dtype=np.float32)
 B = np.ones(2, np.int8)

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardkit.checkpoint import Checkpoint, CheckpointManager
 from shardkit.format import MANIFEST_FILE
-from shardkit.options import CheckpointOptions
-from shardkit.reader import load
+from shardkit.io.options import CheckpointOptions
+from shardkit.io.reader import load
+from shardkit.training.checkpoint import Checkpoint, CheckpointManager
 
 FAST = CheckpointOptions(durable=False)
 

@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 from test_format import index_document, tensor_view
 
 import shardkit
-from shardkit import api, callback
 from shardkit import format as fmt
 from shardkit.errors import CorruptHeaderError, CorruptIndexError, ShardingValidationError
 from shardkit.format import MANIFEST_FILE
-from shardkit.policies import MaxShardSizePolicy
-from shardkit.tensors import columns_constructor, fast_constructor, shardable_tensors
+from shardkit.io import save as api
+from shardkit.sharding import callback
+from shardkit.sharding.policies import MaxShardSizePolicy
+from shardkit.sharding.tensors import columns_constructor, fast_constructor, shardable_tensors
 
 
 def _state(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -481,7 +482,7 @@ def _saved(tmp_path, state):
 
 
 def test_header_the_writer_made_is_taken_without_parsing(tmp_path):
-    from shardkit.reader import CheckpointReader
+    from shardkit.io.reader import CheckpointReader
 
     state = {f"k{i}": np.full(i % 4, i, np.float32) for i in range(40)}
     state["i8"] = np.arange(3, dtype=np.int8)
@@ -499,7 +500,7 @@ def test_header_the_writer_made_is_taken_without_parsing(tmp_path):
 
 
 def test_header_in_another_order_is_parsed_and_checked(tmp_path):
-    from shardkit.reader import CheckpointReader
+    from shardkit.io.reader import CheckpointReader
 
     state = {"a": np.arange(3, dtype=np.float32), "b": np.arange(2, dtype=np.float32)}
     path, index = _saved(tmp_path, state)
@@ -519,7 +520,7 @@ def test_header_in_another_order_is_parsed_and_checked(tmp_path):
 
 def test_index_listing_a_shard_in_another_order_is_parsed_and_checked(tmp_path):
     """Readers must not rely on the writer's data-region order of a shard's slices."""
-    from shardkit.reader import CheckpointReader
+    from shardkit.io.reader import CheckpointReader
 
     state = {"a": np.arange(3, dtype=np.float32), "b": np.arange(2, dtype=np.float32),
              "c": np.arange(4, dtype=np.uint8)}

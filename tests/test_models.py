@@ -12,13 +12,13 @@ from shardkit.errors import (
     UnknownModelError,
     UnsupportedDTypeError,
 )
-from shardkit.models import (
+from shardkit.sharding.tensors import flatten
+from shardkit.tools.models import (
     MODELS,
     load_state_file,
     model_shapes,
     synthetic_state,
 )
-from shardkit.tensors import flatten
 
 MiB = 2**20
 

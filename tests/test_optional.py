@@ -61,7 +61,7 @@ def api_error(blocked: list[str], call: str, *, setup: str = "") -> str:
 def cli_error(blocked: list[str], *argv: str) -> str:
     """stderr of ``shardkit ARGV`` without `blocked`, checked to be one clean error line."""
     out = without(blocked, f"""
-        from shardkit.cli import main
+        from shardkit.tools.cli import main
         raise SystemExit(main({list(argv)!r}))
     """)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -163,7 +163,8 @@ def test_plot_without_matplotlib(tmp_path):
 def test_state_file_without_safetensors(tmp_path):
     path = tmp_path / "m.safetensors"
     path.write_bytes(b"\0" * 16)
-    message = api_error(["safetensors"], f"shardkit.models.load_state_file({str(path)!r})")
+    message = api_error(["safetensors"], f"shardkit.tools.models.load_state_file({str(path)!r})",
+                        setup="import shardkit.tools.models")
     assert "needs safetensors" in message and extra("huggingface") in message
 
 
@@ -225,7 +226,7 @@ def test_missing_names_the_dependency_that_is_absent():
     from shardkit.optional import EXTRAS, missing
 
     cause = ModuleNotFoundError("No module named 'google'", name="google")
-    error = missing("shardkit.formats.tensorbundle.protos", "reading", cause)
+    error = missing("shardkit.adapters.tensorbundle.protos", "reading", cause)
     assert str(error).startswith("reading needs protobuf, which cannot be imported")
     assert extra("tensorbundle") in str(error)
     extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())[

@@ -12,11 +12,11 @@ import pytest
 import xxhash
 
 import shardkit
-from shardkit import compression as skz
 from shardkit import format as fmt
+from shardkit.adapters.tensorbundle import protos, table
+from shardkit.adapters.tensorbundle.crc import crc32c, mask
 from shardkit.errors import CorruptHeaderError, CorruptIndexError, TruncatedShardError
-from shardkit.formats.tensorbundle import protos, table
-from shardkit.formats.tensorbundle.crc import crc32c, mask
+from shardkit.shards import skz
 
 DT = protos.DATA_TYPES
 

@@ -40,7 +40,7 @@ def test_import_pulls_in_no_optional_or_slow_package():
 def test_command_line_parser_pulls_in_no_optional_or_slow_package(argv):
     out = run(f"""
         import sys
-        from shardkit.cli import main
+        from shardkit.tools.cli import main
         code = main({argv!r})
         print(code, sorted(m for m in {DEFERRED!r} if m in sys.modules))
     """)
@@ -63,7 +63,7 @@ def test_public_names_resolve_and_are_the_modules_own():
     for name, module in typed.items():
         assert getattr(shardkit, name) is getattr(__import__(f"shardkit.{module}",
                                                               fromlist=["x"]), name)
-    assert shardkit.api is sys.modules["shardkit.api"]  # submodules by attribute, as before
+    assert shardkit.io.save is sys.modules["shardkit.io.save"]  # submodules by attribute, as before
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         shardkit.no_such_name  # noqa: B018
 
@@ -77,7 +77,7 @@ def test_ml_dtypes_is_imported_by_the_calls_that_need_it(tmp_path):
         import sys, numpy as np, shardkit
         state = shardkit.load({str(tmp_path / "bf")!r})
         print(state["w"].dtype, state["w"].tolist(), "ml_dtypes" in sys.modules)
-        from shardkit.models import synthetic_state
+        from shardkit.tools.models import synthetic_state
         state = synthetic_state("llm-tiny", dtype="float8_e4m3fn")
         print(state["model"]["embed_tokens"]["weight"].dtype)
     """)

@@ -12,13 +12,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import shardkit.policies as policies
+import shardkit.sharding.policies as policies
 from shardkit._reference import _packing as ref_packing
 from shardkit._reference import _sizes as ref_sizes
-from shardkit.callback import shard_tensors, validate_shards
-from shardkit.devices import DeviceSpec
 from shardkit.errors import PolicyError
-from shardkit.policies import (
+from shardkit.sharding.callback import shard_tensors, validate_shards
+from shardkit.sharding.policies import (
     AllInOnePolicy,
     BalancedPolicy,
     BinPackPolicy,
@@ -28,8 +27,9 @@ from shardkit.policies import (
     parse_size,
     policy_names,
 )
-from shardkit.slices import format_slice_spec, parse_slice_spec
-from shardkit.tensors import ShardableTensor, shardable_tensors
+from shardkit.sharding.tensors import ShardableTensor, shardable_tensors
+from shardkit.values.devices import DeviceSpec
+from shardkit.values.slices import format_slice_spec, parse_slice_spec
 
 DTYPES = [np.float32, np.float64, np.float16, np.int8, np.int16, np.int64, np.uint8, np.bool_,
           ml_dtypes.bfloat16]
@@ -464,8 +464,8 @@ def test_registry_errors():
 
 def test_get_policy_default_is_the_policy_save_and_plan_use():
     """One registry: get_policy("default") and ``plan --policy default`` build the same policy."""
-    from shardkit.api import DefaultShardingPolicy
-    from shardkit.cli import make_policy
+    from shardkit.io.save import DefaultShardingPolicy
+    from shardkit.tools.cli import make_policy
 
     policy = get_policy("default")
     assert type(policy) is DefaultShardingPolicy

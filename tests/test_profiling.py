@@ -4,17 +4,17 @@ import time
 import numpy as np
 import pytest
 
-from shardkit.callback import ShardingCallback
 from shardkit.errors import MissingDependencyError, ShardingValidationError
-from shardkit.profiling import (
+from shardkit.sharding.callback import ShardingCallback
+from shardkit.sharding.tensors import shardable_tensors
+from shardkit.tools.profiling import (
     PolicyProfile,
     format_table,
     human_size,
     plot_shard_sizes,
     profile,
 )
-from shardkit.slices import format_slice_spec
-from shardkit.tensors import shardable_tensors
+from shardkit.values.slices import format_slice_spec
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -277,7 +277,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_profile_built_in_policies_by_hand():
-    from shardkit.policies import AllInOnePolicy, BinPackPolicy, MaxShardSizePolicy
+    from shardkit.sharding.policies import AllInOnePolicy, BinPackPolicy, MaxShardSizePolicy
 
     one, sequential, packed, capped = profile(
         _state(),

@@ -23,7 +23,8 @@ def entry_points() -> list[metadata.EntryPoint] | None:
 
 
 # Without an installed entry point, load the plugin by name (as the entry point would).
-PLUGIN = ([] if entry_points() else ["-p", "shardkit.pytest_plugin"]) + ["-p", "no:cacheprovider"]
+PLUGIN = ([] if entry_points() else ["-p", "shardkit.tools.pytest_plugin"])
+PLUGIN += ["-p", "no:cacheprovider"]
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +35,7 @@ def importable(monkeypatch):
 TESTS = """
 import numpy as np
 import pytest
-from shardkit.options import CheckpointOptions
+from shardkit.io.options import CheckpointOptions
 
 STATE_BYTES = 4 * 256 * 256 + 8 * 1000 + 8  # two arrays and the save counter
 
@@ -109,4 +110,4 @@ def test_entry_point_declared_when_installed():
     points = entry_points()
     if points is None:
         pytest.skip("shardkit is not installed (entry points exist only in an installed copy)")
-    assert [(ep.name, ep.value) for ep in points] == [("shardkit", "shardkit.pytest_plugin")]
+    assert [(ep.name, ep.value) for ep in points] == [("shardkit", "shardkit.tools.pytest_plugin")]

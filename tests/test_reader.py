@@ -1,4 +1,4 @@
-"""shardkit.reader: CheckpointReader, load, restore_into on checkpoints written by the encoders
+"""shardkit.io.reader: CheckpointReader, load, restore_into on checkpoints written by the encoders
 of shardkit.format."""
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import numpy as np
 import pytest
 from test_format import row_slices, whole, write_checkpoint
 
-from shardkit import api, restore, slicing, sources
 from shardkit import format as fmt
-from shardkit import reader as rd
 from shardkit.errors import (
     IncompleteRestoreError,
     KeyNotFoundError,
@@ -33,13 +31,18 @@ from shardkit.errors import (
     TruncatedShardError,
 )
 from shardkit.format import MANIFEST_FILE
-from shardkit.reading import boxes as reading_boxes
-from shardkit.reading import jobs as reading_jobs
-from shardkit.reading import verify as reading_verify
-from shardkit.reading.shards import ShardSet
-from shardkit.restore import restore_into
-from shardkit.slices import format_slice_spec
-from shardkit.tensors import flatten, unflatten
+from shardkit.io import reader as rd
+from shardkit.io import restore
+from shardkit.io import save as api
+from shardkit.io.reading import boxes as reading_boxes
+from shardkit.io.reading import jobs as reading_jobs
+from shardkit.io.reading import verify as reading_verify
+from shardkit.io.reading.shards import ShardSet
+from shardkit.io.restore import restore_into
+from shardkit.sharding.tensors import flatten, unflatten
+from shardkit.shards import raw as sources
+from shardkit.values import slicing
+from shardkit.values.slices import format_slice_spec
 
 RNG = np.random.default_rng(1234)
 
@@ -696,7 +699,7 @@ def test_single_full_box_slice_is_read_as_a_view(tmp_path):
         assert not r.info("a").is_split
 
 
-# --- round trips through the real writer (shardkit.api.save) ------------------------------------
+# --- round trips through the real writer (shardkit.io.save.save) ------------------------------
 # (imported inside the tests: the reader tests above do not depend on the writer)
 
 
@@ -714,8 +717,8 @@ def _state():
 
 @pytest.mark.parametrize("policy", ["default", "max-shard-size", "all-in-one"])
 def test_round_trip_through_save(tmp_path, policy, use_mmap):
-    from shardkit.api import save
-    from shardkit.policies import AllInOnePolicy, MaxShardSizePolicy
+    from shardkit.io.save import save
+    from shardkit.sharding.policies import AllInOnePolicy, MaxShardSizePolicy
 
     callback = {"default": None, "max-shard-size": MaxShardSizePolicy(8192),
                 "all-in-one": AllInOnePolicy()}[policy]
@@ -747,8 +750,8 @@ def test_round_trip_through_save(tmp_path, policy, use_mmap):
 
 def test_save_then_restore_into_torch_and_numpy(tmp_path):
     torch = pytest.importorskip("torch", reason="torch (optional) is not installed")
-    from shardkit.api import save
-    from shardkit.policies import MaxShardSizePolicy
+    from shardkit.io.save import save
+    from shardkit.sharding.policies import MaxShardSizePolicy
 
     src = {"w": torch.randn(64, 32), "bf": torch.randn(16, dtype=torch.bfloat16),
            "n": np.arange(10, dtype=np.int32)}
@@ -762,8 +765,8 @@ def test_save_then_restore_into_torch_and_numpy(tmp_path):
 
 
 def test_zstd_shards_are_read_through_the_codec_hook(tmp_path, use_mmap):
-    from shardkit.api import save
-    from shardkit.options import CheckpointOptions
+    from shardkit.io.options import CheckpointOptions
+    from shardkit.io.save import save
 
     state = _state()
     save(tmp_path / "c", state, options=CheckpointOptions(compression="zstd", durable=False))
@@ -856,7 +859,7 @@ ARRAYS_OUTLIVE_READER = """
     import gc, sys
     import numpy as np
     import shardkit
-    from shardkit import api
+    from shardkit.io import save as api
     path, compression = sys.argv[1], sys.argv[2]
     x = np.arange(100, dtype=np.float32)
     api.save(path, {"x": x, "s": np.float64(2.5)}, durable=False,
@@ -917,7 +920,7 @@ TORCH_ADD = """
     import numpy as np
     import torch
     import shardkit
-    from shardkit import api
+    from shardkit.io import save as api
     path = sys.argv[1]
     api.save(path, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, durable=False)
     t = torch.from_numpy(shardkit.load(path)["w"])
@@ -1016,7 +1019,7 @@ def test_load_retries_when_the_old_directory_is_half_deleted_at_open(tmp_path, m
     """An overwrite deletes the old directory's files before the directory: a reader that opened
     the old directory and then finds no manifest in it was overtaken by a replace, not looking
     at a missing checkpoint."""
-    from shardkit import files
+    from shardkit.shards import files
     path = tmp_path / "c"
     api.save(path, _gen(1), durable=False)
     real = files.CheckpointDirectory.read_manifest
@@ -1086,8 +1089,8 @@ MANY_SHARDS = """
     import os, resource, sys
     import numpy as np
     import shardkit
-    from shardkit import api
-    from shardkit.restore import restore_into
+    from shardkit.io import save as api
+    from shardkit.io.restore import restore_into
     path, compression = sys.argv[1], sys.argv[2]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))

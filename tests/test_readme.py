@@ -97,9 +97,9 @@ def plugin_args() -> list[str]:
     try:
         dist = metadata.distribution("shardkit")
     except metadata.PackageNotFoundError:
-        return ["-p", "shardkit.pytest_plugin"]
+        return ["-p", "shardkit.tools.pytest_plugin"]
     return [] if any(ep.group == "pytest11" for ep in dist.entry_points) else [
-        "-p", "shardkit.pytest_plugin"]
+        "-p", "shardkit.tools.pytest_plugin"]
 
 
 def run_block(folder: Path, where: str, code: str) -> None:

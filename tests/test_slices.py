@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardkit.errors import SliceSpecError
-from shardkit.slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
+from shardkit.values.slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
 
 
 def test_parse_tf_example():

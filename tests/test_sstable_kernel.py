@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from shardkit.formats.tensorbundle import table
+from shardkit.adapters.tensorbundle import table
 
 PURE_PYTHON = os.environ.get("SHARDKIT_PUREPYTHON") == "1"
 twin = importlib.import_module("shardkit._reference._sstable")

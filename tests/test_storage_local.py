@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit import commit
 from shardkit._kernels import _gather
 from shardkit.errors import ShardIOError
+from shardkit.storage import commit
 
 
 def _state(n: int = 1000, seed: int = 0) -> dict:

@@ -22,7 +22,6 @@ from s3server import S3Server, kill_state
 
 import shardkit
 from shardkit import format as fmt
-from shardkit.cli import main as cli_main
 from shardkit.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -36,6 +35,7 @@ from shardkit.storage import open_storage, set_storage_options
 from shardkit.storage import remote as storage_remote
 from shardkit.storage.housekeeping import gc, mark_staging
 from shardkit.storage.layout import SHARDS_PREFIX, is_marker, object_name
+from shardkit.tools.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")

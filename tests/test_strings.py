@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit import strings as sks
 from shardkit.errors import (
     CheckpointFormatError,
     ChecksumError,
@@ -28,6 +27,7 @@ from shardkit.errors import (
     UnsupportedDTypeError,
 )
 from shardkit.format import MANIFEST_FILE
+from shardkit.values import strings as sks
 
 
 def _objects(items, shape=None):
@@ -62,7 +62,7 @@ def same(a, b) -> bool:
 
 
 def flat(state):
-    from shardkit.tensors import flatten
+    from shardkit.sharding.tensors import flatten
 
     return dict(flatten(state))
 
@@ -374,8 +374,8 @@ def test_a_strings_section_needs_format_2_3(saved):
 def test_a_kind_wider_than_numpy_allows_is_a_shardkit_error(tmp_path, capsys):
     """``U999999999`` is a kind the format allows but numpy has no dtype for: info, inspect
     and load raise UnsupportedDTypeError naming the key, never numpy's TypeError."""
-    from shardkit.cli import main as cli_main
     from shardkit.errors import UnsupportedDTypeError
+    from shardkit.tools.cli import main as cli_main
 
     shardkit.save(tmp_path / "c", {"s": np.array(["ab"], "U2"), "w": np.ones(2)},
                   checksum=False, durable=False)

@@ -228,7 +228,7 @@ def test_array_nbytes_errors(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_describe_arrays_one_pass(impl):
-    from shardkit.dtypes import STORABLE
+    from shardkit.values.dtypes import STORABLE
 
     values = [np.zeros((2, 3), np.float32), np.arange(5, dtype=np.int8), np.array(1.0),
               np.asfortranarray(np.ones((3, 2), np.uint16)), np.zeros(0, np.bool_)]
@@ -247,7 +247,7 @@ def test_describe_arrays_one_pass(impl):
         impl.describe_arrays((values[0],), STORABLE)
 
 
-# --- flatten_plain: the state walk of shardkit.tensors.flatten, for plain containers ---------
+# --- flatten_plain: the state walk of shardkit.sharding.tensors.flatten, for plain containers
 
 _leaves = st.one_of(st.integers(0, 9).map(lambda n: np.arange(n, dtype=np.float32)),
                     st.just("text"), st.none(), st.floats(allow_nan=False))
@@ -264,7 +264,7 @@ _states = st.recursive(
 
 @given(st.dictionaries(st.text(max_size=4), _states, max_size=5))
 def test_flatten_plain_is_flatten(state):
-    from shardkit.tensors import SEPARATOR, flatten
+    from shardkit.sharding.tensors import SEPARATOR, flatten
 
     expected = flatten(state)
     for impl in (kernel, twin):

@@ -12,7 +12,9 @@ import pytest
 from tfhelpers import keras_model
 
 import shardkit
-from shardkit import cli
+from shardkit.adapters.tensorbundle import names, protos, table
+from shardkit.adapters.tensorbundle.crc import crc32c, mask, unmask
+from shardkit.adapters.tensorbundle.strings import decode_strings, encode_strings
 from shardkit.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -24,9 +26,7 @@ from shardkit.errors import (
     UnsupportedDTypeError,
     UnsupportedVersionError,
 )
-from shardkit.formats.tensorbundle import names, protos, table
-from shardkit.formats.tensorbundle.crc import crc32c, mask, unmask
-from shardkit.formats.tensorbundle.strings import decode_strings, encode_strings
+from shardkit.tools import cli
 
 
 def _state() -> dict[str, np.ndarray]:

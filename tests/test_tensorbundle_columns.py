@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import shardkit
+from shardkit.adapters.tensorbundle import adapter, columns, protos, table
 from shardkit.errors import CorruptIndexError
-from shardkit.formats.tensorbundle import adapter, columns, protos, table
 
 
 def _varint(n: int) -> bytes:
@@ -212,7 +212,7 @@ def test_checksum_column_spells_each_entrys_crc32c(bundle):
 def test_a_load_reads_each_string_entry_once_verify_reads_it_again(bundle, monkeypatch):
     """The reader reads the string tensors with its shards right after the index and keeps
     them for the load; verify never trusts that copy."""
-    from shardkit.formats.tensorbundle.strings import BundleStrings
+    from shardkit.adapters.tensorbundle.strings import BundleStrings
 
     prefix, _ = bundle
     reads = []

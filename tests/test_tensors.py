@@ -2,9 +2,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from shardkit.devices import DeviceSpec
 from shardkit.errors import UnsupportedDTypeError
-from shardkit.tensors import ShardableTensor, flatten, shardable_tensors, unflatten
+from shardkit.sharding.tensors import ShardableTensor, flatten, shardable_tensors, unflatten
+from shardkit.values.devices import DeviceSpec
 
 
 def test_nested_keys_are_joined_in_order():

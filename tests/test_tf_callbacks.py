@@ -165,7 +165,7 @@ def test_string_variables_are_stored_apart_from_the_callback(tf, policies, tmp_p
 
 def test_shard_by_task_policy_groups_by_task(tf, policies):
     """TensorFlow's test_ShardByTaskPolicy: one shard per task (tasks given by device)."""
-    from shardkit.callback import shard_tensors
+    from shardkit.sharding.callback import shard_tensors
 
     state = {f"v{i}": np.array(float(i), np.float32) for i in range(3)}
     tensors = shardkit.shardable_tensors(
@@ -295,7 +295,7 @@ def test_validation_uses_tensorflows_wording(tf, tmp_path, phrase):
 def test_tensors_with_different_tasks_in_one_shard(tf):
     """TensorFlow's test_validate_shards_different_tasks: a callback given tensors of two
     tasks at once (shardkit itself calls it per task) that puts them in one shard."""
-    from shardkit.frameworks.tf_sharding import run_tensorflow_callback
+    from shardkit.sharding.tf_sharding import run_tensorflow_callback
 
     tensors = shardkit.shardable_tensors(
         {"v0": np.zeros(()), "v1": np.ones(())},

@@ -19,11 +19,11 @@ import sys
 import numpy as np
 import pytest
 
-from shardkit.callback import validate_shards
-from shardkit.devices import DeviceSpec
-from shardkit.policies import MaxShardSizePolicy
-from shardkit.slices import format_slice_spec
-from shardkit.tensors import ShardableTensor
+from shardkit.sharding.callback import validate_shards
+from shardkit.sharding.policies import MaxShardSizePolicy
+from shardkit.sharding.tensors import ShardableTensor
+from shardkit.values.devices import DeviceSpec
+from shardkit.values.slices import format_slice_spec
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("tensorflow is not installed (optional)", allow_module_level=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from shardkit.format import MANIFEST_FILE
-from shardkit.reader import open_checkpoint
+from shardkit.io.reader import open_checkpoint
 
 pytest.importorskip("torch", reason="torch is an optional dependency")
 
@@ -38,7 +38,7 @@ TRAIN = textwrap.dedent(
     torch.set_num_threads(1)
 
     from shardkit.checkpoint import Checkpoint, CheckpointManager
-    from shardkit.options import CheckpointOptions
+    from shardkit.io.options import CheckpointOptions
 
     directory, mode, total, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 

@@ -11,9 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardkit import api
-from shardkit import compression as skz
-from shardkit.cli import main
 from shardkit.errors import (
     ChecksumError,
     CorruptIndexError,
@@ -22,7 +19,10 @@ from shardkit.errors import (
     TruncatedShardError,
 )
 from shardkit.format import MANIFEST_FILE
-from shardkit.reader import CheckpointReader
+from shardkit.io import save as api
+from shardkit.io.reader import CheckpointReader
+from shardkit.shards import skz
+from shardkit.tools.cli import main
 
 LINE = re.compile(r"^CORRUPT: (?P<file>[^:]+): (?P<key>'[^']*'|-): (?P<what>.+), "
                   r"expected (?P<expected>.+) vs found (?P<found>.+)$")
@@ -153,7 +153,7 @@ def test_a_dtype_the_index_gets_wrong_is_blamed_on_the_index(tmp_path):
 
 
 def test_a_missing_shard_and_a_corrupt_one_are_both_listed(tmp_path, capsys):
-    from shardkit.policies import MaxShardSizePolicy
+    from shardkit.sharding.policies import MaxShardSizePolicy
 
     state = {"a": np.arange(100, dtype=np.float32), "b": np.arange(100, dtype=np.int64)}
     with pytest.warns(SplitTensorsWarning, match="stored 2 tensors as slices"):

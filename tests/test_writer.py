@@ -21,16 +21,17 @@ import xxhash
 from safetensors import safe_open
 from test_format import index_document, tensor_view
 
-from shardkit import api, writer
 from shardkit import format as fmt
-from shardkit.callback import ShardingCallback
-from shardkit.dtypes import SAFETENSORS_NAMES, numpy_dtype
 from shardkit.errors import CheckpointExistsError, ShardingValidationError, SplitTensorsWarning
 from shardkit.format import MANIFEST_FILE
-from shardkit.options import CheckpointOptions
-from shardkit.reader import load
-from shardkit.slices import format_slice_spec
+from shardkit.io import save as api
+from shardkit.io import writer
+from shardkit.io.options import CheckpointOptions
+from shardkit.io.reader import load
+from shardkit.sharding.callback import ShardingCallback
 from shardkit.storage import native
+from shardkit.values.dtypes import SAFETENSORS_NAMES, numpy_dtype
+from shardkit.values.slices import format_slice_spec
 
 SAFETENSORS_NUMPY = {n for n in SAFETENSORS_NAMES if not n.startswith("F8_")}
 
@@ -234,7 +235,8 @@ def test_split_tensors_round_trip(tmp_path, rng):
 
 
 def _policies():
-    policies = pytest.importorskip("shardkit.policies", reason="shardkit.policies not built yet")
+    from shardkit.sharding import policies
+
     return [
         policies.ShardByTaskPolicy(),
         policies.MaxShardSizePolicy(700),
@@ -367,7 +369,7 @@ def test_few_large_tensors_several_shards(tmp_path, rng):
 
 
 def test_default_policy_balances_and_caps(monkeypatch, rng):
-    from shardkit.tensors import shardable_tensors
+    from shardkit.sharding.tensors import shardable_tensors
 
     sizes = [100, 100, 100, 100, 100, 500]
     state = {f"t{i}": np.zeros(n, np.uint8) for i, n in enumerate(sizes)}
@@ -632,10 +634,10 @@ def test_empty_state_and_zero_size_only(tmp_path):
 
 
 def test_tasks_get_their_own_shards_numbered_globally(tmp_path, rng):
-    from shardkit import commit
     from shardkit import format as fmt
-    from shardkit.callback import shard_tensors
-    from shardkit.tensors import shardable_tensors
+    from shardkit.sharding.callback import shard_tensors
+    from shardkit.sharding.tensors import shardable_tensors
+    from shardkit.storage import commit
 
     flat = {f"t{i}": _random(rng, np.dtype(np.float32), (i + 1,)) for i in range(6)}
     tensors = shardable_tensors(
@@ -720,7 +722,7 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
                                                                        monkeypatch, tasks):
     """save() plans the default policy on columns (no ShardableTensor per tensor); the bytes
     must equal those of running the same policy through the callback API."""
-    from shardkit import tensors as tensors_module
+    from shardkit.sharding import tensors as tensors_module
 
     dtypes = [np.float64, np.float32, np.int8, np.float16, ml_dtypes.bfloat16, np.bool_]
     flat = {f"g{i % 3}/t{i}": _random(rng, np.dtype(dtypes[i % len(dtypes)]), (i % 5, 3))

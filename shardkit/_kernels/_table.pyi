@@ -31,4 +31,5 @@ def describe_arrays(
 
 def flatten_plain(state: Any, sep: str) -> tuple[list[str], list[Any]] | None:
     """``(keys, leaves)`` of a state made of dicts with str keys, lists and tuples, as
-    shardkit.tensors.flatten would give them; None when the state needs that Python walk."""
+    shardkit.sharding.tensors.flatten would give them; None when the state needs that Python
+    walk."""

@@ -114,7 +114,7 @@ def describe_arrays(
 
 def flatten_plain(state: Any, sep: str) -> tuple[list[str], list[Any]] | None:
     """``(keys, leaves)`` of a state made of dicts with str keys, lists and tuples, as
-    shardkit.tensors.flatten would give them; None when the state needs that Python walk
+    shardkit.sharding.tensors.flatten would give them; None when the state needs that Python walk
     (another kind of mapping or key, or very deep nesting)."""
     if not isinstance(sep, str):
         raise TypeError(f"sep must be a str, got {type(sep).__name__}")

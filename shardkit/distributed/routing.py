@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-from ..tensors import flatten_columns
+from ..sharding.tensors import flatten_columns
 from .base import DEFAULT_TIMEOUT, Coordinator
 from .save import LocalShard
 

@@ -42,15 +42,15 @@ import numpy as np
 
 from .. import format as fmt
 from .._threads import usable_cores
-from ..callback import ShardingCallback, callback_description, shard_tensors
-from ..devices import DeviceSpec
-from ..dtypes import itemsize, safetensors_name
 from ..errors import DistributedError, DistributedSaveError, DistributedStateError
-from ..options import CheckpointOptions
-from ..slices import WHOLE, format_slice_spec
+from ..io.options import CheckpointOptions
+from ..io.writer import SavedTensors, default_threads, shard_columns, write_shards
+from ..sharding.callback import ShardingCallback, callback_description, shard_tensors
+from ..sharding.tensors import ShardableTensor, flatten_columns, to_host
 from ..storage import Staging, open_storage
-from ..tensors import ShardableTensor, flatten_columns, to_host
-from ..writer import SavedTensors, default_threads, shard_columns, write_shards
+from ..values.devices import DeviceSpec
+from ..values.dtypes import itemsize, safetensors_name
+from ..values.slices import WHOLE, format_slice_spec
 from .base import Coordinator
 
 OPS = ("plan", "shards", "index", "commit")  # the collectives of one save, in order
@@ -89,7 +89,7 @@ class LocalShard:
 
 
 def _is_string(value: Any) -> bool:
-    from ..tensors import is_string_array, is_tf_value
+    from ..sharding.tensors import is_string_array, is_tf_value
 
     if is_tf_value(value):
         from ..frameworks.tensorflow import tf_is_string

@@ -17,7 +17,7 @@ importable from this package, as it was from the single module it replaces.
 
 from __future__ import annotations
 
-from ..dtypes import safetensors_name
+from ..values.dtypes import safetensors_name
 
 # Every name of the module this package replaces, private ones too (noqa: those are
 # re-exported for the modules and tests that import them from here); __all__ lists the public ones.

@@ -10,9 +10,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Final
 
-from ..dtypes import SAFETENSORS_NAMES, itemsize
 from ..errors import CorruptIndexError, GenerationMismatchError, ShardPathError
-from ..slices import WHOLE
+from ..values.dtypes import SAFETENSORS_NAMES, itemsize
+from ..values.slices import WHOLE
 
 FORMAT_NAME: Final = "shardkit"
 FORMAT_VERSION: Final = "2.2"

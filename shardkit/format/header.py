@@ -17,9 +17,9 @@ from typing import Any, Final
 import numpy as np
 
 from .._kernels import _table
-from ..dtypes import SAFETENSORS_NAMES, safetensors_name
 from ..errors import CorruptHeaderError, EntryLayoutError, TruncatedShardError
-from ..tensors import columns_constructor, gc_paused
+from ..sharding.tensors import columns_constructor, gc_paused
+from ..values.dtypes import SAFETENSORS_NAMES, safetensors_name
 from .common import (
     _ITEMSIZE,
     _LEGACY_HEAD,

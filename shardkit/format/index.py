@@ -12,8 +12,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..slices import WHOLE, parse_slice_spec
-from ..tensors import columns_constructor
+from ..sharding.tensors import columns_constructor
+from ..values.slices import WHOLE, parse_slice_spec
 from .common import _ITEMSIZE, FORMAT_VERSION, entry_name, shown
 from .header import _first
 

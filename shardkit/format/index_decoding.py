@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from ..dtypes import SAFETENSORS_NAMES
 from ..errors import (
     CheckpointFormatError,
     CorruptIndexError,
     SliceSpecError,
     UnsupportedVersionError,
 )
-from ..keys import check_keys
 from ..optional import lazy_import
-from ..slices import SliceSpec, check_tiling, parse_slice_spec
-from ..tensors import gc_paused
+from ..sharding.tensors import gc_paused
+from ..values.dtypes import SAFETENSORS_NAMES
+from ..values.keys import check_keys
+from ..values.slices import SliceSpec, check_tiling, parse_slice_spec
 
 if TYPE_CHECKING:
     import orjson

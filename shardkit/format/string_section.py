@@ -8,8 +8,8 @@ import re
 from typing import Any
 
 from ..errors import CorruptIndexError
-from ..keys import check_keys
-from ..strings import KIND_RE, StringFile
+from ..values.keys import check_keys
+from ..values.strings import KIND_RE, StringFile
 from .common import MAX_NDIM, check_shard_file_name
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingDependencyError
 from ..optional import require
-from ..tensors import gc_paused
+from ..sharding.tensors import gc_paused
 
 FRAMEWORKS: tuple[str, ...] = ("numpy", "torch", "jax", "tensorflow")
 """The values of ``framework=``: "numpy" (the default), "torch", "jax", "tensorflow"."""
@@ -88,7 +88,7 @@ def as_tensorflow_callback(callback: Any) -> Any:
         InvalidArgumentTypeError: `callback` is not a shardkit `ShardingCallback`.
     """
     require("tensorflow", "as_tensorflow_callback")
-    from .tf_saver_callback import as_tensorflow_callback as wrap
+    from ..sharding.tf_saver_callback import as_tensorflow_callback as wrap
 
     return wrap(callback)
 

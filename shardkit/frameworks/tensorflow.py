@@ -29,8 +29,8 @@ from tensorflow.python.ops import (  # type: ignore[import-untyped]
 )
 
 from .._threads import WorkerPool, usable_cores
-from ..devices import DeviceSpec
 from ..errors import InvalidArgumentError, RestoreMismatchError, UnsupportedDTypeError
+from ..values.devices import DeviceSpec
 
 _STORABLE_TF = frozenset({tf.float16, tf.float32, tf.float64, tf.bfloat16, tf.int8, tf.int16,
                           tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,

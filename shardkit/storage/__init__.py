@@ -2,7 +2,7 @@
 
 `open_storage` is the one place a path becomes a `Storage` (`is_url`, a ``scheme://`` prefix,
 is the one test that tells them apart): a local path a `LocalStorage`, which keeps the native
-code path unchanged (`storage.native`'s write kernel, shardkit.commit, shardkit.files); a URL
+code path unchanged (`storage.native`'s write kernel, `storage.commit`, `shards.files`); a URL
 an `FsspecStorage`, with the object layout and manifest-last commit of docs/FORMAT.md ("Object
 storage"). The writer, the reader and the manager ask the storage and do not know which one
 they have. fsspec and s3fs are imported only for URLs.

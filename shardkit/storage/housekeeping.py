@@ -20,9 +20,9 @@ import time
 from collections.abc import Iterable
 
 from .. import format as fmt
-from ..commit import is_shardkit_manifest
 from ..errors import CheckpointFormatError, ShardkitError
 from .base import Storage
+from .commit import is_shardkit_manifest
 from .layout import SHARDS_PREFIX, generation_of, is_marker, new_marker_name, object_name
 
 MARKER_FORMAT = "shardkit-staging"

@@ -1,12 +1,12 @@
 """The local file system behind the storage interface: today's native path, unchanged.
 
 A save stages a locked temp directory next to the checkpoint and publishes it with one rename
-or exchange (`shardkit.commit`: its generation and overwrite rules); the planned shard files
+or exchange (`shardkit.storage.commit`: its generation and overwrite rules); the planned shard files
 are written by the native write kernel (`shardkit.storage.native`: ``fallocate``, vectored
 writes hashed on the way, ``sync_file_range``, fsync). A reader opens the checkpoint directory
 once and every file relative to that handle (`LocalCheckpoint`, over
 `files.CheckpointDirectory`: regular files only, no symlinks unless asked, a bounded set of
-descriptors), shards mapped copy-on-write or read with ``preadv`` (`shardkit.sources`).
+descriptors), shards mapped copy-on-write or read with ``preadv`` (`shardkit.shards.raw`).
 
 The byte-level methods (`write_file`, `read_range`, `publish`...) serve storage-level tools
 (`shardkit gc`, the interface's tests): `publish` writes a temp file and renames it over the
@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import commit
 from .._kernels import _gather
 from ..errors import (
     CheckpointFormatError,
@@ -37,14 +36,6 @@ from ..errors import (
     ShardIOError,
     ShardkitError,
     StorageError,
-)
-from ..files import (
-    CheckpointDirectory,
-    CheckpointFile,
-    FilePool,
-    locate,
-    open_directory,
-    open_shard_file,
 )
 from ..format import (
     MANIFEST_FILE,
@@ -54,8 +45,16 @@ from ..format import (
     decode_index,
     find_manifest,
 )
-from ..sources import shard_opener
-from . import native
+from ..shards.files import (
+    CheckpointDirectory,
+    CheckpointFile,
+    FilePool,
+    locate,
+    open_directory,
+    open_shard_file,
+)
+from ..shards.raw import shard_opener
+from . import commit, native
 from .base import Fetched, ShardFile, Storage, Stored
 
 _T = TypeVar("_T")

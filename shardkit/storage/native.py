@@ -16,7 +16,7 @@ How the bytes move (docs/ARCHITECTURE.md for where this differs from the plan):
   copied in and the closing fsync waits for the last group only, not for the whole file.
 
 Memory: for non-contiguous inputs, one tensor copy per thread. Compressed shards
-(``.skz``) are written one after the other by shardkit.compression, which compresses each
+(``.skz``) are written one after the other by shardkit.shards.skz, which compresses each
 shard's chunks on `threads` threads. `LocalStorage.write_shards` runs this; the object-store
 writer uses `run_zstd` to compress a shard into a local temp file before uploading it.
 """
@@ -34,7 +34,7 @@ import numpy as np
 
 from .._kernels import _gather
 from .._threads import ParallelRun
-from ..strings import STRING_FILE, StringColumns, StringFile, write_string_file
+from ..values.strings import STRING_FILE, StringColumns, StringFile, write_string_file
 from .base import ShardFile as _ShardPlan
 
 _T = TypeVar("_T")
@@ -143,7 +143,7 @@ def _run_zstd(
     **zstd_options: Any,
 ) -> None:
     """Compressed shards, one after the other: each is compressed by `threads` threads."""
-    from ..compression import write_zstd_shard
+    from ..shards.skz import write_zstd_shard
 
     try:
         for p in plans:

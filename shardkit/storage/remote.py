@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from .. import compression as skz
 from ..errors import (
     CheckpointReplacedError,
     MissingShardError,
@@ -33,7 +32,8 @@ from ..format import (
     check_generation,
     read_safetensors_header,
 )
-from ..sources import ShardSource, check_shard_size
+from ..shards import skz
+from ..shards.raw import ShardSource, check_shard_size
 from .base import MAX_COALESCED, Storage, coalesce
 from .layout import object_name
 
@@ -174,7 +174,7 @@ def opener(codec: str, path: str) -> Callable[..., ShardSource]:
         return open_raw
     if codec == "zstd":
         return open_skz
-    from ..sources import shard_opener
+    from ..shards.raw import shard_opener
 
     shard_opener(codec, path)  # raises UnknownCodecError for an unknown codec
     raise ShardkitError(f"{path}: codec {codec!r} cannot be read from a URL")

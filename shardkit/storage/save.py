@@ -1,7 +1,7 @@
 """Saving to a store: shard objects first, the manifest last (docs/FORMAT.md, "Object storage").
 
 `FsspecStorage.stage`, `write_shards` and `write_strings` are these; the save flow itself is
-the same as a local one (`shardkit.api`, `writer.write_shards`).
+the same as a local one (`shardkit.io.save`, `writer.write_shards`).
 
 1. The manifest now at the URL is read (one GET, with its tag): an existing checkpoint needs
    ``overwrite=True``, and only a shardkit checkpoint is ever replaced.
@@ -29,7 +29,7 @@ from typing import Any
 from .. import format as fmt
 from .._threads import WorkerPool
 from ..errors import CheckpointExistsError, CheckpointFormatError, ShardkitError
-from ..strings import STRING_FILE, StringColumns, StringFile, write_string_file
+from ..values.strings import STRING_FILE, StringColumns, StringFile, write_string_file
 from .base import ShardFile, Storage
 from .housekeeping import manifest_objects, mark_staging, remove_owned
 from .layout import object_name

@@ -1,0 +1,56 @@
+"""The adapter interface (see `shardkit.adapters`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..format import CheckpointIndex, EntryLayout, ShardInfo
+from ..shards.files import CheckpointDirectory
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedHeader:
+    """A shard header an adapter parsed (and checked) to build the table, with the `stamp` of
+    the file it came from (`CheckpointFile.stamp`): the reader takes it instead of parsing the
+    header again when the file it opens for the shard has the same stamp."""
+
+    entries: dict[str, EntryLayout]
+    metadata: dict[str, str]
+    data_start: int
+    stamp: tuple[int, int, int, int]
+
+
+class FormatAdapter:
+    """Turns one on-disk layout into the reader's entry table.
+
+    `name`: short name ("shardkit", "huggingface", "safetensors"); `description`: what
+    ``shardkit inspect`` calls it; `checksums`: whether the layout can store checksums (the
+    table's ``slice_xxh3`` is all None when it cannot). `read_index` decodes the layout whose
+    table comes from file `name` of `directory` (a manifest, whose bytes are `data`, or a
+    single safetensors file, `data` None), opening any other file through `directory`. Every
+    failure is a ShardkitError subclass naming the file (and key). An adapter that parses shard
+    headers on the way puts them in `headers` (shard number -> ParsedHeader) when given one.
+    """
+
+    name: str = ""
+    description: str = ""
+    checksums: bool = False
+
+    def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
+                   headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:
+        raise NotImplementedError
+
+    def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
+                    mmap: bool, file: Any) -> Any:
+        """The shard source of shard `i` when the layout's index, not a shard header, says
+        where its entries are (TensorBundle); None: the codec's source reads the header."""
+        return None
+
+    def checksum(self, kind: str, src: Any, entry: EntryLayout) -> str:
+        """The checksum of kind `kind` (an `index.slice_checksum_kind` other than "xxh3") of
+        `entry` of source `src`, as the index records it."""
+        raise NotImplementedError(f"{self.name} records no checksums of kind {kind!r}")
+
+    def __repr__(self) -> str:
+        return f"<format adapter {self.name}>"

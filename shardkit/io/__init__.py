@@ -1,0 +1,1 @@
+"""The front door's flows: save, read, restore, verify."""

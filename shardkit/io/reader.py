@@ -1,0 +1,553 @@
+"""CheckpointReader: lazy, zero-copy reading of a shardkit checkpoint directory.
+
+A whole tensor of a raw shard comes back as a numpy view of a private (copy-on-write) map of the
+shard (`shardkit._kernels._mmap`): writable, writing never reaches the file, and the map is
+unmapped only when its last view goes, so arrays stay valid after ``close()``. With
+``mmap=False`` every read is a set of large ``os.preadv`` calls on a thread pool into owned,
+writable arrays, through a bounded set of open descriptors (`MAX_OPEN_FILES`).
+
+One reader reads one checkpoint: it opens the checkpoint directory once and every file
+(the manifest, shards) relative to that handle, safely (`shardkit.shards.files`: regular files only,
+symlinks only with ``follow_symlinks=True``). A shard that vanished because the checkpoint was
+replaced raises CheckpointReplacedError; `load` then starts again, a few times.
+
+The reader is a facade over `shardkit.io.reading`: `ShardSet` (the index, the shard sources
+opened and checked on first use, the pool), `whole` (whole tensors, in bulk), `boxes`
+(`get_slice`, restores' boxes) and `verify`. A shard's codec selects its `ShardSource`
+implementation: ``"raw"`` in `shardkit.shards.raw`, others registered with `register_codec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+import numpy as np
+
+from ..errors import (
+    CheckpointReplacedError,
+    MissingShardError,
+    Problem,
+)
+from ..format import TensorInfo
+from ..frameworks import convert_all, converter
+from ..sharding.tensors import gc_paused
+from ..values.dtypes import numpy_dtype
+from ..values.slicing import normalize_index
+from ..values.strings import STRING_DTYPE, check_string_framework, kind_dtype
+from .reading import boxes, whole
+from .reading.shards import MAX_OPEN_FILES, ShardSet
+from .reading.verify import VerifyReport, verify_boxes, verify_keys
+
+__all__ = ["MAX_OPEN_FILES", "LOAD_ATTEMPTS", "CheckpointReader", "KeyInfo", "Problem",
+           "SlicePlacement", "VerifyReport", "load", "open_checkpoint"]
+
+LOAD_ATTEMPTS = 3  # how often `load` starts again when the checkpoint is replaced under it
+
+
+@dataclass(frozen=True, slots=True)
+class SlicePlacement:
+    """Where one stored slice of a tensor lives."""
+
+    spec: str
+    shard: int
+    file: str
+    entry: str
+    xxh3: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """What `CheckpointReader.info` reports about one tensor."""
+
+    key: str
+    dtype: np.dtype
+    dtype_name: str
+    shape: tuple[int, ...]
+    device: str
+    nbytes: int
+    slices: tuple[SlicePlacement, ...]
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.slices) > 1
+
+
+class CheckpointReader:
+    """Read a checkpoint lazily; use as a context manager.
+
+    `path` is a shardkit checkpoint directory, a HuggingFace one (``model.safetensors.index.json``
+    + shards, or just ``model.safetensors``) or a ``.safetensors`` file: `shardkit.adapters`
+    detects the layout (`format`) and its adapter builds the entry table; everything below is
+    the same for all. Foreign layouts store no checksums (`verify` checks their structure).
+
+    ``reader[key]`` / `get` return the whole tensor (a view of the private map when it is one
+    raw entry and `mmap` is on; otherwise a new array). `get_slice` reads a numpy basic index of
+    the full tensor, touching only the bytes it needs. `verify` checks every checksum. Every
+    array returned is writable and stays valid after the reader is closed; writing to it never
+    changes the checkpoint.
+
+    The reader reads the checkpoint that was at `path` when it was opened, and no other (see the
+    module docstring). Shard files and the manifest must be regular files, and symlinks are
+    refused unless `follow_symlinks`.
+
+    Args:
+        path: the checkpoint (directory, file or URL).
+        mmap: map raw shards (else read them with ``preadv`` into owned arrays).
+        verify: check every checksum on open.
+        follow_symlinks: accept symlinked files.
+        prefix: show only the sub-tree under this key prefix, keys relative to it.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at `path`.
+        CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
+        KeyNotFoundError: no key is under `prefix`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = True,
+                 verify: bool = False, follow_symlinks: bool = False,
+                 prefix: str | None = None) -> None:
+        self.path = os.fspath(path)
+        self._shards = shards = ShardSet(self.path, mmap=bool(mmap),
+                                         follow_symlinks=bool(follow_symlinks))
+        self.layout, self.index = shards.layout, shards.index
+        self._strings = shards.strings  # string tensors, or None
+        self._prefix, self._under = "", None  # a sub-tree's prefix and its keys (`prefix`)
+        try:
+            if prefix is not None:
+                self._prefix, self._under = self._keys_under(prefix)
+            if verify:
+                self.verify()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- mapping-like API
+
+    @property
+    def format(self) -> str:
+        """The layout read: "shardkit", "huggingface", "safetensors" or "tensorbundle"
+        (`shardkit.adapters`)."""
+        return self.layout.name
+
+    @property
+    def generation(self) -> str | None:
+        """The checkpoint's generation (a unique id made once per save, format 2.1); every
+        shard read is checked to be of it. None for a format 2.0 checkpoint, which has none."""
+        return self.index.generation
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The user metadata saved with the checkpoint."""
+        return self.index.user_metadata
+
+    def keys(self) -> list[str]:
+        """Checkpoint keys in the order they were saved (string tensors last); with a `prefix`,
+        the keys under it, the prefix stripped."""
+        if self._under is not None:
+            n = len(self._prefix)
+            return [k[n:] for k in self._under]
+        return self._stored_keys()
+
+    def _stored_keys(self) -> list[str]:
+        return self._shards.stored_keys()
+
+    def __iter__(self) -> Iterator[str]:
+        if self._strings is None and self._under is None:
+            return iter(self.index.keys)
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        if self._under is not None:
+            return len(self._under)
+        return self._shards.count()
+
+    def _full(self, key: Any) -> Any:
+        """The stored key of `key` as the caller names it (under `prefix`)."""
+        return self._prefix + key if self._prefix and isinstance(key, str) else key
+
+    def __contains__(self, key: object) -> bool:
+        key = self._full(key)
+        try:
+            self.index.row(key)  # type: ignore[arg-type]
+        except (KeyError, TypeError):
+            return self._is_string(key)
+        return True
+
+    def _is_string(self, key: object) -> bool:
+        """Whether `key` is a string tensor (`shardkit.strings`)."""
+        return self._strings is not None and key in self._strings
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.get(key)
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._shards.closed else f"{len(self)} tensors"
+        return f"CheckpointReader({self.path!r}, {state})"
+
+    def info(self, key: str) -> KeyInfo:
+        """dtype, full shape, device and stored slices (with shard file names) of `key`.
+
+        A string tensor reports dtype name ``"STRING"``, the numpy dtype of its kind (object for
+        bytes / str), the bytes of its block and one placement, in the string file.
+
+        Raises:
+            KeyNotFoundError: `key` is not stored.
+        """
+        named, key = key, self._full(key)
+        if self._is_string(key):
+            return dataclasses.replace(self._string_info(key), key=named)
+        t = self._tensor(key)
+        shards = self.index.shards
+        return KeyInfo(
+            named, numpy_dtype(t.dtype), t.dtype, t.shape, t.device, t.nbytes,
+            tuple(SlicePlacement(s.spec, s.shard, shards[s.shard].file, s.entry, s.xxh3)
+                  for s in t.slices),
+        )
+
+    # -- reading
+
+    @overload
+    def get(self, key: str, *, framework: Literal["numpy"] = ..., device: Any = ...
+            ) -> np.ndarray: ...
+    @overload
+    def get(self, key: str, *, framework: str, device: Any = ...) -> Any: ...
+
+    def get(self, key: str, *, framework: str = "numpy", device: Any = None) -> Any:
+        """The whole tensor `key` (ml_dtypes arrays for bfloat16 / float8).
+
+        ``reader[key]`` is always a numpy array.
+
+        Args:
+            key: the tensor's key (under `prefix`, when the reader has one).
+            framework: "numpy", "torch" or "jax" (`shardkit.frameworks`): torch shares the
+                array's memory on the CPU, jax copies.
+            device: the framework's device.
+
+        Returns:
+            The tensor.
+
+        Raises:
+            KeyNotFoundError: `key` is not stored.
+            CheckpointFormatError: a shard it reads is malformed.
+            ReaderClosedError: the reader is closed.
+        """
+        conv = converter(framework, device)  # checked before anything is read
+        key = self._full(key)
+        self._shards.begin_read()
+        try:
+            if self._is_string(key):
+                check_string_framework(framework, key)
+                array = self._get_string(key)
+            else:
+                array = whole.get_one(self._shards, key)
+        finally:
+            self._shards.end_read()
+        return array if conv is None else conv(array, key)
+
+    def _get_many(self, keys: Sequence[str] | None, rows: np.ndarray | None = None
+                  ) -> dict[str, np.ndarray]:
+        """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
+        pass per shard; whole tensors stored in compressed shards are read in one batch, so
+        that every chunk is decoded once and the chunks are decoded in parallel. `rows`: the
+        keys' `_rows_of`, when the caller has them."""
+        self._shards.begin_read()
+        try:
+            with gc_paused():  # one GC pass at the end, not one per ~700 new arrays
+                return self._get_many_unlocked(keys, rows)
+        finally:
+            self._shards.end_read()
+
+    def _get_many_unlocked(self, keys: Sequence[str] | None, rows: np.ndarray | None
+                           ) -> dict[str, np.ndarray]:
+        strings = self._strings
+        if strings is not None and keys is None:  # every tensor, then every string tensor
+            every = whole.get_tensors(self._shards, None)
+            every.update((k, self._get_string(k)) for k in strings.keys)
+            return every
+        if strings is not None:  # the string tensors apart, then in the order asked
+            wanted = list(dict.fromkeys(self._stored_keys() if keys is None else keys))
+            stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
+            texts = {k: self._get_string(k) for k in wanted if k in stored}
+            if texts:
+                rest = whole.get_tensors(self._shards, None if keys is None else
+                                         [k for k in wanted if k not in texts])
+                return {k: texts[k] if k in texts else rest[k] for k in wanted}
+        return whole.get_tensors(self._shards, keys, rows)
+
+    def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
+        """Decode whole tensors stored in compressed shards straight into their target arrays
+        (`whole.read_direct`); returns those keys."""
+        self._shards.begin_read()
+        try:
+            return whole.read_direct(self._shards, targets)
+        finally:
+            self._shards.end_read()
+
+    @overload
+    def get_slice(self, key: str, index: Any, *, framework: Literal["numpy"] = ...,
+                  device: Any = ...) -> np.ndarray: ...
+    @overload
+    def get_slice(self, key: str, index: Any, *, framework: str, device: Any = ...
+                  ) -> Any: ...
+
+    def get_slice(self, key: str, index: Any, *, framework: str = "numpy",
+                  device: Any = None) -> Any:
+        """``full_tensor[index]``, reading only the needed bytes of the stored slices that
+        intersect it.
+
+        The result is a (writable) view of the private map when it comes from one raw entry and
+        `mmap` is on, else a new array.
+
+        Args:
+            key: the tensor's key.
+            index: a numpy basic index (ints, slices with steps, ``...``, None).
+            framework: as for `get`.
+            device: as for `get`.
+
+        Returns:
+            The part of the tensor.
+
+        Raises:
+            KeyNotFoundError: `key` is not stored.
+            InvalidArgumentError: `index` is not a basic index of the tensor's shape.
+        """
+        conv = converter(framework, device)  # checked before anything is read
+        key = self._full(key)
+        self._shards.begin_read()
+        try:
+            if self._is_string(key):
+                check_string_framework(framework, key)
+                stored = self._get_string(key)
+                normalize_index(index, stored.shape, key)  # the same checks and errors
+                array = np.array(stored[index], dtype=stored.dtype)
+            else:
+                array = boxes.get_slice(self._shards, key, index)
+        finally:
+            self._shards.end_read()
+        return array if conv is None else conv(array, key)
+
+    def _verify_boxes(self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+                      ) -> None:
+        """`verify` of only the stored slices that intersect the boxes (key, offsets,
+        lengths); raises as `verify` does."""
+        self._shards.begin_read()
+        try:
+            report = verify_boxes(self._shards, regions)
+        finally:
+            self._shards.end_read()
+        if report.problems:
+            raise report.error()
+
+    def _read_boxes_into(self, regions: Sequence[tuple[str, Sequence[int], np.ndarray]]
+                         ) -> None:
+        """For each (key, offsets, out): fill `out` with that box of the tensor
+        (`boxes.read_boxes_into`)."""
+        self._shards.begin_read()
+        try:
+            boxes.read_boxes_into(self._shards, regions)
+        finally:
+            self._shards.end_read()
+
+    def verify(self, keys: Sequence[str] | None = None) -> int:
+        """Check the stored entries of `keys` against the index: shard files and sizes,
+        headers, entry dtypes and shapes, and the xxh3-64 checksums.
+
+        Everything is checked before anything is raised: on any problem this raises one error,
+        of the class of the first problem found, whose message lists every problem, one per
+        line, and whose ``problems`` attribute holds them (`Problem`). `verify_report` returns
+        them instead.
+
+        Args:
+            keys: the keys to check (default: all, and then every frame of every compressed
+                shard, even bytes no entry is read from).
+
+        Returns:
+            The number of entries whose checksum was compared (entries saved without a
+            checksum are skipped).
+
+        Raises:
+            ChecksumError, MissingShardError, CorruptIndexError, ...: the first problem's
+                class (a `CheckpointFormatError`).
+            KeyNotFoundError: a key is not stored.
+        """
+        report = self.verify_report(keys)
+        if report.problems:
+            raise report.error()
+        return report.checked
+
+    def verify_report(self, keys: Sequence[str] | None = None) -> VerifyReport:
+        """What `verify` checks, returned instead of raised: every distinct problem once, in
+        shard order, each blaming the file that is inconsistent (the manifest when it records
+        a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
+        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`).
+
+        Args:
+            keys: the keys to check, under `prefix` when the reader has one (default: all).
+
+        Returns:
+            The `VerifyReport`.
+
+        Raises:
+            KeyNotFoundError: a key is not stored.
+        """
+        if keys is not None and self._prefix:
+            keys = [self._full(k) for k in ([keys] if isinstance(keys, str) else keys)]
+        self._shards.begin_read()
+        try:
+            return verify_keys(self._shards, keys)
+        finally:
+            self._shards.end_read()
+
+    def close(self) -> None:
+        """Release files and maps. Arrays already returned stay valid (they keep their map)."""
+        self._shards.close()
+
+    # -- internals
+
+    def _get_string(self, key: str) -> np.ndarray:
+        """String tensor `key`, a new array of its kind (`shardkit.strings`)."""
+        shards = self._shards
+        shards.check_open()
+        strings = self._strings
+        assert strings is not None
+        try:
+            return strings.read(shards.directory, strings.row(key))
+        except MissingShardError:
+            if shards.replaced():
+                raise CheckpointReplacedError(
+                    f"{shards.directory.path}: the string file is gone: the checkpoint at "
+                    f"{self.path} was replaced while this reader had it open; open it again "
+                    "to read the new one") from None
+            raise
+
+    def _string_info(self, key: str) -> KeyInfo:
+        self._shards.check_open()
+        strings = self._strings
+        assert strings is not None
+        row = strings.row(key)
+        return KeyInfo(key, kind_dtype(strings.kinds[row], f"{self.path}: {key!r}"), STRING_DTYPE,
+                       strings.shapes[row],
+                       strings.devices[row], strings.nbytes(row),
+                       (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
+
+    def _rows_of(self, keys: Sequence[str]) -> np.ndarray:
+        """The index row of each of `keys` (-1 for a string tensor); KeyNotFoundError (with a
+        hint) for the first key that is neither."""
+        return self._shards.rows_of(keys)
+
+    def _tensor(self, key: str) -> TensorInfo:
+        return self._shards.tensor(key)
+
+    def _keys_under(self, prefix: str) -> tuple[str, list[str]]:
+        """`ShardSet.keys_under`."""
+        return self._shards.keys_under(prefix)
+
+    def _open_shards(self, keys: Sequence[str] | None, rows: np.ndarray | None = None) -> None:
+        """Open (and map) every shard holding `keys` (default: all; `rows`: their `_rows_of`)
+        now rather than on first read, so a concurrent overwrite has only this short window to
+        delete them."""
+        strings = self._strings
+        if keys is not None and rows is None:
+            rows = self._rows_of(keys)
+        if strings is not None and strings.keys and (
+                rows is None or bool((rows < 0).any())):
+            self._get_string(strings.keys[0])  # reads (and keeps) the string file now
+        self._shards.open_all(rows)
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
+                    follow_symlinks: bool = False, prefix: str | None = None
+                    ) -> CheckpointReader:
+    """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``);
+    `prefix` shows the sub-tree under it, keys relative to it (as `load`'s)."""
+    return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks, prefix=prefix)
+
+
+@overload
+def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
+         mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
+         device: Any = ..., prefix: str | None = ...) -> dict[str, np.ndarray]: ...
+@overload
+def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
+         mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
+         device: Any = ..., prefix: str | None = ...) -> dict[str, Any]: ...
+
+
+def load(
+    path: str | os.PathLike[str],
+    keys: Sequence[str] | None = None,
+    *,
+    verify: bool = False,
+    mmap: bool = True,
+    follow_symlinks: bool = False,
+    framework: str = "numpy",
+    device: Any = None,
+    prefix: str | None = None,
+) -> dict[str, Any]:
+    """Read `keys` (default: all, in saved order) into a flat dict key -> array.
+
+    With `mmap` whole raw tensors are views of private (copy-on-write) maps of the shards: they
+    stay valid after this returns, and writing to them never changes the files. `verify`
+    checks the checksums of the loaded entries first. A single str `keys` is one key. When
+    the checkpoint is replaced while it is being read, the load starts again (up to
+    LOAD_ATTEMPTS times), so the result is always all of one checkpoint.
+
+    `framework` returns each value as a tensor of that framework instead of a numpy array
+    (`shardkit.frameworks.FRAMEWORKS`: "numpy", the default, "torch" or "jax"),
+    on `device` (torch: a str or torch.device, "cpu" by default; jax: a jax Device, Sharding or
+    platform string, jax's default device by default). torch tensors on the CPU share the
+    loaded memory (writable, copy-on-write: in-place ops never reach the files); jax arrays
+    are immutable copies. Framework and device are checked before anything is read.
+
+    `prefix` takes a sub-tree: the keys under it, with the prefix stripped (``prefix="model"``
+    or ``"model/"`` returns ``model/0.weight`` as ``0.weight``; a key component boundary, so
+    never ``modelx/...``); `keys` are then relative to it. KeyNotFoundError names the prefix
+    and the nearest stored ones when no key is under it.
+
+    Raises:
+        KeyNotFoundError: a key (or the prefix) is not in the checkpoint.
+        CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
+    """
+    conv = converter(framework, device)  # checked before anything is read
+    if isinstance(keys, str):
+        keys = [keys]
+    if keys is not None:
+        keys = list(keys)
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        try:
+            with CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks) as reader:
+                wanted = keys
+                if prefix is not None:
+                    start, under = reader._keys_under(prefix)
+                    wanted = under if keys is None else [
+                        start + k if isinstance(k, str) else k for k in keys]
+                if reader._strings is None and wanted == reader.index.keys:
+                    wanted = None  # every key, in saved order: the full read (one C compare)
+                # rows: fail on a missing key before reading anything
+                rows = None if wanted is None else reader._rows_of(wanted)
+                if reader._strings is not None:
+                    stored = reader._strings.keys
+                    for key in stored if wanted is None else set(stored).intersection(wanted):
+                        check_string_framework(framework, key)
+                reader._open_shards(wanted, rows)  # right after the index: a replace's window
+                if verify:
+                    reader.verify(wanted)
+                arrays = reader._get_many(wanted, rows)
+            if prefix is not None:
+                arrays = {k[len(start):]: a for k, a in arrays.items()}
+            return arrays if conv is None else convert_all(arrays, conv)
+        except CheckpointReplacedError:
+            if attempt == LOAD_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+

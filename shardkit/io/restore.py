@@ -1,0 +1,342 @@
+"""restore_into: copy a checkpoint's tensors into the caller's existing arrays and tensors; the
+load status every restore returns (TensorFlow's CheckpointLoadStatus)."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    IncompleteRestoreError,
+    InvalidArgumentTypeError,
+    RestoreMismatchError,
+    UnsupportedDTypeError,
+)
+from ..sharding.tensors import OBJECT_GRAPH_KEY, expand_targets, flatten, to_host
+from ..values.dtypes import numpy_dtype, safetensors_name
+from .reader import CheckpointReader
+
+_LARGE = 1 << 20  # whole tensors from this size on are copied in parallel pieces
+
+
+def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
+                 verify: bool = False, partial: bool = False,
+                 follow_symlinks: bool = False, prefix: str | None = None
+                 ) -> CheckpointLoadStatus:
+    """Copy the stored value of every leaf of `state` (numpy arrays, torch tensors) into it, in
+    place, and return the `CheckpointLoadStatus` (`restored_keys`...).
+
+    Everything is checked before anything is copied: every leaf's key must be in the checkpoint
+    and every checkpoint key in `state` (else IncompleteRestoreError naming both sides, unless
+    ``partial=True``: then the leaves the checkpoint has are restored, the others left as they
+    are, and the status lists what did not match), and each leaf's shape and dtype must be the
+    stored ones (RestoreMismatchError). `follow_symlinks`: read shard files and the manifest that
+    are symlinks (refused by default). `prefix` restores a sub-tree: `state`'s keys are relative
+    to it and only the checkpoint's keys under it count (as `load`'s ``prefix=``); the status
+    lists keys relative to it."""
+    if not isinstance(partial, bool):
+        raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
+    targets = expand_targets(state)  # TensorFlow objects: their variables, TensorFlow's keys
+    leaves = flatten(targets)
+    with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
+        start, candidates = "", reader.keys()
+        if prefix is not None:
+            start, candidates = reader._keys_under(prefix)
+            leaves = [(start + key, leaf) for key, leaf in leaves]
+        wanted = {key for key, _ in leaves}
+        if targets is not state:  # the object graph is TensorFlow's bookkeeping, not a value
+            wanted.add(start + OBJECT_GRAPH_KEY)
+        missing = [key for key, _ in leaves if key not in reader]
+        unexpected = [key for key in candidates if key not in wanted]
+        if not partial:
+            check_complete(str(reader.path), missing, unexpected)
+        elif missing:
+            absent = set(missing)
+            leaves = [(key, leaf) for key, leaf in leaves if key not in absent]
+        plans = []
+        boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        boxes_seen: dict[Any, Any] = {}  # the box per global shape, mesh and placements
+        texts = []  # string tensors: (key, numpy target, the leaf to assign to when not numpy)
+        for key, leaf in leaves:
+            if reader._is_string(key):
+                texts.append(_string_target(reader, key, leaf))
+                continue
+            t = reader._tensor(key)
+            box = None
+            if is_dtensor(leaf):  # restored: the box of the global tensor this rank holds
+                local, offset, local_shape = _dtensor_box(leaf, key, boxes_seen)
+                target, writeback = _restore_target(local, key)
+                box = offset
+                boxes.append((key, offset, local_shape))
+                shape = tuple(leaf.shape)
+            else:
+                target, writeback = _restore_target(leaf, key)
+                shape = tuple(target.shape)
+            expected = numpy_dtype(t.dtype)
+            found = target.dtype
+            if found.byteorder == ">":
+                found = found.newbyteorder("<")
+            if shape != t.shape or found != expected:
+                what = "DTensor's global" if box is not None else "target has"
+                raise RestoreMismatchError(
+                    f"cannot restore key {key!r} from {reader.path}: the checkpoint has "
+                    f"shape {list(t.shape)} dtype {_dtype_label(expected)}, the {what} "
+                    f"shape {list(shape)} dtype {_dtype_label(target.dtype)}"
+                )
+            if writeback is None and not target.flags.writeable:
+                raise RestoreMismatchError(
+                    f"cannot restore key {key!r}: the target array is read-only"
+                )
+            if box is None and target.dtype.byteorder != ">" and target.flags.writeable and (
+                    target.nbytes >= _LARGE or len(t.slices) > 1):
+                box = (0,) * target.ndim  # read as the box of the whole tensor
+            plans.append((key, target, writeback, box))
+        if verify:
+            sliced = {key for key, _, _ in boxes}
+            whole = [key for key, *_ in plans if key not in sliced]
+            whole += [key for key, _, _ in texts]
+            if whole:
+                reader.verify(whole)
+            reader._verify_boxes(boxes)
+        for key, target, assign in texts:
+            stored = reader._get_string(key)
+            if assign is not None:
+                assign(stored)
+            else:
+                target[...] = stored
+        # DTensors, and whole targets of a split or a large stored tensor, are read as boxes:
+        # one copy from the map (or one read) per stored slice, in parallel, straight into the
+        # target, never through a new array (small whole ones: the map view, copied)
+        direct = reader._read_direct(
+            [(key, target) for key, target, _, box in plans if box is None])
+        reader._read_boxes_into(
+            [(key, box, target) for key, target, _, box in plans if box is not None])
+        done = {key for key, _, _, box in plans if box is not None} | direct
+        assigns = [(key, writeback) for key, target, writeback, _ in plans if key not in done
+                   and callable(writeback) and not target.flags.writeable]
+        if assigns:  # TensorFlow variables: read in bulk, assigned in one batch
+            from ..frameworks import tensorflow as tfw
+
+            stored_all = reader._get_many([key for key, _ in assigns])
+            tfw.assign_all([(fn, stored_all[key]) for key, fn in assigns])
+        assigned = {key for key, _ in assigns}
+        for key, target, writeback, _ in plans:
+            if key in assigned:
+                continue
+            if key not in done:
+                stored = reader.get(key)
+                if callable(writeback) and not target.flags.writeable:
+                    writeback(stored)  # a TensorFlow variable: assigned from the stored array
+                    continue
+                if target.dtype.byteorder == ">":
+                    np.copyto(target, stored, casting="equiv")
+                else:
+                    np.copyto(target, stored, casting="no")
+            if writeback is not None:
+                _copy_back(writeback, target)
+    restored = {key for key, *_ in plans} | {key for key, _, _ in texts}
+    n = len(start)
+    return CheckpointLoadStatus(str(reader.path), [k[n:] for k, _ in leaves if k in restored],
+                                [k[n:] for k in missing], [k[n:] for k in unexpected])
+
+
+def _string_target(reader: CheckpointReader, key: str, leaf: Any) -> tuple[str, Any, Any]:
+    """(key, numpy array to fill, None) or (key, None, assign) for string tensor `key`;
+    RestoreMismatchError unless `leaf` can take it in place (same kind and shape)."""
+    info = reader.info(key)
+    tf_assign = _tf_string_assign(leaf)
+    if tf_assign is not None:
+        shape, kind_ok = tuple(leaf.shape), True  # any string kind fits tf.string
+        label = "tf.string"
+    elif isinstance(leaf, np.ndarray):
+        shape, kind_ok, label = leaf.shape, leaf.dtype == info.dtype, str(leaf.dtype)
+        if kind_ok and not leaf.flags.writeable:
+            raise RestoreMismatchError(f"cannot restore key {key!r}: the target array is "
+                                       "read-only")
+    else:
+        raise RestoreMismatchError(
+            f"cannot restore string tensor {key!r} in place into a {type(leaf).__name__}: "
+            "only numpy arrays of its dtype and tf.string variables take it (use load())")
+    if tuple(shape) != info.shape or not kind_ok:
+        raise RestoreMismatchError(
+            f"cannot restore key {key!r} from {reader.path}: the checkpoint has string tensor "
+            f"shape {list(info.shape)} dtype {info.dtype}, the target has shape "
+            f"{list(shape)} dtype {label}")
+    return key, (None if tf_assign is not None else leaf), tf_assign
+
+
+def _tf_string_assign(leaf: Any) -> Any:
+    """`leaf.assign` for a tf.string variable, else None (TensorFlow is never imported)."""
+    if "tensorflow" not in sys.modules:
+        return None
+    from ..frameworks import tensorflow as tfw
+
+    return tfw.string_assign(leaf)
+
+
+def is_dtensor(value: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def _dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
+                 ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+    from ..frameworks.torch import dtensor_box
+
+    return dtensor_box(value, key, cache)
+
+
+def copy_into_dtensor(reader: CheckpointReader, key: str, value: Any, dry: bool = False
+                      ) -> None:
+    """Fill this rank's local tensor of DTensor `value` with its box of the stored tensor `key`
+    (global shape and dtype already checked), reading only the stored slices it intersects;
+    `dry` only checks the placements."""
+    local, offset, _ = _dtensor_box(value, key)
+    if dry:
+        return
+    target, writeback = _restore_target(local, key)
+    reader._read_boxes_into([(key, offset, target)])
+    if writeback is not None:
+        _copy_back(writeback, target)
+
+
+def _dtype_label(dt: np.dtype) -> str:
+    try:
+        return f"{safetensors_name(dt)} ({dt})"
+    except UnsupportedDTypeError:
+        return str(dt)
+
+
+def _restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any]:
+    """A numpy array sharing memory with `leaf`, and the torch tensor to copy back into when
+    the leaf does not live in host memory (else None)."""
+    if isinstance(leaf, np.ndarray):
+        return leaf, None
+    if "tensorflow" in sys.modules:
+        from ..frameworks import tensorflow as tfw
+
+        got = tfw.assign_target(leaf, key)
+        if got is not None:
+            return got
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(leaf, torch.Tensor):
+        if leaf.device.type == "cpu" and not (leaf.is_conj() or leaf.is_neg()):
+            array, _ = to_host(leaf, key)  # a view of the tensor's memory on CPU
+            return array, None
+        array, _ = to_host(leaf, key)
+        return np.array(array), leaf
+    raise RestoreMismatchError(
+        f"cannot restore key {key!r} in place into a {type(leaf).__name__}: only numpy arrays "
+        "and torch tensors can be restored in place (use load() for a new dict)"
+    )
+
+
+def _copy_back(target: Any, host: np.ndarray) -> None:
+    """Copy the restored `host` array into the leaf: a TensorFlow assign, or a torch copy."""
+    if callable(target):  # a TensorFlow variable's assign (frameworks.tensorflow)
+        target(host)
+    else:
+        _torch_copy_back(target, host)
+
+
+def _torch_copy_back(tensor: Any, host: np.ndarray) -> None:
+    import torch
+
+    if tensor.dtype in (torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
+                        getattr(torch, "float8_e5m2", None)):
+        carrier = np.int16 if host.dtype.itemsize == 2 else np.uint8
+        src = torch.from_numpy(host.view(carrier)).view(tensor.dtype)
+    else:
+        src = torch.from_numpy(host)
+    with torch.no_grad():
+        tensor.copy_(src)
+
+
+@dataclasses.dataclass
+class CheckpointLoadStatus:
+    """What a restore matched, returned by `restore_into`, `Checkpoint.read` /
+    `Checkpoint.restore` (and kept as `CheckpointManager.restore_status`).
+
+    `restored_keys`: the target's values that were restored, in the target's order.
+    `missing_keys`: values of the target that the checkpoint lacks (left unchanged).
+    `unexpected_keys`: checkpoint values nothing in the target took.
+
+    A restore with missing or unexpected keys raises IncompleteRestoreError unless it was asked
+    for with ``partial=True``; the assert_* methods then raise as TensorFlow's do.
+    """
+
+    path: str | None
+    restored_keys: list[str]
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError unless every value on both sides was matched."""
+        problems = []
+        if self.missing_keys:
+            problems.append(_listing("objects' values missing from the checkpoint",
+                                     self.missing_keys))
+        if self.unexpected_keys:
+            problems.append(_listing("checkpoint values no object took", self.unexpected_keys))
+        if self.path is None:
+            problems.append("nothing was restored (restore(None))")
+        if problems:
+            raise IncompleteRestoreError(
+                f"restore from {self.path} was not complete: " + "; ".join(problems)
+            )
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError unless every value of the target was restored (values
+        of the checkpoint left over are allowed)."""
+        if self.missing_keys:
+            raise IncompleteRestoreError(
+                f"restore from {self.path}: "
+                + _listing("objects' values missing from the checkpoint", self.missing_keys)
+            )
+        return self
+
+    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
+        """Raise IncompleteRestoreError if nothing at all was restored."""
+        if not self.restored_keys:
+            raise IncompleteRestoreError(f"restore from {self.path} matched no value at all")
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Accept a partial restore (TensorFlow's spelling); returns the status."""
+        return self
+
+
+def check_complete(path: str, missing: list[str], unexpected: list[str]) -> None:
+    """Raise IncompleteRestoreError naming the unmatched keys on both sides, if there are any.
+    Called before anything is changed."""
+    if not missing and not unexpected:
+        return
+    problems = []
+    if missing:
+        problems.append(_listing("target values missing from the checkpoint", missing))
+    if unexpected:
+        problems.append(_listing("checkpoint values nothing in the target takes", unexpected))
+    hint = ""
+    if missing and unexpected:
+        close = difflib.get_close_matches(missing[0], unexpected[:10_000], n=1, cutoff=0.6)
+        if close:
+            hint = (f" (did you mean: {missing[0]!r} is stored as {close[0]!r}? A model wrapped "
+                    "differently, e.g. in nn.Sequential or DataParallel, renames its keys)")
+    raise IncompleteRestoreError(
+        f"restore from {path} is incomplete: " + "; ".join(problems) + hint
+        + "; nothing was changed. Pass partial=True to restore the values that match and leave "
+        "the rest, then check the returned status (assert_consumed(), "
+        "assert_existing_objects_matched())"
+    )
+
+
+def _listing(what: str, keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return f"{len(keys)} {what}: {shown}{more}"

@@ -1,0 +1,540 @@
+"""The functional front door: ``save`` (and, from the reader, ``load``, ``open``, ``restore_into``).
+
+    info = shardkit.save("ckpt", {"model": {"w": w, "b": b}}, overwrite=True)
+    state = shardkit.load("ckpt")
+
+`save` flattens the state, runs the sharding callback once per device task, validates its shards
+before writing a byte, writes the shard files in parallel into a hidden temp directory and
+publishes it atomically (shardkit.storage.commit). A failed save leaves any earlier checkpoint
+intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import math
+import operator
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from .. import format as fmt
+from ..errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidMetadataError,
+    PolicyError,
+    SplitTensorsWarning,
+)
+from ..sharding.callback import Shard, ShardingCallback, callback_description, shard_tensors
+from ..sharding.policies import get_policy, register_policy
+from ..sharding.tensors import (
+    ShardableTensor,
+    expand_objects,
+    gc_paused,
+    host_columns,
+    shardable_tensors,
+)
+from ..storage import Storage, is_url, open_storage
+from ..values.slices import WHOLE
+from ..values.strings import StringColumns
+from .options import CheckpointOptions, check_threads
+from .reader import load
+from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
+from .restore import restore_into
+from .writer import (
+    SavedTensors,
+    ShardColumns,
+    default_threads,
+    shard_columns,
+    write_shards,
+)
+
+SINGLE_SHARD_BELOW = 64 * 1024 * 1024
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB")
+
+
+@dataclass(frozen=True, slots=True)
+class SaveInfo:
+    """What a save wrote: the checkpoint `path`, its `files` (shards, then the manifest), their
+    total size in `bytes`, the wall time in `seconds`, and the checkpoint's `generation` (the
+    unique id recorded in the manifest and every shard header)."""
+
+    path: str
+    files: tuple[str, ...]
+    bytes: int
+    seconds: float
+    generation: str | None = None
+
+
+class DefaultShardingPolicy(ShardingCallback):
+    """shardkit's default: one shard for small states, else near-equal shards, one per thread.
+
+    A state under 64 MiB goes into one shard (a second file costs more than it saves). A larger
+    state is cut, in the order given and between whole tensors, into ``max(threads,
+    ceil(total / max_shard_size))`` shards of near-equal size: the writer writes separate files
+    in parallel (about twice one file's speed on two cores), and shards stay under HuggingFace's
+    5 GB default. Tensors are never split, so every tensor stays readable by any safetensors or
+    HuggingFace tool through ``weight_map``; a tensor larger than the cap gets its own shard.
+    """
+
+    def __init__(self, threads: int | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+        check_threads(threads)
+        if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int):
+            raise InvalidArgumentTypeError(
+                f"max_shard_size must be an int, got {max_shard_size!r}")
+        if max_shard_size < 1:
+            raise PolicyError(f"max_shard_size must be positive, got {max_shard_size}")
+        self.threads = threads or default_threads()
+        self.max_shard_size = max_shard_size
+
+    @property
+    def description(self) -> str:
+        return (
+            f"shardkit default: near-equal shards, one per writer thread (threads={self.threads}"
+            f", max_shard_size={self.max_shard_size}, one shard below {SINGLE_SHARD_BELOW} bytes)"
+        )
+
+    def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
+        tensors = list(shardable_tensors)
+        arrays = list(map(_tensor_of, tensors))
+        bounds = self._bounds(list(map(_nbytes_of, arrays)))
+        keys = list(map(_key_of, tensors))
+        specs = list(map(_spec_of, tensors))
+        if len(set(keys)) == len(keys):  # no key split over several inputs: one dict each
+            return [
+                dict(zip(keys[a:b], [{s: x} for s, x in zip(specs[a:b], arrays[a:b])]))
+                for a, b in bounds
+            ]
+        shards: list[Shard] = []
+        for a, b in bounds:
+            current: Shard = {}
+            for key, spec, array in zip(keys[a:b], specs[a:b], arrays[a:b]):
+                current.setdefault(key, {})[spec] = array
+            if current:
+                shards.append(current)
+        return shards
+
+    def _bounds(self, sizes: list[int] | np.ndarray) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each shard over the tensors in the order given."""
+        n = len(sizes)
+        total = int(np.sum(sizes)) if n else 0
+        if total < SINGLE_SHARD_BELOW:
+            count = 1
+        else:
+            count = max(self.threads, math.ceil(total / self.max_shard_size))
+        count = max(1, min(count, n))
+        if total <= self.max_shard_size:  # no cap can bite: cuts at equal-share points only
+            return self._equal_share_bounds(np.asarray(sizes, np.int64), total, count)
+        sizes = list(map(int, sizes))
+        # where each shard starts: the loop only does arithmetic
+        starts = [0]
+        filled = done = 0
+        for i, size in enumerate(sizes):
+            if i > starts[-1] and (
+                filled + size > self.max_shard_size
+                # cut when this tensor's midpoint passes the next equal-share boundary
+                or (len(starts) < count and done + size / 2 > len(starts) * total / count)
+            ):
+                starts.append(i)
+                filled = 0
+            filled += size
+            done += size
+        return [(a, b) for a, b in zip(starts, [*starts[1:], len(sizes)]) if b > a]
+
+
+    @staticmethod
+    def _equal_share_bounds(sizes: np.ndarray, total: int, count: int) -> list[tuple[int, int]]:
+        """The loop of `_bounds` without the cap, vectorised: shard k starts at the first
+        tensor after the previous start whose midpoint passes ``k * total / count``."""
+        n = len(sizes)
+        if n == 0:
+            return []
+        mids = (np.cumsum(sizes) - sizes) + sizes / 2  # float64, as the loop computes it
+        starts = [0]
+        for k in range(1, count):
+            i = max(int(np.searchsorted(mids, k * total / count, side="right")), starts[-1] + 1)
+            if i >= n:
+                break
+            starts.append(i)
+        return list(zip(starts, [*starts[1:], n]))
+
+
+register_policy("default", DefaultShardingPolicy)  # get_policy("default"), plan --policy default
+
+_tensor_of = operator.attrgetter("tensor")
+_nbytes_of = operator.attrgetter("nbytes")
+_key_of = operator.attrgetter("checkpoint_key")
+_spec_of = operator.attrgetter("slice_spec")
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    sharding_callback: ShardingCallback | None = None,
+    threads: int | None = None,
+    durable: bool = True,
+    checksum: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    compression: str | None = None,
+    level: int | None = None,
+    shuffle: bool = True,
+    chunk_size: int | str = "4MiB",
+    options: CheckpointOptions | None = None,
+    format: str = "shardkit",
+    process_group: Any = None,
+    timeout: float | None = None,
+) -> SaveInfo:
+    """Save `state` (nested dicts / lists of arrays) as a sharded checkpoint directory at `path`.
+
+    - `sharding_callback`: decides the shards; None uses `DefaultShardingPolicy`. It runs once
+      per device task, and its shards are validated before any byte is written
+      (ShardingValidationError otherwise).
+    - `threads`: writer threads (default: one per core, at most 8).
+    - `durable`: fsync files and directories before returning (survives power loss).
+    - `checksum`: store an xxh3-64 checksum of every tensor slice, checked by ``verify``.
+    - `metadata`: a JSON-serialisable dict stored in the manifest as ``user_metadata``.
+    - `overwrite`: replace an existing checkpoint at `path` atomically; without it an existing
+      path raises CheckpointExistsError. A path that is not a shardkit checkpoint is never
+      replaced.
+    - `progress`: show a tqdm progress bar in bytes.
+    - `compression`: None for raw safetensors shards (the default: restore is a memory map),
+      ``"zstd"`` for compressed ``.skz`` shards, with `level`, `shuffle` and `chunk_size` (see
+      `CheckpointOptions`).
+    - `options`: a `CheckpointOptions`, TensorFlow's spelling of the same settings. A keyword
+      left at its default takes the value from `options`; a keyword set to another value that
+      disagrees with `options` is an error.
+    - `process_group`: save collectively with the other ranks of this torch.distributed process
+      group (or `shardkit.distributed.Coordinator`). A state holding DTensors is saved
+      collectively over their mesh's group without it. Every rank calls `save` with the same
+      path; each writes its own shards (see docs/TRAINING.md). Otherwise the save is this
+      process's alone, as ``if rank == 0: save(...)`` wants.
+    - `timeout`: seconds a collective save waits for the other ranks at each step before
+      raising DistributedTimeoutError (default 300).
+
+    Keys (shardkit.values.keys): nested keys are joined with ``/``; a flattened key must be
+    non-empty, not ``__metadata__``, valid UTF-8 and unique, and dict keys must be str or int.
+    A state that breaks a rule raises InvalidKeyError (InvalidKeyTypeError for a key's type) naming
+    where in `state` the key came from, before anything is written. Bad arguments raise
+    InvalidArgumentError / InvalidArgumentTypeError (ValueError / TypeError subclasses).
+
+    - `format`: ``"shardkit"`` (the default: the directory described above) or
+      ``"tensorflow"``: TensorFlow's TensorBundle checkpoint, `path` then being a prefix as
+      TensorFlow's (``<path>.index`` and one ``<path>.data-0000i-of-0000n`` per shard the
+      callback made; see `shardkit.adapters.tensorbundle`), which ``tf.train.load_checkpoint``
+      and ``tf.train.Checkpoint.restore`` read. Its entries always carry TensorFlow's crc32c;
+      `compression`, `metadata` and `progress` are refused with it.
+
+    Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
+    and no temp directory behind.
+
+    With a callback that keeps tensors whole (the default, ShardByTaskPolicy, AllInOnePolicy)
+    and no compression, the checkpoint is a HuggingFace sharded safetensors checkpoint as it
+    stands (``model.safetensors.index.json`` and ``model-00001-of-0000N.safetensors``). When the
+    callback splits tensors (MaxShardSizePolicy, BinPackPolicy and BalancedPolicy may), the save
+    succeeds and then warns once with `SplitTensorsWarning`: HuggingFace loaders cannot read
+    the split tensors.
+    """
+    started = time.perf_counter()
+    opts = _resolve_options(
+        options,
+        experimental_sharding_callback=sharding_callback,
+        threads=threads,
+        durable=durable,
+        checksum=checksum,
+        compression=compression,
+        level=level,
+        shuffle=shuffle,
+        chunk_size=chunk_size,
+    )
+    if opts.enable_async:
+        raise InvalidArgumentError(
+            "enable_async=True: the functional save() is synchronous; run it in your own "
+            "thread, or use a checkpoint manager"
+        )
+    for name, value in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
+    user_metadata = _check_metadata(metadata)
+    state = expand_objects(state)  # TensorFlow objects: TensorFlow's keys
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentTypeError(
+            f"state must be a mapping (e.g. a dict of arrays), got {type(state).__name__}"
+        )
+    if format not in ("shardkit", "tensorflow"):
+        raise InvalidArgumentError(f"format must be 'shardkit' or 'tensorflow', got {format!r}")
+    coord = _coordinator(state, process_group, timeout)
+    if coord is not None:
+        if format == "tensorflow":
+            raise InvalidArgumentError(
+                "format='tensorflow' is written by one process: a collective save (DTensors "
+                "or process_group=) writes shardkit's format; convert it afterwards with "
+                "`shardkit convert`")
+        return _collective_save(coord, path, state, opts, user_metadata, overwrite, progress,
+                                started)
+    if format == "tensorflow":
+        if is_url(path):
+            raise InvalidArgumentError(
+                f"{path}: format='tensorflow' writes local files only; save shardkit's format "
+                "to the URL, or write the TensorFlow checkpoint locally and upload it")
+        return _save_tensorbundle(path, state, opts, user_metadata, overwrite, progress, started)
+    store = open_storage(path)
+    store.check_target(overwrite)  # fail fast, before the callback runs
+    with gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
+        info, split = _save(store, state, opts, user_metadata, overwrite, progress, started)
+    if split and _WARN_SPLIT.get():
+        warnings.warn(SplitTensorsWarning(_split_message(split, info.path)), stacklevel=2)
+    return info
+
+
+def _coordinator(state: Mapping[str, Any], process_group: Any, timeout: float | None) -> Any:
+    """The coordinator of a collective save, or None: shardkit.distributed is not even
+    imported unless torch.distributed.tensor is loaded or a group is given."""
+    if process_group is None and timeout is None and (
+            "torch.distributed.tensor" not in sys.modules):
+        return None
+    from ..distributed.routing import coordinator_for
+
+    return coordinator_for(state, process_group, timeout)
+
+
+def _collective_save(coord: Any, path: str | os.PathLike[str], state: Mapping[str, Any],
+                     opts: CheckpointOptions, user_metadata: dict[str, Any], overwrite: bool,
+                     progress: bool, started: float) -> SaveInfo:
+    from ..distributed.save import collective_save
+
+    with gc_paused():  # without a callback: the default policy, with each rank's threads
+        out = collective_save(coord, path, state,
+                              callback=opts.experimental_sharding_callback,
+                              default_policy=DefaultShardingPolicy, opts=opts,
+                              user_metadata=user_metadata, overwrite=overwrite,
+                              progress=progress)
+    opts.run_write_callbacks(out.path)
+    return SaveInfo(out.path, out.files, out.bytes, time.perf_counter() - started,
+                    out.generation)
+
+
+_WARN_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_warn_split",
+                                                                   default=True)
+
+
+@contextlib.contextmanager
+def _no_split_warning() -> Iterator[None]:
+    """`save` without SplitTensorsWarning, in this thread: for `Checkpoint`, whose keys are
+    object paths that no HuggingFace loader reads anyway."""
+    token = _WARN_SPLIT.set(False)
+    try:
+        yield
+    finally:
+        _WARN_SPLIT.reset(token)
+
+
+def _split_keys(shards: Sequence[ShardColumns]) -> list[str]:
+    """The keys of the tensors stored as slices (not as one entry of spec ""), in shard order,
+    each once: those the manifest's weight_map leaves out."""
+    return list(dict.fromkeys(
+        key for shard in shards if any(shard.specs)
+        for key, spec in zip(shard.keys, shard.specs) if spec != WHOLE))
+
+
+def _split_message(split: list[str], path: str) -> str:
+    count = f"{len(split)} tensor{'s' if len(split) != 1 else ''}"
+    return (
+        f"{path}: the sharding callback stored {count} as slices (e.g. {split[0]!r}); "
+        f"HuggingFace loaders (from_pretrained, safetensors) cannot read a tensor stored as "
+        f"slices: it is absent from weight_map in {fmt.MANIFEST_FILE} (shardkit reads it as "
+        "usual). DefaultShardingPolicy, ShardByTaskPolicy and AllInOnePolicy keep tensors whole"
+    )
+
+
+def _save(
+    store: Storage,
+    state: Mapping[str, Any],
+    opts: CheckpointOptions,
+    user_metadata: dict[str, Any],
+    overwrite: bool,
+    progress: bool,
+    started: float,
+) -> tuple[SaveInfo, list[str]]:
+    """The save, and the keys of the tensors the callback split (none for the default)."""
+    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
+    description = callback_description(callback)
+    strings = StringColumns()  # string tensors: their own file, not the callback's
+    shards, saved, split = _plan(callback, state, strings)
+
+    with store.stage(overwrite=overwrite, durable=opts.durable) as staging:
+        index, index_chunks = write_shards(
+            staging.store,
+            shards,
+            saved,
+            description=description,
+            threads=opts.threads,
+            durable=opts.durable,
+            checksum=opts.checksum,
+            user_metadata=user_metadata,
+            progress=progress,
+            compression=opts.compression,
+            level=opts.level,
+            shuffle=opts.shuffle,
+            chunk_size=opts.chunk_size,
+            generation=staging.generation,
+            strings=strings,
+        )
+        staging.commit(index_chunks)
+    target = str(staging.target)
+    opts.run_write_callbacks(target)
+    extra = () if index.strings is None else (index.strings.file,)
+    name = staging.store.shard_name
+    files = (*(name(f, index.generation) for f in (*(s.file for s in index.shards), *extra)),
+             fmt.MANIFEST_FILE)
+    total = (sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
+             + (0 if index.strings is None else index.strings.size))
+    info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
+    return info, split
+
+
+def _plan(callback: ShardingCallback, state: Mapping[str, Any], strings: StringColumns
+          ) -> tuple[list[ShardColumns], SavedTensors, list[str]]:
+    """The validated shards of `state`, the saved tensors, and the keys the callback split;
+    string tensors go to `strings` instead."""
+    planned = (_default_shards(callback, state, strings)
+               if type(callback) is DefaultShardingPolicy else None)
+    if planned is None:
+        tensors = shardable_tensors(state, strings=strings)
+        shards = shard_columns(shard_tensors(callback, tensors))
+        return shards, SavedTensors.of(tensors), _split_keys(shards)
+    return *planned, []
+
+
+def _save_tensorbundle(path: str | os.PathLike[str], state: Mapping[str, Any],
+                       opts: CheckpointOptions, user_metadata: dict[str, Any], overwrite: bool,
+                       progress: bool, started: float) -> SaveInfo:
+    """``save(..., format="tensorflow")``: plan as any save, write a TensorBundle."""
+    from ..adapters.tensorbundle.writer import check_prefix, write_bundle
+
+    for name, bad in (("compression", opts.compression is not None),
+                      ("metadata", bool(user_metadata)), ("progress", progress)):
+        if bad:
+            raise InvalidArgumentError(
+                f"save(..., format='tensorflow') cannot honour {name}: a TensorFlow checkpoint "
+                "stores raw tensors and no user metadata")
+    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
+    prefix = os.fspath(path)
+    check_prefix(prefix, overwrite)  # fail fast, before the callback runs
+    strings = StringColumns()
+    with gc_paused():
+        shards, _saved, _split = _plan(callback, state, strings)
+        files, total = write_bundle(prefix, shards, strings, threads=opts.threads
+                                    or default_threads(), durable=opts.durable,
+                                    overwrite=overwrite)
+    opts.run_write_callbacks(prefix)
+    return SaveInfo(prefix, tuple(files), total, time.perf_counter() - started, None)
+
+
+def _default_shards(
+    policy: DefaultShardingPolicy, state: Mapping[str, Any], strings: StringColumns | None = None
+) -> tuple[list[ShardColumns], SavedTensors]:
+    """The default policy's shards, planned on columns without building a ShardableTensor per
+    tensor. Its output is valid by construction (every input once, as given, on its own
+    task), which is what `shard_tensors` would check; `host_columns` has checked the keys
+    (unique, among other rules: shardkit.values.keys)."""
+    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state, None, strings)
+    tasks = {d.task or 0 for d in distinct}
+    groups: dict[int, range | list[int]]
+    if len(tasks) <= 1:  # one task (always, for numpy arrays)
+        groups = {tasks.pop() if tasks else 0: range(len(keys))}
+    else:
+        by_task: dict[int, list[int]] = {}
+        for i, d in enumerate(devices):
+            by_task.setdefault(d.task or 0, []).append(i)
+        groups = {**by_task}
+    shards: list[ShardColumns] = []
+    for task, rows in groups.items():
+        if len(groups) == 1:
+            k, a_, d_, n_, s_ = keys, arrays, dtypes, nbytes, shapes
+        else:  # this task's tensors, in the order given
+            k = [keys[i] for i in rows]
+            a_ = [arrays[i] for i in rows]
+            d_ = [dtypes[i] for i in rows]
+            n_ = nbytes[rows]
+            s_ = [shapes[i] for i in rows]
+        for a, b in policy._bounds(n_):
+            shards.append(ShardColumns(
+                task, k[a:b], [WHOLE] * (b - a), a_[a:b], dtypes=d_[a:b], nbytes=n_[a:b],
+                shapes=s_[a:b], rows=range(a, b) if len(groups) == 1 else rows[a:b]))
+    names = {id(d): d.to_string() for d in distinct}
+    device_names = ([names[id(devices[0])]] * len(devices) if len(names) == 1
+                    else list(map(names.__getitem__, map(id, devices))))
+    saved = SavedTensors(keys, dtypes, shapes, device_names, int(nbytes.sum()))
+    return shards, saved
+
+
+_KEYWORD_DEFAULTS = {
+    f.name: f.default
+    for f in fields(CheckpointOptions)
+    if f.name in ("experimental_sharding_callback", "threads", "durable", "checksum",
+                  "compression", "level", "shuffle", "chunk_size")
+}
+_KEYWORD_NAMES = {"experimental_sharding_callback": "sharding_callback"}
+
+
+def _resolve_options(options: CheckpointOptions | None, **given: Any) -> CheckpointOptions:
+    """The options of a save: `options` if given, else built from the keywords.
+
+    A keyword left at its default defers to `options`; one set to another value must agree.
+    """
+    if options is None:
+        return CheckpointOptions(**given)
+    if not isinstance(options, CheckpointOptions):
+        raise InvalidArgumentTypeError(
+            f"options must be a CheckpointOptions, got {type(options).__name__}")
+    for field_name, value in given.items():
+        default = _KEYWORD_DEFAULTS[field_name]
+        in_options = getattr(options, field_name)
+        if value is not default and value != default and value != in_options:
+            raise InvalidArgumentError(
+                f"save(..., {_KEYWORD_NAMES.get(field_name, field_name)}={value!r}) conflicts "
+                f"with options.{field_name}={in_options!r}; set it in one place only"
+            )
+    return options
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgumentTypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    data = dict(metadata)
+    levels = fmt.MAX_DEPTH - 2  # user_metadata is level 3 of the manifest
+    try:
+        if not fmt.nesting_within(json.loads(json.dumps(data, allow_nan=False)), levels):
+            raise RecursionError
+    except RecursionError:
+        raise InvalidMetadataError(
+            f"metadata is nested more than {levels} levels deep; the manifest allows "
+            f"{fmt.MAX_DEPTH} levels (user_metadata is level 3)") from None
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentTypeError(
+            f"metadata must be JSON-serialisable (str keys; str, numbers, bools, None, lists, "
+            f"dicts; no NaN): {e}"
+        ) from None
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise InvalidArgumentTypeError(f"metadata keys must be str, got {bad[0]!r}")
+    return data
+
+
+__all__ = [
+    "DefaultShardingPolicy", "SaveInfo", "get_policy", "load", "open", "restore_into", "save",
+]

@@ -1,0 +1,1 @@
+"""The callback contract: ShardableTensor, flattening, validation, policies."""

@@ -1,0 +1,520 @@
+"""ShardableTensor, and turning a nested state (dicts of arrays) into ShardableTensors.
+
+Framework tensors become host numpy views without a copy where the framework allows it: torch
+CPU tensors via ``Tensor.numpy()`` (bfloat16 / float8 reinterpreted as ml_dtypes), JAX arrays via
+``np.asarray``. Device tensors are copied to the host. torch and jax are never imported here; a
+tensor of theirs can only exist if the caller already imported them.
+"""
+
+from __future__ import annotations
+
+import gc
+import operator
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import repeat
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._kernels import _table
+from ..errors import (
+    InvalidArgumentTypeError,
+    InvalidKeyError,
+    InvalidKeyTypeError,
+    UnsupportedDTypeError,
+)
+from ..values.devices import DeviceSpec
+from ..values.dtypes import is_supported, numpy_dtype, storable
+from ..values.keys import check_keys, key_problem
+from ..values.slices import WHOLE
+
+SEPARATOR = "/"
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+"""Where TensorFlow (and shardkit, for TensorFlow objects) stores the object graph proto."""
+DEFAULT_DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSaveSpec:
+    """What TensorFlow callbacks read as ``shardable_tensor.tensor_save_spec``."""
+
+    tensor: np.ndarray
+    name: str
+    slice_spec: str
+    dtype: np.dtype
+    device: DeviceSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ShardableTensor:
+    """One tensor (or one slice of a tensor) handed to a sharding callback.
+
+    `tensor` is a host numpy array (ml_dtypes for bfloat16 / float8); `shape` is the shape of
+    `tensor`; `slice_spec` is ``""`` for a whole tensor.
+    """
+
+    tensor: np.ndarray
+    dtype: np.dtype
+    device: DeviceSpec
+    name: str
+    shape: tuple[int, ...]
+    slice_spec: str
+    checkpoint_key: str
+
+    @property
+    def tensor_save_spec(self) -> TensorSaveSpec:
+        return TensorSaveSpec(self.tensor, self.name, self.slice_spec, self.dtype, self.device)
+
+    @property
+    def task(self) -> int:
+        """The device task, 0 when the device names none."""
+        return self.device.task or 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+
+DeviceArg = str | DeviceSpec | Callable[[str], "str | DeviceSpec"] | None
+
+
+def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None,
+                      strings: Any = None) -> list[ShardableTensor]:
+    """Flatten `state` (nested dicts / lists of arrays) into ShardableTensors, one per leaf.
+
+    Keys are joined with ``/``. `device` overrides the device of every tensor: a device string,
+    a DeviceSpec, or a callable from checkpoint key to either. By default a tensor keeps the
+    device it lives on (task 0, CPU for numpy). `strings`: a `strings.StringColumns` that
+    takes the string tensors (numpy bytes / str / object arrays, tf.string) out of the
+    result; without it they are refused.
+    """
+    with gc_paused():
+        c = host_columns(state, device, strings)
+        return list(map(_new_shardable, c.arrays, c.dtypes, c.devices, c.keys, c.shapes,
+                        repeat(WHOLE), c.keys))
+
+
+class HostColumns(NamedTuple):
+    """The leaves of a state, column-wise, as host arrays: key, array, device, and the
+    array's dtype, size in bytes and shape; and the distinct device objects among `devices`
+    (by identity, in order of first use)."""
+
+    keys: list[str]
+    arrays: list[np.ndarray]
+    devices: list[DeviceSpec]
+    dtypes: list[np.dtype]
+    nbytes: np.ndarray
+    shapes: list[tuple[int, ...]]
+    distinct_devices: list[DeviceSpec]
+
+
+def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
+                 strings: Any = None) -> HostColumns:
+    """`shardable_tensors` column-wise, without building a ShardableTensor each (the default
+    policy does not need them); `strings` as there."""
+    default = DeviceSpec.from_string(DEFAULT_DEVICE)
+    fixed = None if device is None or callable(device) else _as_device(device)
+    keys, arrays = flatten_columns(state)
+    devices: list[DeviceSpec] = [default] * len(keys)
+    moved = False  # a leaf came from a device of its own
+    stored = storable()  # the set itself: it gains ml_dtypes' dtypes when they are imported
+    described = _table.describe_arrays(arrays, stored)  # one pass over plain numpy leaves
+    if described is None:  # framework tensors, other types or byte orders: convert those
+        ndarray = np.ndarray
+        taken: list[int] = []
+        tf_rows: list[int] = []  # TensorFlow values: converted in one batch
+        for i, (key, value) in enumerate(zip(keys, list(arrays))):
+            if not (type(value) is ndarray and value.dtype in stored):
+                if is_tf_value(value):  # strings among them too: sorted out in the batch
+                    tf_rows.append(i)
+                    continue
+                if strings is not None and _string_leaf(value, key, strings, device):
+                    taken.append(i)
+                    continue
+                arrays[i], dev = to_host(value, key)
+                if dev is not None:
+                    devices[i] = dev
+                    moved = True
+        if tf_rows:
+            hosts = _tf().host_arrays([arrays[i] for i in tf_rows], [keys[i] for i in tf_rows],
+                                      strings=strings is not None)
+            for i, got in zip(tf_rows, hosts):
+                if got is None:  # a tf.string value
+                    _string_leaf(arrays[i], keys[i], strings, device)
+                    taken.append(i)
+                else:
+                    arrays[i], devices[i] = got
+            taken.sort()
+            moved = True
+        if taken:  # string tensors went to `strings`: the columns without them
+            gone = set(taken)
+            keep = [i for i in range(len(keys)) if i not in gone]
+            keys = [keys[i] for i in keep]
+            arrays = [arrays[i] for i in keep]
+            devices = [devices[i] for i in keep]
+        described = _table.describe_arrays(arrays, storable()) or (
+            list(map(_dtype_of, arrays)), _table.array_nbytes(arrays),
+            list(map(_shape_of, arrays)))
+    if fixed is not None:
+        devices = [fixed] * len(keys)
+    elif device is not None:
+        devices = [_as_device(device(key)) for key in keys]  # type: ignore[operator]
+    if fixed is not None or (device is None and not moved):
+        distinct = devices[:1]  # all the same object
+    else:
+        distinct = list(dict(zip(map(id, devices), devices)).values())
+    return HostColumns(keys, arrays, devices, *described, distinct)
+
+
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+
+
+def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:
+    """Put `value` in `strings` if it is a string tensor; whether it was one."""
+    array, dev = value, None
+    if is_tf_value(value):
+        if not _tf().tf_is_string(value):
+            return False
+        array, dev = _tf().string_to_host(value)
+    elif not is_string_array(value):
+        return False
+    if device is not None:
+        dev = _as_device(device(key) if callable(device) else device)
+    strings.add(key, np.asarray(array), (dev.to_string() if dev is not None
+                                         else DEFAULT_DEVICE))
+    return True
+
+
+def fast_constructor(cls: type) -> Callable[..., Any]:
+    """Build a frozen-slots-dataclass instance without its __init__ (2x faster, same result).
+
+    Frozen dataclasses set each field through object.__setattr__; calling the slot descriptors
+    directly skips that lookup. The source is generated so the loop over fields is unrolled.
+    """
+    names = cls.__slots__  # type: ignore[attr-defined]
+    env = {f"set_{n}": getattr(cls, n).__set__ for n in names}
+    env.update(cls=cls, new=object.__new__)
+    body = "".join(f"    set_{n}(obj, {n})\n" for n in names)
+    exec(f"def make({', '.join(names)}):\n    obj = new(cls)\n{body}    return obj\n", env)
+    return env["make"]
+
+
+def columns_constructor(cls: type) -> Callable[..., list[Any]]:
+    """Build many frozen-slots-dataclass instances from columns (one iterable per field, in
+    field order, all of the same length); about 2x faster again than `fast_constructor`.
+
+    Every loop is a C-level ``map`` over the slot descriptors' setters, no Python frame per item.
+    """
+    names: tuple[str, ...] = cls.__slots__  # type: ignore[attr-defined]
+    setters = [getattr(cls, n).__set__ for n in names]
+    new = object.__new__
+
+    def make_many(*columns: Any) -> list[Any]:
+        cols = [c if isinstance(c, (list, tuple)) else list(c) for c in columns]
+        if len(cols) != len(setters) or len({len(c) for c in cols}) > 1:
+            raise ValueError(f"{cls.__name__}: need {len(setters)} columns of one length")
+        objs: list[Any] = list(map(new, repeat(cls, len(cols[0]) if cols else 0)))
+        for set_field, col in zip(setters, cols):
+            any(map(set_field, objs, col))  # every __set__ returns None: consumes the map
+        return objs
+
+    return make_many
+
+
+_new_shardable = fast_constructor(ShardableTensor)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Creating a million small objects triggers many useless cyclic-GC passes."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _as_device(device: str | DeviceSpec) -> DeviceSpec:
+    return device if isinstance(device, DeviceSpec) else DeviceSpec.from_string(device)
+
+
+def flatten_columns(state: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
+    """`flatten` as two lists, joined keys and leaves; native for plain dicts, lists and
+    tuples. The keys are checked (shardkit.values.keys): InvalidKeyError names the offending key and
+    where in `state` it came from, for either walk alike."""
+    got = _table.flatten_plain(state, SEPARATOR)
+    if got is None:
+        leaves = flatten(state)
+        got = [k for k, _ in leaves], [v for _, v in leaves]
+    keys = got[0]
+    if key_problem(keys) is not None:  # a few set operations; the wording only on failure
+        paths: list[tuple[str | int, ...]] = []
+        check_keys(keys, origin=lambda i: state_path(_leaf_paths(state, paths)[i]))
+    return got
+
+
+def state_path(path: tuple[str | int, ...]) -> str:
+    """How a caller spells the leaf at `path` (``state['a'][0]``)."""
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def _leaf_paths(state: Mapping[str, Any], cache: list[tuple[str | int, ...]]
+                ) -> list[tuple[str | int, ...]]:
+    """The path (the keys as given, str or int) of every leaf, in `flatten`'s order."""
+    if not cache:
+        stack: list[tuple[tuple[str | int, ...], Iterator[tuple[Any, Any]]]] = [
+            ((), _items(state, "<root>"))]
+        while stack:
+            path, items = stack.pop()
+            for k, v in items:
+                sub = (*path, _key_part(k, path))
+                tv = type(v)
+                if tv is np.ndarray or not (tv is dict or isinstance(v, (Mapping, list, tuple))):
+                    cache.append(sub)
+                else:
+                    stack.append((path, items))
+                    stack.append((sub, _items(v, "")))
+                    break
+    return cache
+
+
+def flatten(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``(joined_key, leaf)`` pairs depth-first; lists and tuples are indexed ``0, 1, ...``.
+
+    Keys are str or int (not bool); a subclass of either is stored as its value (``str.__str__``
+    / decimal digits), whatever its own ``__str__`` says. Another key type raises
+    InvalidKeyTypeError naming its place in `state`."""
+    out: list[tuple[str, Any]] = []
+    append = out.append
+    ndarray = np.ndarray
+    stack: list[tuple[str, Iterator[tuple[Any, Any]], tuple[str | int, ...]]] = [
+        (prefix, _items(state, prefix or "<root>"), ())]
+    while stack:
+        base, items, path = stack.pop()
+        for k, v in items:
+            part = k
+            if type(k) is not str:
+                part = _key_part(k, path)
+                k = part if type(part) is str else str(part)
+            key = base + k
+            tv = type(v)
+            if tv is ndarray or not (tv is dict or isinstance(v, (Mapping, list, tuple))):
+                append((key, v))
+            else:
+                # Depth-first in insertion order: park the rest of this level, descend.
+                stack.append((base, items, path))
+                stack.append((key + SEPARATOR, _items(v, key), (*path, part)))
+                break
+    return out
+
+
+def _key_part(k: Any, path: tuple[str | int, ...]) -> str | int:
+    """`k` as the str or int a reader sees, or InvalidKeyTypeError."""
+    if type(k) is str or type(k) is int:
+        return k
+    if isinstance(k, str):
+        return str.__str__(k)
+    if isinstance(k, int) and not isinstance(k, bool):
+        return int(int.__repr__(k))
+    raise InvalidKeyTypeError(
+        f"state key {k!r} at {state_path((*path, k))} is not a str or int (it is a "
+        f"{type(k).__name__}); checkpoint keys are strings, and list indices and int keys are "
+        "stored as their decimal digits"
+    )
+
+
+def _items(node: Any, where: str) -> Iterator[tuple[Any, Any]]:
+    if isinstance(node, Mapping):
+        return iter(node.items())
+    if isinstance(node, (list, tuple)):
+        return iter(enumerate(node))
+    raise InvalidArgumentTypeError(
+        f"state at {where!r} must be a mapping of arrays, got {type(node).__name__}")
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuild nested dicts from ``/``-joined keys (the inverse of flatten, lists become dicts).
+
+    A key that is a tensor and also the prefix of another key (``a`` and ``a/b``, which a
+    checkpoint may hold) cannot be nested: InvalidKeyError names both."""
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = root
+        *parents, leaf = key.split(SEPARATOR)
+        for depth, p in enumerate(parents):
+            node = node.setdefault(p, {})
+            if type(node) is not dict:
+                prefix = SEPARATOR.join(parents[: depth + 1])
+                raise InvalidKeyError(
+                    f"cannot nest key {key!r}: {prefix!r} is a tensor and also the prefix of "
+                    f"{key!r}; use the flat dict")
+        if type(node.get(leaf)) is dict:
+            other = next(k for k in flat if k.startswith(key + SEPARATOR))
+            raise InvalidKeyError(
+                f"cannot nest key {other!r}: {key!r} is a tensor and also the prefix of "
+                f"{other!r}; use the flat dict")
+        node[leaf] = value
+    return root
+
+
+def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
+    """A host numpy array for `value` and the device it came from (None for host memory)."""
+    if type(value) is np.ndarray:
+        array, dev = value, None
+    elif _is_torch(value) or _is_jax(value) or is_tf_value(value):
+        framework = "torch" if _is_torch(value) else "jax" if _is_jax(value) else "tensorflow"
+        try:
+            array, dev = (_torch_to_host if framework == "torch" else _jax_to_host
+                          if framework == "jax" else _tf().to_host)(value)
+        except Exception as e:  # sparse or meta tensors, deleted or unaddressable arrays...
+            raise UnsupportedDTypeError(
+                f"{key!r}: cannot copy this {framework} {type(value).__name__} to a host array: "
+                f"{e}") from e
+    else:
+        try:
+            array, dev = np.asarray(value), None
+        except Exception as e:
+            raise UnsupportedDTypeError(
+                f"{key!r}: cannot convert {type(value).__name__} to an array: {e}"
+            ) from e
+        if array.dtype.kind in "OUSV" and not isinstance(value, (np.ndarray, np.generic)):
+            raise UnsupportedDTypeError(_not_a_tensor(key, value))
+    dt = array.dtype
+    if dt.byteorder == ">":
+        if not is_supported(dt):
+            raise UnsupportedDTypeError(f"{key!r}: dtype {dt} cannot be stored")
+        array = array.astype(dt.newbyteorder("<"))
+    elif not is_supported(dt):
+        hint = "; strings and objects go in metadata=" if dt.kind in "OUSV" else ""
+        raise UnsupportedDTypeError(
+            f"{key!r}: dtype {dt} cannot be stored (supported: bool, (u)int8-64, float16/32/64, "
+            f"bfloat16, float8_e4m3fn, float8_e5m2){hint}"
+        )
+    return array, dev
+
+
+def _not_a_tensor(key: str, value: Any) -> str:
+    """Why a Python value that is not numeric data cannot be a tensor, and where it can go."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (f"{key!r}: int {value} does not fit in 64 bits; store it as a float, or in "
+                "save(..., metadata={...})")
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    name = type(value).__name__
+    what = "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({shown})"
+    return (f"{key!r}: {what} is not an array or a number, so it cannot be a tensor; "
+            "put it in save(..., metadata={...}), which takes JSON values (str, numbers, bools, "
+            "None, lists, dicts)")
+
+
+def _is_torch(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_jax(value: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(value, jax.Array)
+
+
+def is_string_array(value: Any) -> bool:
+    """Whether `value` is a numpy array (or scalar) of bytes, str or objects."""
+    return isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "OSU"
+
+
+_TF_TYPES: dict[type, bool] = {}  # type -> whether its instances are tf.Tensor / tf.Variable
+
+
+def is_tf_value(value: Any) -> bool:
+    """A tf.Tensor or tf.Variable (TensorFlow is imported already if one exists); decided
+    once per type (isinstance against TensorFlow's abstract classes is slow)."""
+    known = _TF_TYPES.get(type(value))
+    if known is not None:
+        return known
+    if "tensorflow" not in sys.modules:
+        return False
+    got = _TF_TYPES[type(value)] = bool(_tf().is_tf_value(value))
+    return got
+
+
+def expand_objects(state: Any) -> Any:
+    """`state` with TensorFlow objects (tf.Module, Keras models and optimizers...) flattened to
+    TensorFlow's checkpoint keys (`frameworks.tensorflow.expand`); anything else unchanged."""
+    if "tensorflow" not in sys.modules:
+        return state
+    return _tf().expand(state)
+
+
+def expand_targets(state: Any) -> Any:
+    """`expand_objects` for restore targets: TensorFlow objects' variables under their keys."""
+    if "tensorflow" not in sys.modules:
+        return state
+    return _tf().expand_targets(state)
+
+
+_TF_MODULE: list[Any] = []
+
+
+def _tf() -> Any:
+    if not _TF_MODULE:
+        from ..frameworks import tensorflow
+
+        _TF_MODULE.append(tensorflow)
+    return _TF_MODULE[0]
+
+
+@lru_cache(maxsize=1)
+def torch_reinterpret() -> dict[Any, tuple[Any, np.dtype]]:
+    """torch dtypes numpy lacks -> (integer carrier of the same width, the ml_dtypes dtype)."""
+    import torch
+
+    table = {
+        torch.bfloat16: (torch.int16, numpy_dtype("BF16")),
+        getattr(torch, "float8_e4m3fn", None): (torch.uint8, numpy_dtype("F8_E4M3")),
+        getattr(torch, "float8_e5m2", None): (torch.uint8, numpy_dtype("F8_E5M2")),
+    }
+    table.pop(None, None)  # float8 types this torch does not have
+    return table
+
+
+def torch_numpy_dtype(dtype: Any) -> np.dtype:
+    """The numpy (or ml_dtypes) dtype that holds a torch dtype's values."""
+    special = torch_reinterpret().get(dtype)
+    if special is not None:
+        return special[1]
+    import torch
+
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _torch_to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
+    reinterpret = torch_reinterpret()
+    dev = t.device
+    dev_spec = DeviceSpec(
+        "localhost", 0, 0, "GPU" if dev.type == "cuda" else dev.type.upper(), dev.index or 0
+    )
+    t = t.detach()
+    if dev.type != "cpu":
+        t = t.cpu()
+    if t.dtype in reinterpret:
+        carrier, np_dtype = reinterpret[t.dtype]
+        if t.dim() == 0:
+            return t.reshape(1).view(carrier).numpy().view(np_dtype).reshape(()), dev_spec
+        return t.view(carrier).numpy().view(np_dtype), dev_spec
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.numpy(), dev_spec
+
+
+def _jax_to_host(a: Any) -> tuple[np.ndarray, DeviceSpec]:
+    devices = list(a.devices())
+    d = devices[0] if devices else None
+    kind = "CPU" if d is None or d.platform == "cpu" else d.platform.upper()
+    return np.asarray(a), DeviceSpec("localhost", 0, 0, kind, getattr(d, "id", 0) or 0)

@@ -1,0 +1,1 @@
+"""The command line, the demo, profiling, the pytest plugin."""

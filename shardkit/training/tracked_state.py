@@ -1,0 +1,372 @@
+"""The state of the objects a `checkpoint.Checkpoint` tracks: what a tracked object is
+(arrays, torch modules and optimizers, TensorFlow variables, anything with ``state_dict()``),
+its state collected into tensors and a JSON skeleton (tied tensors stored once), and restored
+from a reader into the objects in place."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    InvalidArgumentTypeError,
+    InvalidKeyError,
+    InvalidKeyTypeError,
+    RestoreMismatchError,
+)
+from ..io.reader import CheckpointReader
+from ..io.restore import copy_into_dtensor, is_dtensor
+from ..sharding.tensors import SEPARATOR, is_tf_value, to_host, torch_numpy_dtype, torch_reinterpret
+
+MISSING: Any = object()  # "no value here" (distinct from None, which is a value)
+
+
+# --- what a tracked object is -------------------------------------------------------------------
+
+
+def is_tensor(x: Any) -> bool:
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return True
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return True
+    return is_tf_value(x) or _tf_variable(x)
+
+
+def _tf_variable(x: Any) -> bool:
+    """A TensorFlow (or Keras) variable: restored in place with ``assign``."""
+    return "tensorflow" in sys.modules and tf_module().is_variable(x)
+
+
+def tf_module() -> Any:
+    from ..frameworks import tensorflow
+
+    return tensorflow
+
+
+def _tensor_kind(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if isinstance(x, np.generic):
+        return "scalar"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    if is_tf_value(x) or _tf_variable(x):
+        return "tensorflow"
+    return "jax"
+
+
+def object_kind(name: str, obj: Any) -> str:
+    if is_tensor(obj):
+        return "array"
+    if "tensorflow" in sys.modules and tf_module().is_trackable(obj):
+        return "tensorflow"  # tf.Module, Keras model / optimizer: TensorFlow's keys
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, torch.nn.Module):
+            return "module"
+    if callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        return "stateful"
+    if isinstance(obj, MutableMapping):
+        return "tree"
+    raise InvalidArgumentTypeError(
+        f"Checkpoint({name}=...): cannot track a {type(obj).__name__}; pass an array, a dict "
+        "of arrays, a torch module or optimizer, or an object with state_dict() and "
+        "load_state_dict()"
+    )
+
+
+# --- saving: state -> flat tensors + a JSON skeleton --------------------------------------------
+
+
+def _identity(x: Any) -> tuple[Any, ...] | None:
+    """What makes two tensors the same memory (tied weights); None for ones never shared."""
+    if isinstance(x, np.ndarray):
+        if x.size == 0:
+            return None
+        return ("numpy", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.numel() == 0:
+            return None
+        if type(x).__name__ == "DTensor":  # a wrapper without storage: its local shard's
+            x = x.to_local()
+        return (
+            "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
+            tuple(x.shape), x.stride(), x.dtype,
+        )
+    if _tf_variable(x):  # one variable reached from two objects (a model and its optimizer)
+        return ("tensorflow", id(x))
+    return None
+
+
+class StateCollector:
+    """Gathers the tensors to store while the JSON skeleton of each object is built."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, Any] = {}
+        self._keys: set[str] = set()
+        self._first: dict[tuple[Any, ...], str] = {}
+
+    def tensor(self, key: str, value: Any) -> dict[str, Any]:
+        if key in self._keys:
+            raise InvalidKeyError(
+                f"two values map to the checkpoint key {key!r}; a dict key containing "
+                f"{SEPARATOR!r} collides with a nested one. Rename one of them"
+            )
+        self._keys.add(key)
+        enc: dict[str, Any] = {"x": key, "k": _tensor_kind(value)}
+        ident = _identity(value)
+        if ident is not None:
+            first = self._first.setdefault(ident, key)
+            if first != key:
+                enc["alias"] = first  # tied: the data is stored once, under `first`
+                return enc
+        self.tensors[key] = value
+        return enc
+
+
+def encode_skeleton(node: Any, key: str, col: StateCollector) -> dict[str, Any]:
+    """The JSON skeleton of `node`; tensors are replaced by references to checkpoint keys."""
+    if is_tensor(node):
+        return col.tensor(key, node)
+    if node is None or isinstance(node, (bool, int, str)):
+        return {"v": node}
+    if isinstance(node, float):
+        return {"f": repr(node)}  # exact, and also for inf / nan (which JSON lacks)
+    if isinstance(node, Mapping):
+        items = []
+        for k, v in node.items():
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise InvalidKeyTypeError(
+                    f"{key!r}: key {k!r} is not a str or int; cannot checkpoint it")
+            items.append([k, encode_skeleton(v, f"{key}{SEPARATOR}{k}", col)])
+        return {"d": items}
+    if isinstance(node, (list, tuple)):
+        tag = "t" if isinstance(node, tuple) else "l"
+        return {tag: [encode_skeleton(v, f"{key}{SEPARATOR}{i}", col) for i, v in enumerate(node)]}
+    raise InvalidArgumentTypeError(
+        f"{key!r}: cannot checkpoint a {type(node).__name__}; state may hold tensors, dicts, "
+        "lists, tuples, None, bool, int, float and str"
+    )
+
+
+# --- restoring: JSON skeleton + reader -> values, in place --------------------------------------
+
+
+def _dtype_of(x: Any) -> np.dtype:
+    if isinstance(x, (np.ndarray, np.generic)):
+        dt = x.dtype
+        return dt.newbyteorder("<") if dt.byteorder == ">" else dt
+    kind = _tensor_kind(x)
+    if kind == "torch":
+        return torch_numpy_dtype(x.dtype)
+    if kind == "tensorflow":
+        return tf_module().numpy_dtype(tf_module().tf.as_dtype(x.dtype))
+    return np.dtype(x.dtype)
+
+
+def _to_torch(array: np.ndarray) -> Any:
+    """A torch tensor sharing `array`'s memory (bfloat16 / float8 through an integer carrier)."""
+    import torch
+
+    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
+        if array.dtype == np_dtype:
+            carrier = np.int16 if np_dtype.itemsize == 2 else np.uint8
+            return torch.from_numpy(array.view(carrier)).view(torch_dtype)
+    return torch.from_numpy(array)
+
+
+def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:
+    """A new object of `kind` holding a copy of the stored `array` (which may be a map view)."""
+    if kind == "torch":
+        t = _to_torch(np.array(array))
+        device = getattr(like, "device", None)
+        return t if device is None or device.type == "cpu" else t.to(device)
+    if kind == "scalar":
+        return array[()]
+    if kind == "tensorflow":
+        return tf_module().tf.convert_to_tensor(np.array(array))
+    if kind == "jax":
+        jax = importlib.import_module("jax")  # optional; present if the state held JAX arrays
+        sharding = getattr(like, "sharding", None)
+        return jax.device_put(np.array(array), sharding) if sharding is not None else (
+            jax.numpy.asarray(np.array(array))
+        )
+    return np.array(array)
+
+
+def _empty_like_dtensor(like: Any, dtype: np.dtype) -> Any:
+    """An uninitialised DTensor of `like`'s global shape, mesh and placements, in `dtype`."""
+    import torch
+
+    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
+        if dtype == np_dtype:
+            return torch.empty_like(like, dtype=torch_dtype)
+    return torch.empty_like(like, dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
+
+
+def _copy_into(target: Any, stored: np.ndarray) -> None:
+    if isinstance(target, np.ndarray):
+        np.copyto(target, stored, casting="equiv")
+        return
+    if _tf_variable(target):
+        target.assign(stored)  # in place: the variable keeps its identity
+        return
+    if target.device.type == "cpu" and not (target.is_conj() or target.is_neg()):
+        np.copyto(to_host(target)[0], stored, casting="no")  # a view of the tensor's memory
+        return
+    import torch
+
+    with torch.no_grad():
+        target.copy_(_to_torch(np.ascontiguousarray(stored)))
+
+
+class StateRestorer:
+    """One pass over the skeletons: a dry pass validates everything, the real one copies."""
+
+    def __init__(self, reader: CheckpointReader, dry: bool,
+                 templates: Mapping[str, Any] | None = None) -> None:
+        self.reader = reader
+        self.dry = dry
+        self.templates = templates or {}  # key prefix -> DTensor new values are made like
+        self.restored: list[str] = []
+        self.missing: list[str] = []
+        self.used: set[str] = set()
+        self.changed = False  # a value was replaced or created, not copied in place
+
+    def value(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
+        if "x" in enc:
+            return self.tensor(enc, current, key, create)
+        if "d" in enc:
+            return self.mapping(enc["d"], current, key, create)
+        if "l" in enc or "t" in enc:
+            return self.sequence(enc, current, key, create)
+        if current is MISSING and not create:
+            return MISSING
+        value = float(enc["f"]) if "f" in enc else enc["v"]
+        if not (type(current) is type(value) and (current == value or value != value)):
+            self.changed = True
+        return value
+
+    def mapping(self, items: list[Any], current: Any, key: str, create: bool) -> Any:
+        if current is MISSING and not create:
+            return MISSING
+        if not isinstance(current, Mapping):
+            create = True  # a new container: everything in it is new
+        mutable = isinstance(current, MutableMapping)
+        cur = current if isinstance(current, Mapping) else {}
+        target: Any = current if mutable else {}
+        stored = set()
+        for k, sub in items:
+            stored.add(k)
+            child = cur.get(k, MISSING)
+            new = self.value(sub, child, f"{key}{SEPARATOR}{k}", create)
+            if new is not MISSING and not self.dry and (child is not new or not mutable):
+                target[k] = new
+        for k, v in cur.items():
+            if k not in stored:
+                self.note_missing(v, f"{key}{SEPARATOR}{k}")
+                if not mutable and not self.dry:
+                    target[k] = v
+        if not mutable:
+            self.changed = True
+        return target
+
+    def sequence(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
+        items = enc["l"] if "l" in enc else enc["t"]
+        if current is MISSING and not create:
+            return MISSING
+        if not isinstance(current, (list, tuple)):
+            create = True
+        cur = current if isinstance(current, (list, tuple)) else ()
+        out = []
+        for i, sub in enumerate(items):
+            child = cur[i] if i < len(cur) else MISSING
+            new = self.value(sub, child, f"{key}{SEPARATOR}{i}", create)
+            if new is not MISSING:
+                out.append(new)
+            elif child is not MISSING:
+                out.append(child)
+        for i in range(len(items), len(cur)):
+            self.note_missing(cur[i], f"{key}{SEPARATOR}{i}")
+        if "l" in enc and isinstance(current, list) and len(current) == len(out):
+            if not self.dry:
+                current[:] = out
+            return current
+        self.changed = True
+        return tuple(out) if "t" in enc else out
+
+    def note_missing(self, value: Any, key: str) -> None:
+        col = StateCollector()
+        collect_tensor_keys(value, key, col)
+        self.missing.extend(col.tensors)
+
+    def tensor(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
+        src = enc.get("alias", enc["x"])
+        if src not in self.reader:
+            if current is not MISSING:
+                self.note_missing(current, key)
+            return current
+        if current is MISSING and not create:
+            return MISSING
+        self.used.add(src)
+        info = self.reader.info(src)
+        self.restored.append(key)
+        where = f"{key!r}" if src == key else f"{key!r} (tied to {src!r})"
+        if current is MISSING or not is_tensor(current):
+            self.changed = True
+            like = self.templates.get(key.rpartition(SEPARATOR)[0] + SEPARATOR)
+            if like is not None and tuple(like.shape) == tuple(info.shape):
+                # new optimizer state of a DTensor parameter: a DTensor like it
+                copy_into_dtensor(self.reader, src, like, dry=True)
+                if self.dry:
+                    return current
+                new = _empty_like_dtensor(like, info.dtype)
+                copy_into_dtensor(self.reader, src, new)
+                return new
+            if self.dry:
+                return current
+            return _new_value(self.reader.get(src), enc.get("k", "numpy"), None)
+        found_shape, found_dtype = tuple(current.shape), _dtype_of(current)
+        if found_shape != tuple(info.shape) or found_dtype != info.dtype:
+            raise RestoreMismatchError(
+                f"cannot restore {where} from {self.reader.path}: the checkpoint has shape "
+                f"{list(info.shape)} dtype {info.dtype}, the object has shape "
+                f"{list(found_shape)} dtype {found_dtype}"
+            )
+        if is_dtensor(current):  # this rank's box of the stored tensor, into its local tensor
+            copy_into_dtensor(self.reader, src, current, self.dry)
+            return current
+        kind = _tensor_kind(current)
+        if kind in ("scalar", "jax") or (kind == "tensorflow" and not _tf_variable(current)):
+            # immutable: replaced by a new value of the same kind
+            self.changed = True
+            return current if self.dry else _new_value(self.reader.get(src), kind, current)
+        if kind == "numpy" and not current.flags.writeable:
+            raise RestoreMismatchError(
+                f"cannot restore {where} in place: the numpy array is read-only"
+            )
+        if not self.dry:
+            _copy_into(current, self.reader.get(src))
+        return current
+
+
+def collect_tensor_keys(value: Any, key: str, col: StateCollector) -> None:
+    """Collect the tensor keys under `value`, ignoring what cannot be checkpointed."""
+    try:
+        encode_skeleton(value, key, col)
+    except (TypeError, ValueError):
+        pass

@@ -1,0 +1,1 @@
+"""Value types with no I/O: keys, dtypes, devices, slices, string tensors."""

@@ -1,0 +1,126 @@
+"""The dtypes shardkit stores: numpy / ml_dtypes types <-> safetensors names and item sizes."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from ..errors import UnsupportedDTypeError
+from ..optional import lazy_import
+
+if TYPE_CHECKING:
+    import ml_dtypes
+else:  # its import takes 0.5-4 s: only a checkpoint or state that holds its dtypes needs it
+    ml_dtypes = lazy_import("ml_dtypes", "bfloat16 / float8 tensors")
+
+# Safetensors name -> numpy dtype (little-endian). Order: float, signed int, unsigned int, bool;
+# the ml_dtypes ones are added by `_add_ml_dtypes`.
+_BY_NAME: Final[dict[str, np.dtype]] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_ML_DTYPES: Final[dict[str, tuple[str, int]]] = {  # name -> (ml_dtypes' type, item size)
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+_ML_NAMES: Final[frozenset[str]] = frozenset(attr for attr, _ in _ML_DTYPES.values())
+_BY_DTYPE: Final[dict[np.dtype, str]] = {dt: name for name, dt in _BY_NAME.items()}
+
+SAFETENSORS_NAMES: Final[tuple[str, ...]] = (*tuple(_BY_NAME)[:3], *_ML_DTYPES,
+                                             *tuple(_BY_NAME)[3:])
+STORABLE: Final[set[np.dtype]] = set(_BY_DTYPE)
+"""The storable dtypes; bfloat16 / float8 are in it once ml_dtypes is imported (`storable`)."""
+STORABLE_NAMES: Final[tuple[str, ...]] = tuple(
+    _ML_DTYPES[n][0] if n in _ML_DTYPES else _BY_NAME[n].name for n in SAFETENSORS_NAMES)
+"""numpy names of the storable dtypes ("float64", "float32", ..., "bfloat16", ..., "bool")."""
+_ITEMSIZE: Final[dict[str, int]] = {
+    **{n: dt.itemsize for n, dt in _BY_NAME.items()},
+    **{n: size for n, (_, size) in _ML_DTYPES.items()}}
+
+
+def _add_ml_dtypes(load: bool) -> bool:
+    """Put ml_dtypes' dtypes in the tables: importing it when `load`, else only if something
+    imported it already (no array of its dtypes exists before). True if they are in."""
+    if "BF16" in _BY_NAME:
+        return True
+    if not load and "ml_dtypes" not in sys.modules:
+        return False
+    for name, (attr, _) in _ML_DTYPES.items():
+        dt = np.dtype(getattr(ml_dtypes, attr))
+        _BY_DTYPE[dt] = name
+        STORABLE.add(dt)
+        _BY_NAME[name] = dt  # last: its presence says the tables are complete
+    return True
+
+
+def storable() -> set[np.dtype]:
+    """`STORABLE`, with ml_dtypes' dtypes when ml_dtypes is imported."""
+    _add_ml_dtypes(False)
+    return STORABLE
+
+
+def is_supported(dtype: np.dtype) -> bool:
+    """True if `dtype` (in any byte order) can be stored."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    return dt in _BY_DTYPE or (_add_ml_dtypes(False) and dt in _BY_DTYPE)
+
+
+def safetensors_name(dtype: np.dtype) -> str:
+    """The safetensors dtype name of a numpy / ml_dtypes dtype, e.g. float32 -> "F32"."""
+    dt = np.dtype(dtype)
+    name = _BY_DTYPE.get(dt)
+    if name is None and _add_ml_dtypes(False):
+        name = _BY_DTYPE.get(dt)
+    if name is None:
+        if dt.newbyteorder("<") in _BY_DTYPE:
+            raise UnsupportedDTypeError(
+                f"dtype {dt.str} is big-endian; shardkit stores little-endian data only "
+                "(convert with arr.astype(arr.dtype.newbyteorder('<')))"
+            )
+        raise UnsupportedDTypeError(
+            f"dtype {dt} cannot be stored; supported: "
+            + ", ".join(STORABLE_NAMES)
+        )
+    return name
+
+
+def as_dtype(dtype: Any) -> np.dtype:
+    """``np.dtype(dtype)``, which also knows ml_dtypes' names ("bfloat16", "float8_e5m2"...).
+
+    Raises:
+        TypeError: numpy does not know `dtype`.
+    """
+    if isinstance(dtype, str) and dtype in _ML_NAMES:
+        _add_ml_dtypes(True)
+    return np.dtype(dtype)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a safetensors dtype name, e.g. "BF16" -> ml_dtypes.bfloat16."""
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        if isinstance(name, str) and name in _ML_DTYPES and _add_ml_dtypes(True):
+            return _BY_NAME[name]
+        raise UnsupportedDTypeError(
+            f"unknown dtype name {name!r}; known: {', '.join(SAFETENSORS_NAMES)}"
+        ) from None
+
+
+def itemsize(name: str) -> int:
+    """Item size in bytes of a safetensors dtype name (without importing ml_dtypes)."""
+    size = _ITEMSIZE.get(name) if isinstance(name, str) else None
+    return size if size is not None else numpy_dtype(name).itemsize
