@@ -66,10 +66,18 @@ from .optional import lazy_attributes
 _moved.install()  # the old module paths, for one release
 
 if TYPE_CHECKING:
-    from .frameworks import as_tensorflow_callback
     from .io.options import CheckpointOptions
     from .io.reader import CheckpointReader, Problem, VerifyReport
-    from .io.save import DefaultShardingPolicy, SaveInfo, get_policy, load, open, restore_into, save
+    from .io.save import (
+        DefaultShardingPolicy,
+        SaveInfo,
+        as_tensorflow_callback,
+        get_policy,
+        load,
+        open,
+        restore_into,
+        save,
+    )
     from .sharding.callback import Shard, ShardingCallback, shard_tensors, validate_shards
     from .sharding.policies import (
         AllInOnePolicy,
@@ -102,7 +110,7 @@ _LAZY: dict[str, str] = {  # public name -> the module that defines it, imported
     "CheckpointManager": "training.checkpoint",
     "SaveHandle": "training.checkpoint",
     "DeviceSpec": "values.devices",
-    "as_tensorflow_callback": "frameworks",
+    "as_tensorflow_callback": "io.save",
     "CheckpointOptions": "io.options",
     "AllInOnePolicy": "sharding.policies",
     "BalancedPolicy": "sharding.policies",

@@ -68,7 +68,6 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("io/reader.py",),
     ("io/reading/",),
     ("io/options.py", "io/__init__.py"),
-    ("frameworks/",),
     # the table's lines "adapters/" and "adapters/tensorbundle/": one row (see LAYER_GAPS)
     ("adapters/", "adapters/tensorbundle/"),
     # the table's lines of storage/: one row, as its "Layers" paragraph has it
@@ -103,6 +102,7 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("sharding/tf_sharding.py",),
     ("sharding/tensors.py",),
     ("distributed/",),  # "distributed/ (but save.py, routing.py)"
+    ("frameworks/",),
     ("values/",),
     ("__init__.py", "_moved.py"),  # not in the table: see LAYER_GAPS
     ("optional.py",),

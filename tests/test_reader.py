@@ -662,8 +662,10 @@ def test_restore_into_torch_copy_back_path(tmp_path):
     state = {"bf": torch.zeros(5, dtype=torch.bfloat16), "f": torch.zeros(3)}
     target, back = restore._restore_target(state["bf"], "bf")
     assert back is None
-    restore._torch_copy_back(state["bf"], np.asarray(bf))
-    restore._torch_copy_back(state["f"], np.arange(3, dtype=np.float32))
+    from shardkit.frameworks import copy_into
+
+    copy_into(state["bf"], np.asarray(bf))
+    copy_into(state["f"], np.arange(3, dtype=np.float32))
     _same(state["bf"].view(torch.int16).numpy().view(ml_dtypes.bfloat16), bf)
     assert state["f"].tolist() == [0.0, 1.0, 2.0]
     assert target.shape == (5,)

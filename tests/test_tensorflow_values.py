@@ -94,7 +94,7 @@ def test_tf_values_were_refused_and_a_device_string_gives_the_task(tf, tmp_path)
 
 
 def test_host_view_of_an_eager_tensor_is_zero_copy(tf):
-    from shardkit.sharding.tensors import to_host
+    from shardkit.frameworks import to_host
 
     t = tf.constant(np.arange(1024, dtype=np.float32))
     a, _ = to_host(t, "t")

@@ -7,47 +7,32 @@ dimension, uneven shards, n-D meshes) maps to a TensorFlow slice spec of the glo
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from ..errors import DistributedStateError, InvalidArgumentError
-
-
-def dtensor_type() -> type | None:
-    """The DTensor class if torch.distributed.tensor is loaded (else no value can be one)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
+from ..frameworks import module
 
 
 def local_slice(value: Any, key: str, cache: dict[Any, Any] | None = None
                 ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
-    """``(local tensor, global shape, global offset)`` of this rank's part of DTensor `value`.
-    `cache` (a dict the caller keeps for one save) remembers torch's answer per global shape,
-    mesh and placements, which many tensors of a model share."""
+    """``(local tensor, global shape, global offset)`` of this rank's part of DTensor `value`
+    (`frameworks.torch.dtensor_local`, whose `cache` this is); Partial placements refused."""
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    placements = tuple(value.placements)
-    shape = tuple(int(d) for d in value.shape)
-    mesh = value.device_mesh
-    box = (shape, id(mesh), placements)  # the mesh outlives the cache: its id is unique
-    got = cache.get(box) if cache is not None else None
-    if got is None:
+    def check(placements: tuple[Any, ...]) -> None:
         if any(isinstance(p, Partial) for p in placements):
             raise DistributedStateError(
                 f"{key!r}: a DTensor with a Partial placement ({placements}) holds partial "
                 "sums, not slices of a tensor; call .redistribute() to Replicate or Shard "
                 "before saving")
-        got = compute_local_shape_and_global_offset(shape, mesh, placements)
-        if cache is not None:
-            cache[box] = got
-    local_shape, offset = got
-    local = value.to_local()
-    if tuple(local.shape) != tuple(local_shape):
+
+    local, offset, local_shape = module("torch").dtensor_local(value, cache, check)
+    if tuple(local.shape) != local_shape:
         raise DistributedStateError(
             f"{key!r}: the DTensor's local tensor has shape {list(local.shape)}, but its "
-            f"placements {placements} give {list(local_shape)} at offset {list(offset)}")
-    return local, shape, tuple(int(o) for o in offset)
+            f"placements {tuple(value.placements)} give {list(local_shape)} at offset "
+            f"{list(offset)}")
+    return local, tuple(int(d) for d in value.shape), offset
 
 
 def mesh_group(values: list[Any]) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError
+from ..frameworks import dtensor_type
 from ..sharding.tensors import flatten_columns
 from .base import DEFAULT_TIMEOUT, Coordinator
 from .save import LocalShard
@@ -28,8 +29,6 @@ def coordinator_for(state: Any, process_group: Any = None,
     if isinstance(process_group, Coordinator):
         return process_group.with_timeout(timeout)
     if process_group is None:
-        from .dtensor import dtensor_type
-
         dtensor = dtensor_type()
         if dtensor is None:
             return None
@@ -47,7 +46,7 @@ def coordinator_for(state: Any, process_group: Any = None,
 def local_parts(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """`tensors` with each DTensor replaced by its local tensor, and key -> (global shape,
     offset) of those: what an async save snapshots (`as_local_shards` puts them back)."""
-    from .dtensor import dtensor_type, local_slice
+    from .dtensor import local_slice
 
     dtensor = dtensor_type()
     if dtensor is None:

@@ -43,10 +43,11 @@ import numpy as np
 from .. import format as fmt
 from .._threads import usable_cores
 from ..errors import DistributedError, DistributedSaveError, DistributedStateError
+from ..frameworks import dtensor_type, string_to_host, to_host
 from ..io.options import CheckpointOptions
 from ..io.writer import SavedTensors, default_threads, shard_columns, write_shards
 from ..sharding.callback import ShardingCallback, callback_description, shard_tensors
-from ..sharding.tensors import ShardableTensor, flatten_columns, to_host
+from ..sharding.tensors import ShardableTensor, flatten_columns
 from ..storage import Staging, open_storage
 from ..values.devices import DeviceSpec
 from ..values.dtypes import itemsize, safetensors_name
@@ -88,20 +89,10 @@ class LocalShard:
     offset: tuple[int, ...]
 
 
-def _is_string(value: Any) -> bool:
-    from ..sharding.tensors import is_string_array, is_tf_value
-
-    if is_tf_value(value):
-        from ..frameworks.tensorflow import tf_is_string
-
-        return bool(tf_is_string(value))
-    return bool(is_string_array(value))
-
-
 def held(state: Any, rank: int) -> Held:
     """Flatten `state` into this rank's pieces: a DTensor as its local slice of the global
     tensor (none when the local shard is empty), anything else whole."""
-    from .dtensor import dtensor_type, local_slice
+    from .dtensor import local_slice
 
     keys, leaves = flatten_columns(state)
     dtensor = dtensor_type()
@@ -119,7 +110,7 @@ def held(state: Any, rank: int) -> Held:
             spec = WHOLE if array.shape == shape else format_slice_spec(shape, offset,
                                                                         array.shape)
         else:
-            if _is_string(value):
+            if string_to_host(value) is not None:
                 raise DistributedStateError(
                     f"{key!r} is a string tensor: a collective save stores numeric tensors "
                     "only (string tensors live in one file of the checkpoint, docs/FORMAT.md "

@@ -2,7 +2,7 @@
 objects (tf.Module, Keras models and optimizers, tf.train.Checkpoint) flattened to the keys
 TensorFlow's own checkpoints use, and ``load(..., framework="tensorflow")``.
 
-Imported only when a TensorFlow value is passed (`shardkit.tensors` checks ``sys.modules``
+Imported only when a TensorFlow value is passed (`frameworks.loaded` checks ``sys.modules``
 first) or asked for, so ``import shardkit`` never imports TensorFlow.
 
 Host views: ``Tensor.numpy()`` of an eager CPU tensor shares the tensor's buffer (no copy);
@@ -14,7 +14,6 @@ gives the ``_CHECKPOINTABLE_OBJECT_GRAPH`` proto stored as a string tensor, as T
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,18 +30,17 @@ from tensorflow.python.ops import (  # type: ignore[import-untyped]
 from .._threads import WorkerPool, usable_cores
 from ..errors import InvalidArgumentError, RestoreMismatchError, UnsupportedDTypeError
 from ..values.devices import DeviceSpec
+from ..values.dtypes import framework_dtypes
+from . import gc_paused
 
-_STORABLE_TF = frozenset({tf.float16, tf.float32, tf.float64, tf.bfloat16, tf.int8, tf.int16,
-                          tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
-                          tf.bool, getattr(tf, "float8_e4m3fn", tf.float32),
-                          getattr(tf, "float8_e5m2", tf.float32)})
-_STORABLE_ENUMS = frozenset(d.as_datatype_enum for d in _STORABLE_TF)
+_TO_NUMPY = framework_dtypes(tf)  # the storable TensorFlow dtypes -> numpy's
+_STORABLE_ENUMS = frozenset(d.as_datatype_enum for d in _TO_NUMPY)
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 """The key of the TrackableObjectGraph proto in a TensorFlow object-based checkpoint."""
 _CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-def is_tf_value(value: Any) -> bool:
+def owns(value: Any) -> bool:
     """A tf.Tensor (eager) or a tf.Variable."""
     return isinstance(value, (tf.Tensor, tf.Variable))
 
@@ -194,16 +192,25 @@ def to_host(value: Any) -> tuple[np.ndarray, DeviceSpec]:
 
 def string_to_host(value: Any) -> tuple[np.ndarray, DeviceSpec]:
     """A tf.string tensor or variable as an object array of bytes (TensorFlow's form)."""
-    array = value.numpy()  # a copy: object arrays of bytes are built anyway
-    if not isinstance(array, np.ndarray):  # a scalar: bytes
-        out = np.empty((), object)
-        out[()] = array
-        array = out
-    return array, _device(value)
+    return host_copy(value), _device(value)  # a copy: object arrays of bytes are built anyway
 
 
-def numpy_dtype(dtype: Any) -> np.dtype:
-    """The numpy (ml_dtypes) dtype of a TensorFlow dtype (object for tf.string)."""
+def host_copy(value: Any) -> np.ndarray:
+    """``value.numpy()`` as an array (a scalar string, bytes, in a 0-d object array)."""
+    array = value.numpy()
+    if not isinstance(array, np.ndarray):
+        boxed = np.empty((), object)
+        boxed[()] = array
+        array = boxed
+    return array
+
+
+def host_dtype(dtype: Any) -> np.dtype:
+    """The numpy (ml_dtypes) dtype of a TensorFlow dtype or its name (object for tf.string)."""
+    dtype = tf.as_dtype(dtype)
+    got = _TO_NUMPY.get(dtype)
+    if got is not None:
+        return got
     return np.dtype(object) if dtype == tf.string else np.dtype(dtype.as_numpy_dtype)
 
 
@@ -346,18 +353,28 @@ def converter(device: Any = None) -> Any:
                                        ) from e
 
     def to_tf(array: np.ndarray, key: str = "") -> Any:
-        if device is None:
-            return tf.convert_to_tensor(array)
         with tf.device(device):
-            return tf.identity(tf.convert_to_tensor(array))
+            return tf.identity(from_host(array))
 
-    return to_tf
+    return from_host if device is None else to_tf
+
+
+def from_host(array: np.ndarray, key: str = "") -> Any:
+    """A tf.Tensor of `array` (TensorFlow's default placement; TensorFlow shares aligned numpy
+    memory when it can); an object array (of bytes) as tf.string."""
+    if array.dtype.kind == "O":
+        return tf.constant(array, tf.string)
+    return tf.convert_to_tensor(array)
+
+
+def new_like(array: np.ndarray, like: Any) -> Any:
+    return from_host(array)
 
 
 # --- restoring into variables --------------------------------------------------------------
 
 
-def assign_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
+def restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
     """For a tf.Variable leaf: a read-only stand-in of its shape and dtype (no memory: the
     restore checks it, then assigns the stored array straight into the variable, in place, the
     variable keeping its identity) and that assign function; None for other leaves. A
@@ -367,7 +384,7 @@ def assign_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
     if is_variable(leaf):
         if tf.as_dtype(leaf.dtype) == tf.string:
             return None
-        dtype = numpy_dtype(tf.as_dtype(leaf.dtype))
+        dtype = host_dtype(leaf.dtype)
         stand_in = np.broadcast_to(np.zeros((), dtype), tuple(leaf.shape))
         return stand_in, Assign(leaf)
     if isinstance(leaf, tf.Tensor):
@@ -387,7 +404,7 @@ def _stand_in(dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         if len(_STAND_INS) >= 1 << 16:
             _STAND_INS.clear()
         got = _STAND_INS[(dtype, shape)] = np.broadcast_to(
-            np.zeros((), numpy_dtype(dtype)), shape)
+            np.zeros((), host_dtype(dtype)), shape)
     return got
 
 
@@ -421,13 +438,8 @@ def assign_all(pairs: list[tuple[Any, np.ndarray]]) -> None:
             by_device.setdefault(variable._handle.device, []).append((variable, host))
     jobs = [(device, group[at : at + READ_BATCH]) for device, group in by_device.items()
             for at in range(0, len(group), READ_BATCH)]
-    paused = gc.isenabled()
-    gc.disable()  # a small tensor per variable: no cyclic GC passes over TensorFlow's heap
-    try:
+    with gc_paused():  # a small tensor per variable: no cyclic GC passes over TensorFlow's heap
         _in_parallel(_assign_job, jobs)
-    finally:
-        if paused:
-            gc.enable()
 
 
 def _assign_job(job: tuple[str, list[tuple[Any, np.ndarray]]]) -> None:
@@ -446,6 +458,10 @@ def _assign_job(job: tuple[str, list[tuple[Any, np.ndarray]]]) -> None:
                 got = attrs[dtype] = ("dtype", dtype.as_datatype_enum, "validate_shape", False)
             run(b"AssignVariableOp", 0, inputs=[variable._handle, tensor(host, name, got[1])],
                 attrs=got, ctx=ctx)
+
+
+def copy_into(variable: Any, array: np.ndarray) -> None:
+    variable.assign(array)  # in place: the variable keeps its identity
 
 
 def string_assign(leaf: Any) -> Any:

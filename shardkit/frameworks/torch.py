@@ -1,11 +1,13 @@
-"""numpy arrays -> torch tensors, without a copy on the CPU.
+"""torch tensors <-> host numpy arrays, without a copy on the CPU either way.
 
-``torch.from_numpy`` shares the array's memory (for a mapped shard: the writable copy-on-write
-map, so in-place ops never reach the file). bfloat16 and float8, which numpy holds as ml_dtypes
-and torch cannot take from numpy, go through an integer array of the same width and
-``Tensor.view(dtype)``: still the same memory. Only arrays torch cannot share (negative strides
-from a reversed `get_slice`, read-only arrays) are copied first. Another device is one
-``Tensor.to(device)`` copy; "meta" is refused (it holds no data).
+``Tensor.numpy()`` and ``torch.from_numpy`` share the memory (for a mapped shard: the writable
+copy-on-write map, so in-place ops never reach the file). bfloat16 and float8, which numpy
+holds as ml_dtypes and torch cannot exchange with numpy, go through an integer array of the same
+width (`dtypes.carrier`) and ``Tensor.view(dtype)``: still the same memory. Only arrays torch
+cannot share (negative strides from a reversed `get_slice`, read-only arrays) are copied
+first. A tensor on another device is copied to the host (the async snapshot: into a pinned
+buffer, without blocking); loading to another device is one ``Tensor.to(device)`` copy; "meta"
+is refused (it holds no data).
 """
 
 from __future__ import annotations
@@ -13,33 +15,68 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-
-# numpy (ml_dtypes) dtypes torch.from_numpy refuses -> integer carrier, torch dtype
-_REINTERPRET: dict[np.dtype, tuple[np.dtype, torch.dtype]] = {
-    np.dtype(ml_dtypes.bfloat16): (np.dtype(np.int16), torch.bfloat16),
-    np.dtype(ml_dtypes.float8_e4m3fn): (np.dtype(np.uint8), torch.float8_e4m3fn),
-    np.dtype(ml_dtypes.float8_e5m2): (np.dtype(np.uint8), torch.float8_e5m2),
-}
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError, RestoreMismatchError
+from ..values.devices import DeviceSpec
+from ..values.dtypes import carrier, framework_dtypes
+from . import to_host as checked_to_host
 
 
-def from_numpy(array: np.ndarray, key: str = "") -> torch.Tensor:
+@functools.lru_cache(maxsize=1)
+def _special() -> tuple[dict[Any, tuple[Any, np.dtype]], dict[np.dtype, tuple[np.dtype, Any]]]:
+    """The dtypes torch and numpy cannot exchange, both ways: torch dtype -> (torch carrier,
+    ml_dtypes dtype), and ml_dtypes dtype -> (numpy carrier, torch dtype)."""
+    to_torch = {v: k for k, v in framework_dtypes(torch).items()}
+    pairs = [(dt, wide) for dt in to_torch if (wide := carrier(dt)) is not None]
+    return ({to_torch[dt]: (to_torch[wide], dt) for dt, wide in pairs},
+            {dt: (wide, to_torch[dt]) for dt, wide in pairs})
+
+
+def owns(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def host_dtype(dtype: Any) -> np.dtype:
+    """The numpy (or ml_dtypes) dtype that holds a torch dtype's values."""
+    got = framework_dtypes(torch).get(dtype)
+    return got if got is not None else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
+    """A host array of tensor `t` (a view of its memory on the CPU) and its device."""
+    reinterpret = _special()[0]
+    dev = t.device
+    dev_spec = DeviceSpec(
+        "localhost", 0, 0, "GPU" if dev.type == "cuda" else dev.type.upper(), dev.index or 0
+    )
+    t = t.detach()
+    if dev.type != "cpu":
+        t = t.cpu()
+    if t.dtype in reinterpret:
+        wide, np_dtype = reinterpret[t.dtype]
+        if t.dim() == 0:
+            return t.reshape(1).view(wide).numpy().view(np_dtype).reshape(()), dev_spec
+        return t.view(wide).numpy().view(np_dtype), dev_spec
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.numpy(), dev_spec
+
+
+def from_host(array: np.ndarray, key: str = "") -> torch.Tensor:
     """A CPU tensor over `array`'s memory (a copy only when torch cannot share it: read-only
     memory, negative strides). `key` is unused (the converter signature)."""
     if not array.flags.writeable:
         array = array.copy()
-    special = _REINTERPRET.get(array.dtype)
+    special = _special()[1].get(array.dtype)
     try:
         if special is None:
             return _from_numpy(array)
         return _from_numpy(array.view(special[0])).view(special[1])
     except ValueError:  # "At least one stride in the given numpy array is negative"
         if array.ndim and min(array.strides) < 0:
-            return from_numpy(array.copy())
+            return from_host(array.copy())
         raise
 
 
@@ -50,10 +87,10 @@ def converter(device: Any = None) -> Any:
     """The array -> tensor function for `device` (None, "cpu", a str or a torch.device)."""
     target = _device(device)
     if target is None:
-        return from_numpy  # per tensor: one call, no wrapper
+        return from_host  # per tensor: one call, no wrapper
 
     def on_device(array: np.ndarray, key: str = "") -> torch.Tensor:
-        return from_numpy(array).to(target)
+        return from_host(array).to(target)
 
     return on_device
 
@@ -84,6 +121,72 @@ def _device(device: Any) -> torch.device | None:
     return dev
 
 
+def _in_host_memory(t: Any) -> bool:
+    """A CPU tensor whose memory is its value (not a lazy conjugate or negation)."""
+    return bool(t.device.type == "cpu" and not (t.is_conj() or t.is_neg()))
+
+
+def restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
+    """For a tensor `leaf`: a host array sharing its memory and None, or (off the CPU) a host
+    copy and the tensor to `copy_into` after; None for other leaves."""
+    if not isinstance(leaf, torch.Tensor):
+        return None
+    array, _ = checked_to_host(leaf, key)  # a view of the tensor's memory on the CPU
+    return (array, None) if _in_host_memory(leaf) else (np.array(array), leaf)
+
+
+def copy_into(t: Any, array: np.ndarray) -> None:
+    """Copy `array` (same shape and dtype) into tensor `t` in place, on any device."""
+    if _in_host_memory(t):
+        np.copyto(checked_to_host(t)[0], array, casting="no")  # the tensor's own memory
+        return
+    with torch.no_grad():
+        t.copy_(from_host(np.ascontiguousarray(array)))
+
+
+def new_like(array: np.ndarray, like: Any) -> torch.Tensor:
+    """A tensor over `array` on `like`'s device (a copy there when it is not the CPU)."""
+    t = from_host(array)
+    device = getattr(like, "device", None)
+    return t if device is None or device.type == "cpu" else t.to(device)
+
+
+def object_kind(obj: Any) -> str | None:
+    """"optimizer" or "module" for a torch optimizer or module (its state_dict), else None."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    return "module" if isinstance(obj, torch.nn.Module) else None
+
+
+def empty_like(like: Any, dtype: np.dtype) -> Any:
+    """An uninitialised tensor (a DTensor for one) like `like`, in numpy dtype `dtype`."""
+    return torch.empty_like(like, dtype=from_host(np.empty(0, dtype)).dtype)
+
+
+# --- the async snapshot: device tensors into pinned host buffers -------------------------------
+
+
+def pinned_buffer(nbytes: int) -> np.ndarray | None:
+    """A page-locked uint8 host buffer of `nbytes` (device copies need no bounce buffer);
+    None without a CUDA device."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def copy_to_host(t: Any, buffer: np.ndarray) -> np.ndarray:
+    """Start copying device tensor `t` into uint8 `buffer` (pinned, of its size) without
+    waiting (`synchronize` waits); the buffer as a host array of `t`'s stored dtype."""
+    t = t.detach()
+    with torch.no_grad():
+        torch.from_numpy(buffer).view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+    return buffer.view(host_dtype(t.dtype)).reshape(tuple(t.shape))
+
+
+def synchronize() -> None:
+    torch.cuda.synchronize()  # the non-blocking copies must land before the write
+
+
 @functools.lru_cache(maxsize=1)
 def _dtensor_api() -> tuple[Any, Any, Any]:
     """Replicate, Shard and torch's local shape / global offset helper (imported once)."""
@@ -93,24 +196,37 @@ def _dtensor_api() -> tuple[Any, Any, Any]:
     return Replicate, Shard, compute_local_shape_and_global_offset
 
 
-def dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
-                ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def dtensor_local(value: Any, cache: dict[Any, Any] | None, check: Any
+                  ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """The local tensor of DTensor `value` (its own memory: writing to it writes the DTensor),
-    and the global offset and shape of the box of the global tensor it holds on this rank.
-
-    Shard(d) (even or not) and Replicate placements, on meshes of any dimension; a rank outside
-    the mesh holds an empty box. Partial (pending reductions) and strided shards, whose local
-    tensor is not one box of the global tensor, are refused (RestoreMismatchError). `cache`
-    (a dict the caller keeps for one restore) remembers the box per global shape, mesh and
-    placements, which many tensors of a model share."""
-    from ..errors import RestoreMismatchError
-
-    replicate, shard, local_box = _dtensor_api()
+    and the global offset and shape of the box of the global tensor it holds on this rank, as
+    torch's own helper computes it (every placement it knows, uneven shards, n-D meshes; a
+    rank outside the mesh holds an empty box); `check(placements)` raises first for the ones
+    the caller refuses. `cache` (a dict the caller keeps for one save or restore) remembers the
+    box per global shape, mesh and placements, which many tensors of a model share."""
     placements = tuple(value.placements)
     mesh = value.device_mesh
-    ident = (tuple(value.shape), id(mesh), placements)
+    ident = (tuple(value.shape), id(mesh), placements)  # the mesh outlives the cache
     got = None if cache is None else cache.get(ident)
     if got is None:
+        check(placements)
+        shape, offset = _dtensor_api()[2](value.shape, mesh, placements)
+        got = tuple(int(o) for o in offset), tuple(int(n) for n in shape)
+        if cache is not None:
+            cache[ident] = got
+    with torch.no_grad():
+        local = value.to_local()
+    return local, got[0], got[1]
+
+
+def dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
+                ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """`dtensor_local` for a restore into DTensor `value`: Shard(d) (even or not) and Replicate
+    placements only. Partial (pending reductions) and strided shards, whose local tensor is
+    not one box of the global tensor, are refused (RestoreMismatchError)."""
+    replicate, shard, _ = _dtensor_api()
+
+    def check(placements: tuple[Any, ...]) -> None:
         for p in placements:
             if type(p) is not replicate and type(p) is not shard:
                 raise RestoreMismatchError(
@@ -119,16 +235,12 @@ def dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
                     "box of the global tensor; restore into a Shard or Replicate DTensor and "
                     "redistribute it"
                 )
-        shape, offset = local_box(value.shape, mesh, placements)
-        got = tuple(int(o) for o in offset), tuple(int(n) for n in shape)
-        if cache is not None:
-            cache[ident] = got
-    with torch.no_grad():
-        local = value.to_local()
-    if tuple(local.shape) != got[1]:
+
+    local, offset, shape = dtensor_local(value, cache, check)
+    if tuple(local.shape) != shape:
         raise RestoreMismatchError(
             f"cannot restore key {key!r}: the DTensor's local tensor has shape "
-            f"{list(local.shape)}, its placements {list(placements)} on mesh {mesh} give "
-            f"{list(got[1])}"
+            f"{list(local.shape)}, its placements {list(value.placements)} on mesh "
+            f"{value.device_mesh} give {list(shape)}"
         )
-    return local, got[0], got[1]
+    return local, offset, shape

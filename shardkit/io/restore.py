@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +16,8 @@ from ..errors import (
     RestoreMismatchError,
     UnsupportedDTypeError,
 )
-from ..sharding.tensors import OBJECT_GRAPH_KEY, expand_targets, flatten, to_host
+from ..frameworks import copy_into, expand_objects, is_dtensor, loaded, module, restore_target
+from ..sharding.tensors import OBJECT_GRAPH_KEY, flatten
 from ..values.dtypes import numpy_dtype, safetensors_name
 from .reader import CheckpointReader
 
@@ -41,7 +41,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     lists keys relative to it."""
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
-    targets = expand_targets(state)  # TensorFlow objects: their variables, TensorFlow's keys
+    targets = expand_objects(state, targets=True)  # TensorFlow objects: their variables
     leaves = flatten(targets)
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
         start, candidates = "", reader.keys()
@@ -69,7 +69,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             t = reader._tensor(key)
             box = None
             if is_dtensor(leaf):  # restored: the box of the global tensor this rank holds
-                local, offset, local_shape = _dtensor_box(leaf, key, boxes_seen)
+                local, offset, local_shape = module("torch").dtensor_box(leaf, key, boxes_seen)
                 target, writeback = _restore_target(local, key)
                 box = offset
                 boxes.append((key, offset, local_shape))
@@ -138,7 +138,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                 else:
                     np.copyto(target, stored, casting="no")
             if writeback is not None:
-                _copy_back(writeback, target)
+                copy_into(writeback, target)
     restored = {key for key, *_ in plans} | {key for key, _, _ in texts}
     n = len(start)
     return CheckpointLoadStatus(str(reader.path), [k[n:] for k, _ in leaves if k in restored],
@@ -149,7 +149,8 @@ def _string_target(reader: CheckpointReader, key: str, leaf: Any) -> tuple[str, 
     """(key, numpy array to fill, None) or (key, None, assign) for string tensor `key`;
     RestoreMismatchError unless `leaf` can take it in place (same kind and shape)."""
     info = reader.info(key)
-    tf_assign = _tf_string_assign(leaf)
+    tfw = loaded("tensorflow")
+    tf_assign = None if tfw is None else tfw.string_assign(leaf)  # for a tf.string variable
     if tf_assign is not None:
         shape, kind_ok = tuple(leaf.shape), True  # any string kind fits tf.string
         label = "tf.string"
@@ -170,39 +171,18 @@ def _string_target(reader: CheckpointReader, key: str, leaf: Any) -> tuple[str, 
     return key, (None if tf_assign is not None else leaf), tf_assign
 
 
-def _tf_string_assign(leaf: Any) -> Any:
-    """`leaf.assign` for a tf.string variable, else None (TensorFlow is never imported)."""
-    if "tensorflow" not in sys.modules:
-        return None
-    from ..frameworks import tensorflow as tfw
-
-    return tfw.string_assign(leaf)
-
-
-def is_dtensor(value: Any) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
-
-
-def _dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
-                 ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
-    from ..frameworks.torch import dtensor_box
-
-    return dtensor_box(value, key, cache)
-
-
 def copy_into_dtensor(reader: CheckpointReader, key: str, value: Any, dry: bool = False
                       ) -> None:
     """Fill this rank's local tensor of DTensor `value` with its box of the stored tensor `key`
     (global shape and dtype already checked), reading only the stored slices it intersects;
     `dry` only checks the placements."""
-    local, offset, _ = _dtensor_box(value, key)
+    local, offset, _ = module("torch").dtensor_box(value, key)
     if dry:
         return
     target, writeback = _restore_target(local, key)
     reader._read_boxes_into([(key, offset, target)])
     if writeback is not None:
-        _copy_back(writeback, target)
+        copy_into(writeback, target)
 
 
 def _dtype_label(dt: np.dtype) -> str:
@@ -213,48 +193,17 @@ def _dtype_label(dt: np.dtype) -> str:
 
 
 def _restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any]:
-    """A numpy array sharing memory with `leaf`, and the torch tensor to copy back into when
-    the leaf does not live in host memory (else None)."""
+    """A numpy array sharing memory with `leaf`, and what to copy it back into when the leaf
+    does not live in host memory (else None): a TensorFlow variable's assign, a torch tensor."""
     if isinstance(leaf, np.ndarray):
         return leaf, None
-    if "tensorflow" in sys.modules:
-        from ..frameworks import tensorflow as tfw
-
-        got = tfw.assign_target(leaf, key)
-        if got is not None:
-            return got
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(leaf, torch.Tensor):
-        if leaf.device.type == "cpu" and not (leaf.is_conj() or leaf.is_neg()):
-            array, _ = to_host(leaf, key)  # a view of the tensor's memory on CPU
-            return array, None
-        array, _ = to_host(leaf, key)
-        return np.array(array), leaf
+    got = restore_target(leaf, key)
+    if got is not None:
+        return got
     raise RestoreMismatchError(
         f"cannot restore key {key!r} in place into a {type(leaf).__name__}: only numpy arrays "
         "and torch tensors can be restored in place (use load() for a new dict)"
     )
-
-
-def _copy_back(target: Any, host: np.ndarray) -> None:
-    """Copy the restored `host` array into the leaf: a TensorFlow assign, or a torch copy."""
-    if callable(target):  # a TensorFlow variable's assign (frameworks.tensorflow)
-        target(host)
-    else:
-        _torch_copy_back(target, host)
-
-
-def _torch_copy_back(tensor: Any, host: np.ndarray) -> None:
-    import torch
-
-    if tensor.dtype in (torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
-                        getattr(torch, "float8_e5m2", None)):
-        carrier = np.int16 if host.dtype.itemsize == 2 else np.uint8
-        src = torch.from_numpy(host.view(carrier)).view(tensor.dtype)
-    else:
-        src = torch.from_numpy(host)
-    with torch.no_grad():
-        tensor.copy_(src)
 
 
 @dataclasses.dataclass

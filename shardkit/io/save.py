@@ -17,7 +17,6 @@ import json
 import math
 import operator
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,15 +33,11 @@ from ..errors import (
     PolicyError,
     SplitTensorsWarning,
 )
+from ..frameworks import dtensor_type, expand_objects
+from ..optional import require
 from ..sharding.callback import Shard, ShardingCallback, callback_description, shard_tensors
 from ..sharding.policies import get_policy, register_policy
-from ..sharding.tensors import (
-    ShardableTensor,
-    expand_objects,
-    gc_paused,
-    host_columns,
-    shardable_tensors,
-)
+from ..sharding.tensors import ShardableTensor, gc_paused, host_columns, shardable_tensors
 from ..storage import Storage, is_url, open_storage
 from ..values.slices import WHOLE
 from ..values.strings import StringColumns
@@ -301,8 +296,7 @@ def save(
 def _coordinator(state: Mapping[str, Any], process_group: Any, timeout: float | None) -> Any:
     """The coordinator of a collective save, or None: shardkit.distributed is not even
     imported unless torch.distributed.tensor is loaded or a group is given."""
-    if process_group is None and timeout is None and (
-            "torch.distributed.tensor" not in sys.modules):
+    if process_group is None and timeout is None and dtensor_type() is None:
         return None
     from ..distributed.routing import coordinator_for
 
@@ -535,6 +529,26 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return data
 
 
+def as_tensorflow_callback(callback: Any) -> Any:
+    """`callback` as a ``tf.train.experimental.ShardingCallback`` for TensorFlow's own saver.
+
+    ``tf.train.CheckpointOptions(experimental_sharding_callback=as_tensorflow_callback(p))``.
+
+    Args:
+        callback: a shardkit `ShardingCallback`.
+    Returns:
+        The wrapper (`frameworks.tf_saver_callback.TensorFlowShardingCallback`).
+    Raises:
+        MissingDependencyError: TensorFlow is not installed.
+        InvalidArgumentTypeError: `callback` is not a shardkit `ShardingCallback`.
+    """
+    require("tensorflow", "as_tensorflow_callback")
+    from ..sharding.tf_saver_callback import as_tensorflow_callback as wrap
+
+    return wrap(callback)
+
+
 __all__ = [
-    "DefaultShardingPolicy", "SaveInfo", "get_policy", "load", "open", "restore_into", "save",
+    "DefaultShardingPolicy", "SaveInfo", "as_tensorflow_callback", "get_policy", "load", "open",
+    "restore_into", "save",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardkitError
-from ..sharding.tensors import to_host, torch_numpy_dtype
+from ..frameworks import kind_of, loaded, module, string_to_host, to_host
 
 ALIGNMENT = 64  # bytes; more than any stored item size, and a cache line
 
@@ -41,13 +41,13 @@ def alloc_host_buffer(nbytes: int, *, pin: bool = False) -> np.ndarray:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
     if pin:
-        torch = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_available():
+        torch = loaded("torch")
+        raw = None if torch is None else torch.pinned_buffer(nbytes + ALIGNMENT)
+        if raw is None:
             raise ShardkitError(
                 "pinned host buffers need torch with a CUDA device; none is available "
                 "(use pin=False)"
             )
-        raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True).numpy()
     else:
         raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
@@ -91,54 +91,29 @@ class HostBufferPool:
         out: dict[str, np.ndarray] = {}
         device_copies = False
         for key, value in items:
-            if _is_cuda_tensor(value):
-                out[key] = self._stage_cuda(key, value)
+            if _is_cuda_tensor(value):  # into a pinned buffer, not waited for
+                buf = self.buffer(key, value.numel() * value.element_size(), pin=True)
+                out[key] = module("torch").copy_to_host(value, buf)
                 device_copies = True
                 continue
-            copied = _string_copy(value)
+            copied = string_to_host(value)
             if copied is not None:  # string tensors: a plain copy, no pooling
-                out[key] = copied
+                out[key] = np.array(copied[0], copy=True)
                 continue
             host, _ = to_host(value, key)
             dst = self.buffer(key, host.nbytes).view(host.dtype).reshape(host.shape)
             np.copyto(dst, host, casting="no")
             out[key] = dst
         if device_copies:
-            import torch
-
-            torch.cuda.synchronize()  # the non-blocking copies must land before the write
+            module("torch").synchronize()  # the copies must land before the write
         for key in [k for k in self._buffers if k not in out]:
             del self._buffers[key]
         return out
 
-    def _stage_cuda(self, key: str, t: Any) -> np.ndarray:
-        import torch
-
-        t = t.detach()
-        nbytes = t.numel() * t.element_size()
-        buf = self.buffer(key, nbytes, pin=True)
-        with torch.no_grad():
-            torch.from_numpy(buf).view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-        # A zero-copy host view with the stored dtype (bfloat16 / float8 as ml_dtypes).
-        dtype = torch_numpy_dtype(t.dtype)
-        return buf.view(dtype).reshape(tuple(t.shape))
-
-
-def _string_copy(value: Any) -> Any:
-    """A copy of a string tensor (numpy bytes / str / object array, tf.string), else None."""
-    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "OSU":
-        return np.array(value, copy=True)
-    if "tensorflow" in sys.modules:
-        from ..frameworks import tensorflow as tfw
-
-        if tfw.is_tf_value(value) and tfw.tf_is_string(value):
-            return tfw.string_to_host(value)[0]
-    return None
-
 
 def _is_cuda_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor) and value.device.type == "cuda"
+    return type(value) is not np.ndarray and kind_of(value) == "torch" and (
+        value.device.type == "cuda")
 
 
 # --- the background write -------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import operator
-import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from itertools import accumulate, chain, repeat
 from typing import Any, cast
@@ -12,6 +11,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import ShardingValidationError, ShardkitError, SliceSpecError
+from ..frameworks import loaded
 from ..values.devices import DeviceSpec
 from ..values.slices import SliceSpec, check_tiling, parse_slice_spec
 from .tensors import ShardableTensor, gc_paused
@@ -411,7 +411,7 @@ def _runner(callback: Any) -> Any:
     """How to call `callback` on shardkit's ShardableTensors: directly, or, for TensorFlow's
     callbacks, on TensorFlow's own ShardableTensors with the result brought back to the host
     (`frameworks.tf_sharding`)."""
-    if "tensorflow" in sys.modules and not isinstance(callback, ShardingCallback):
+    if not isinstance(callback, ShardingCallback) and loaded("tensorflow") is not None:
         from . import tf_sharding
 
         if tf_sharding.is_tensorflow_callback(callback):

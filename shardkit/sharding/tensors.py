@@ -1,34 +1,25 @@
 """ShardableTensor, and turning a nested state (dicts of arrays) into ShardableTensors.
 
-Framework tensors become host numpy views without a copy where the framework allows it: torch
-CPU tensors via ``Tensor.numpy()`` (bfloat16 / float8 reinterpreted as ml_dtypes), JAX arrays via
-``np.asarray``. Device tensors are copied to the host. torch and jax are never imported here; a
-tensor of theirs can only exist if the caller already imported them.
+Framework tensors become host numpy views through `shardkit.frameworks.to_host` (without a copy
+where the framework allows it; device tensors are copied to the host). No framework is imported
+here; a tensor of one can only exist if the caller already imported it.
 """
 
 from __future__ import annotations
 
-import gc
 import operator
-import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._kernels import _table
-from ..errors import (
-    InvalidArgumentTypeError,
-    InvalidKeyError,
-    InvalidKeyTypeError,
-    UnsupportedDTypeError,
-)
+from ..errors import InvalidArgumentTypeError, InvalidKeyError, InvalidKeyTypeError
+from ..frameworks import gc_paused, kind_of, module, string_to_host, to_host
 from ..values.devices import DeviceSpec
-from ..values.dtypes import is_supported, numpy_dtype, storable
+from ..values.dtypes import storable
 from ..values.keys import check_keys, key_problem
 from ..values.slices import WHOLE
 
@@ -129,7 +120,7 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
         tf_rows: list[int] = []  # TensorFlow values: converted in one batch
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in stored):
-                if is_tf_value(value):  # strings among them too: sorted out in the batch
+                if kind_of(value) == "tensorflow":  # strings among them too: sorted in the batch
                     tf_rows.append(i)
                     continue
                 if strings is not None and _string_leaf(value, key, strings, device):
@@ -140,8 +131,9 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
                     devices[i] = dev
                     moved = True
         if tf_rows:
-            hosts = _tf().host_arrays([arrays[i] for i in tf_rows], [keys[i] for i in tf_rows],
-                                      strings=strings is not None)
+            hosts = module("tensorflow").host_arrays(
+                [arrays[i] for i in tf_rows], [keys[i] for i in tf_rows],
+                strings=strings is not None)
             for i, got in zip(tf_rows, hosts):
                 if got is None:  # a tf.string value
                     _string_leaf(arrays[i], keys[i], strings, device)
@@ -176,13 +168,10 @@ _shape_of = operator.attrgetter("shape")
 
 def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:
     """Put `value` in `strings` if it is a string tensor; whether it was one."""
-    array, dev = value, None
-    if is_tf_value(value):
-        if not _tf().tf_is_string(value):
-            return False
-        array, dev = _tf().string_to_host(value)
-    elif not is_string_array(value):
+    got = string_to_host(value)
+    if got is None:
         return False
+    array, dev = got
     if device is not None:
         dev = _as_device(device(key) if callable(device) else device)
     strings.add(key, np.asarray(array), (dev.to_string() if dev is not None
@@ -227,18 +216,6 @@ def columns_constructor(cls: type) -> Callable[..., list[Any]]:
 
 
 _new_shardable = fast_constructor(ShardableTensor)
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Creating a million small objects triggers many useless cyclic-GC passes."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _as_device(device: str | DeviceSpec) -> DeviceSpec:
@@ -362,159 +339,3 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
                 f"{other!r}; use the flat dict")
         node[leaf] = value
     return root
-
-
-def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
-    """A host numpy array for `value` and the device it came from (None for host memory)."""
-    if type(value) is np.ndarray:
-        array, dev = value, None
-    elif _is_torch(value) or _is_jax(value) or is_tf_value(value):
-        framework = "torch" if _is_torch(value) else "jax" if _is_jax(value) else "tensorflow"
-        try:
-            array, dev = (_torch_to_host if framework == "torch" else _jax_to_host
-                          if framework == "jax" else _tf().to_host)(value)
-        except Exception as e:  # sparse or meta tensors, deleted or unaddressable arrays...
-            raise UnsupportedDTypeError(
-                f"{key!r}: cannot copy this {framework} {type(value).__name__} to a host array: "
-                f"{e}") from e
-    else:
-        try:
-            array, dev = np.asarray(value), None
-        except Exception as e:
-            raise UnsupportedDTypeError(
-                f"{key!r}: cannot convert {type(value).__name__} to an array: {e}"
-            ) from e
-        if array.dtype.kind in "OUSV" and not isinstance(value, (np.ndarray, np.generic)):
-            raise UnsupportedDTypeError(_not_a_tensor(key, value))
-    dt = array.dtype
-    if dt.byteorder == ">":
-        if not is_supported(dt):
-            raise UnsupportedDTypeError(f"{key!r}: dtype {dt} cannot be stored")
-        array = array.astype(dt.newbyteorder("<"))
-    elif not is_supported(dt):
-        hint = "; strings and objects go in metadata=" if dt.kind in "OUSV" else ""
-        raise UnsupportedDTypeError(
-            f"{key!r}: dtype {dt} cannot be stored (supported: bool, (u)int8-64, float16/32/64, "
-            f"bfloat16, float8_e4m3fn, float8_e5m2){hint}"
-        )
-    return array, dev
-
-
-def _not_a_tensor(key: str, value: Any) -> str:
-    """Why a Python value that is not numeric data cannot be a tensor, and where it can go."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (f"{key!r}: int {value} does not fit in 64 bits; store it as a float, or in "
-                "save(..., metadata={...})")
-    shown = repr(value)
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    name = type(value).__name__
-    what = "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({shown})"
-    return (f"{key!r}: {what} is not an array or a number, so it cannot be a tensor; "
-            "put it in save(..., metadata={...}), which takes JSON values (str, numbers, bools, "
-            "None, lists, dicts)")
-
-
-def _is_torch(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-def _is_jax(value: Any) -> bool:
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(value, jax.Array)
-
-
-def is_string_array(value: Any) -> bool:
-    """Whether `value` is a numpy array (or scalar) of bytes, str or objects."""
-    return isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "OSU"
-
-
-_TF_TYPES: dict[type, bool] = {}  # type -> whether its instances are tf.Tensor / tf.Variable
-
-
-def is_tf_value(value: Any) -> bool:
-    """A tf.Tensor or tf.Variable (TensorFlow is imported already if one exists); decided
-    once per type (isinstance against TensorFlow's abstract classes is slow)."""
-    known = _TF_TYPES.get(type(value))
-    if known is not None:
-        return known
-    if "tensorflow" not in sys.modules:
-        return False
-    got = _TF_TYPES[type(value)] = bool(_tf().is_tf_value(value))
-    return got
-
-
-def expand_objects(state: Any) -> Any:
-    """`state` with TensorFlow objects (tf.Module, Keras models and optimizers...) flattened to
-    TensorFlow's checkpoint keys (`frameworks.tensorflow.expand`); anything else unchanged."""
-    if "tensorflow" not in sys.modules:
-        return state
-    return _tf().expand(state)
-
-
-def expand_targets(state: Any) -> Any:
-    """`expand_objects` for restore targets: TensorFlow objects' variables under their keys."""
-    if "tensorflow" not in sys.modules:
-        return state
-    return _tf().expand_targets(state)
-
-
-_TF_MODULE: list[Any] = []
-
-
-def _tf() -> Any:
-    if not _TF_MODULE:
-        from ..frameworks import tensorflow
-
-        _TF_MODULE.append(tensorflow)
-    return _TF_MODULE[0]
-
-
-@lru_cache(maxsize=1)
-def torch_reinterpret() -> dict[Any, tuple[Any, np.dtype]]:
-    """torch dtypes numpy lacks -> (integer carrier of the same width, the ml_dtypes dtype)."""
-    import torch
-
-    table = {
-        torch.bfloat16: (torch.int16, numpy_dtype("BF16")),
-        getattr(torch, "float8_e4m3fn", None): (torch.uint8, numpy_dtype("F8_E4M3")),
-        getattr(torch, "float8_e5m2", None): (torch.uint8, numpy_dtype("F8_E5M2")),
-    }
-    table.pop(None, None)  # float8 types this torch does not have
-    return table
-
-
-def torch_numpy_dtype(dtype: Any) -> np.dtype:
-    """The numpy (or ml_dtypes) dtype that holds a torch dtype's values."""
-    special = torch_reinterpret().get(dtype)
-    if special is not None:
-        return special[1]
-    import torch
-
-    return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _torch_to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
-    reinterpret = torch_reinterpret()
-    dev = t.device
-    dev_spec = DeviceSpec(
-        "localhost", 0, 0, "GPU" if dev.type == "cuda" else dev.type.upper(), dev.index or 0
-    )
-    t = t.detach()
-    if dev.type != "cpu":
-        t = t.cpu()
-    if t.dtype in reinterpret:
-        carrier, np_dtype = reinterpret[t.dtype]
-        if t.dim() == 0:
-            return t.reshape(1).view(carrier).numpy().view(np_dtype).reshape(()), dev_spec
-        return t.view(carrier).numpy().view(np_dtype), dev_spec
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    return t.numpy(), dev_spec
-
-
-def _jax_to_host(a: Any) -> tuple[np.ndarray, DeviceSpec]:
-    devices = list(a.devices())
-    d = devices[0] if devices else None
-    kind = "CPU" if d is None or d.platform == "cpu" else d.platform.upper()
-    return np.asarray(a), DeviceSpec("localhost", 0, 0, kind, getattr(d, "id", 0) or 0)

@@ -2,7 +2,7 @@
 `ShardingCallback` as a ``tf.train.experimental.ShardingCallback`` that
 ``tf.train.CheckpointOptions(experimental_sharding_callback=...)`` accepts.
 
-Imported only when one is made (`shardkit.frameworks.as_tensorflow_callback`): it imports
+Imported only when one is made (`shardkit.as_tensorflow_callback`, in `api.py`): it imports
 TensorFlow.
 """
 
@@ -18,10 +18,10 @@ from tensorflow.python.checkpoint.sharding import (  # type: ignore[import-untyp
 )
 
 from ..errors import InvalidArgumentTypeError, ShardingValidationError
+from ..frameworks.tensorflow import from_host, host_copy
 from ..values.devices import DeviceSpec
 from .callback import ShardingCallback, callback_description, validate_shards
 from .tensors import ShardableTensor, fast_constructor
-from .tf_sharding import tf_tensor
 
 _new_shardable = fast_constructor(ShardableTensor)
 
@@ -42,11 +42,7 @@ class TensorFlowShardingCallback(sharding_util.ShardingCallback):  # type: ignor
         originals: dict[int, Any] = {}
         for t in shardable_tensors:
             value = t.tensor
-            array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-            if not isinstance(array, np.ndarray):  # a string scalar: bytes
-                boxed = np.empty((), object)
-                boxed[()] = array
-                array = boxed
+            array = host_copy(value) if hasattr(value, "numpy") else np.asarray(value)
             originals[id(array)] = value
             device = DeviceSpec.from_string(
                 t.device.to_string() if hasattr(t.device, "to_string") else str(t.device or ""))
@@ -70,7 +66,7 @@ class TensorFlowShardingCallback(sharding_util.ShardingCallback):  # type: ignor
                         parent = by_key.get((key, spec)) or next(
                             t for t in shardable_tensors if t.checkpoint_key == key)
                         with tf.device(parent.device):
-                            original = tf.identity(tf_tensor(np.asarray(array)))
+                            original = tf.identity(from_host(np.asarray(array)))
                     tf_shard.setdefault(key, {})[spec] = original
             if tf_shard:
                 out.append(tf_shard)

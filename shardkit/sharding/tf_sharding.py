@@ -24,6 +24,7 @@ from tensorflow.python.checkpoint.sharding import (  # type: ignore[import-untyp
 )
 from tensorflow.python.training.saving import saveable_object  # type: ignore[import-untyped]
 
+from ..frameworks.tensorflow import from_host
 from .tensors import ShardableTensor
 
 
@@ -39,13 +40,6 @@ class Returned(NamedTuple):
     device: str
 
 
-def tf_tensor(array: np.ndarray) -> Any:
-    """An eager CPU tensor of `array` (TensorFlow shares aligned numpy memory when it can)."""
-    if array.dtype.kind == "O":
-        return tf.constant(array, tf.string)
-    return tf.convert_to_tensor(array)
-
-
 def to_tensorflow_shardables(tensors: Sequence[ShardableTensor]
                              ) -> tuple[list[Any], dict[int, np.ndarray]]:
     """TensorFlow's ShardableTensors for shardkit's, and id(tf tensor) -> the host array it
@@ -58,7 +52,7 @@ def to_tensorflow_shardables(tensors: Sequence[ShardableTensor]
         dev = devices.get(id(t.device))
         if dev is None:
             dev = devices[id(t.device)] = tf.DeviceSpec.from_string(t.device.to_string())
-        value = tf_tensor(t.tensor)
+        value = from_host(t.tensor)
         given[id(value)] = t.tensor
         spec = saveable_object.SaveSpec(value, t.slice_spec, t.name, value.dtype,
                                         dev.to_string())

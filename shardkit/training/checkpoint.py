@@ -39,10 +39,11 @@ from ..errors import (
     RetentionWarning,
     ShardkitError,
 )
+from ..frameworks import is_dtensor, module
 from ..io import save as api
 from ..io.options import CheckpointOptions
 from ..io.reader import open_checkpoint
-from ..io.restore import CheckpointLoadStatus, check_complete, is_dtensor
+from ..io.restore import CheckpointLoadStatus, check_complete
 from ..io.snapshot import AsyncWriter, HostBufferPool, SaveHandle
 from ..sharding.tensors import SEPARATOR
 from ..storage import open_storage
@@ -55,7 +56,6 @@ from .tracked_state import (
     encode_skeleton,
     is_tensor,
     object_kind,
-    tf_module,
 )
 
 SAVE_COUNTER = "save_counter"
@@ -192,7 +192,7 @@ class Checkpoint:
         obj = self._objects[name]
         kind = self._kinds[name]
         if kind == "tensorflow":
-            return tf_module().object_variables(obj)  # {TensorFlow's key: variable}
+            return module("tensorflow").object_variables(obj)  # {key: variable}
         return obj if kind in ("array", "tree") else obj.state_dict()
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:

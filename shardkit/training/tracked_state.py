@@ -5,8 +5,6 @@ from a reader into the objects in place."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -18,9 +16,10 @@ from ..errors import (
     InvalidKeyTypeError,
     RestoreMismatchError,
 )
+from ..frameworks import copy_into, is_dtensor, is_variable, kind_of, loaded, module
 from ..io.reader import CheckpointReader
-from ..io.restore import copy_into_dtensor, is_dtensor
-from ..sharding.tensors import SEPARATOR, is_tf_value, to_host, torch_numpy_dtype, torch_reinterpret
+from ..io.restore import copy_into_dtensor
+from ..sharding.tensors import SEPARATOR
 
 MISSING: Any = object()  # "no value here" (distinct from None, which is a value)
 
@@ -29,26 +28,7 @@ MISSING: Any = object()  # "no value here" (distinct from None, which is a value
 
 
 def is_tensor(x: Any) -> bool:
-    if isinstance(x, (np.ndarray, np.generic)):
-        return True
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return True
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(x, jax.Array):
-        return True
-    return is_tf_value(x) or _tf_variable(x)
-
-
-def _tf_variable(x: Any) -> bool:
-    """A TensorFlow (or Keras) variable: restored in place with ``assign``."""
-    return "tensorflow" in sys.modules and tf_module().is_variable(x)
-
-
-def tf_module() -> Any:
-    from ..frameworks import tensorflow
-
-    return tensorflow
+    return isinstance(x, (np.ndarray, np.generic)) or kind_of(x) is not None or is_variable(x)
 
 
 def _tensor_kind(x: Any) -> str:
@@ -56,25 +36,19 @@ def _tensor_kind(x: Any) -> str:
         return "numpy"
     if isinstance(x, np.generic):
         return "scalar"
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return "torch"
-    if is_tf_value(x) or _tf_variable(x):
-        return "tensorflow"
-    return "jax"
+    return kind_of(x) or "tensorflow"  # else a TensorFlow (or Keras) variable
 
 
 def object_kind(name: str, obj: Any) -> str:
     if is_tensor(obj):
         return "array"
-    if "tensorflow" in sys.modules and tf_module().is_trackable(obj):
+    tfw = loaded("tensorflow")
+    if tfw is not None and tfw.is_trackable(obj):
         return "tensorflow"  # tf.Module, Keras model / optimizer: TensorFlow's keys
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if isinstance(obj, torch.nn.Module):
-            return "module"
+    torch = loaded("torch")
+    kind = None if torch is None else torch.object_kind(obj)
+    if kind is not None:
+        return kind  # type: ignore[no-any-return]
     if callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     ):
@@ -97,8 +71,7 @@ def _identity(x: Any) -> tuple[Any, ...] | None:
         if x.size == 0:
             return None
         return ("numpy", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
+    if kind_of(x) == "torch":
         if x.numel() == 0:
             return None
         if type(x).__name__ == "DTensor":  # a wrapper without storage: its local shard's
@@ -107,7 +80,7 @@ def _identity(x: Any) -> tuple[Any, ...] | None:
             "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
             tuple(x.shape), x.stride(), x.dtype,
         )
-    if _tf_variable(x):  # one variable reached from two objects (a model and its optimizer)
+    if is_variable(x):  # one variable reached from two objects (a model and its optimizer)
         return ("tensorflow", id(x))
     return None
 
@@ -170,68 +143,16 @@ def _dtype_of(x: Any) -> np.dtype:
     if isinstance(x, (np.ndarray, np.generic)):
         dt = x.dtype
         return dt.newbyteorder("<") if dt.byteorder == ">" else dt
-    kind = _tensor_kind(x)
-    if kind == "torch":
-        return torch_numpy_dtype(x.dtype)
-    if kind == "tensorflow":
-        return tf_module().numpy_dtype(tf_module().tf.as_dtype(x.dtype))
-    return np.dtype(x.dtype)
-
-
-def _to_torch(array: np.ndarray) -> Any:
-    """A torch tensor sharing `array`'s memory (bfloat16 / float8 through an integer carrier)."""
-    import torch
-
-    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
-        if array.dtype == np_dtype:
-            carrier = np.int16 if np_dtype.itemsize == 2 else np.uint8
-            return torch.from_numpy(array.view(carrier)).view(torch_dtype)
-    return torch.from_numpy(array)
+    return module(_tensor_kind(x)).host_dtype(x.dtype)  # type: ignore[no-any-return]
 
 
 def _new_value(array: np.ndarray, kind: str, like: Any) -> Any:
     """A new object of `kind` holding a copy of the stored `array` (which may be a map view)."""
-    if kind == "torch":
-        t = _to_torch(np.array(array))
-        device = getattr(like, "device", None)
-        return t if device is None or device.type == "cpu" else t.to(device)
     if kind == "scalar":
         return array[()]
-    if kind == "tensorflow":
-        return tf_module().tf.convert_to_tensor(np.array(array))
-    if kind == "jax":
-        jax = importlib.import_module("jax")  # optional; present if the state held JAX arrays
-        sharding = getattr(like, "sharding", None)
-        return jax.device_put(np.array(array), sharding) if sharding is not None else (
-            jax.numpy.asarray(np.array(array))
-        )
+    if kind in ("torch", "tensorflow", "jax"):  # jax: present if the state held JAX arrays
+        return module(kind).new_like(np.array(array), like)
     return np.array(array)
-
-
-def _empty_like_dtensor(like: Any, dtype: np.dtype) -> Any:
-    """An uninitialised DTensor of `like`'s global shape, mesh and placements, in `dtype`."""
-    import torch
-
-    for torch_dtype, (_, np_dtype) in torch_reinterpret().items():
-        if dtype == np_dtype:
-            return torch.empty_like(like, dtype=torch_dtype)
-    return torch.empty_like(like, dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
-
-
-def _copy_into(target: Any, stored: np.ndarray) -> None:
-    if isinstance(target, np.ndarray):
-        np.copyto(target, stored, casting="equiv")
-        return
-    if _tf_variable(target):
-        target.assign(stored)  # in place: the variable keeps its identity
-        return
-    if target.device.type == "cpu" and not (target.is_conj() or target.is_neg()):
-        np.copyto(to_host(target)[0], stored, casting="no")  # a view of the tensor's memory
-        return
-    import torch
-
-    with torch.no_grad():
-        target.copy_(_to_torch(np.ascontiguousarray(stored)))
 
 
 class StateRestorer:
@@ -334,7 +255,7 @@ class StateRestorer:
                 copy_into_dtensor(self.reader, src, like, dry=True)
                 if self.dry:
                     return current
-                new = _empty_like_dtensor(like, info.dtype)
+                new = module("torch").empty_like(like, info.dtype)
                 copy_into_dtensor(self.reader, src, new)
                 return new
             if self.dry:
@@ -351,7 +272,7 @@ class StateRestorer:
             copy_into_dtensor(self.reader, src, current, self.dry)
             return current
         kind = _tensor_kind(current)
-        if kind in ("scalar", "jax") or (kind == "tensorflow" and not _tf_variable(current)):
+        if kind in ("scalar", "jax") or (kind == "tensorflow" and not is_variable(current)):
             # immutable: replaced by a new value of the same kind
             self.changed = True
             return current if self.dry else _new_value(self.reader.get(src), kind, current)
@@ -360,7 +281,7 @@ class StateRestorer:
                 f"cannot restore {where} in place: the numpy array is read-only"
             )
         if not self.dry:
-            _copy_into(current, self.reader.get(src))
+            copy_into(current, self.reader.get(src))  # in place
         return current
 
 

@@ -1,4 +1,5 @@
-"""The dtypes shardkit stores: numpy / ml_dtypes types <-> safetensors names and item sizes."""
+"""The dtypes shardkit stores: safetensors names <-> numpy / ml_dtypes types <-> the frameworks'
+dtypes (torch, TensorFlow; jax uses numpy's), and item sizes. The one dtype table."""
 
 from __future__ import annotations
 
@@ -124,3 +125,28 @@ def itemsize(name: str) -> int:
     """Item size in bytes of a safetensors dtype name (without importing ml_dtypes)."""
     size = _ITEMSIZE.get(name) if isinstance(name, str) else None
     return size if size is not None else numpy_dtype(name).itemsize
+
+
+_FRAMEWORK_TABLES: dict[str, dict[Any, np.dtype]] = {}
+
+
+def framework_dtypes(module: Any) -> dict[Any, np.dtype]:
+    """A framework's dtypes that shardkit stores -> the numpy / ml_dtypes dtype of each, for
+    `module` torch or tensorflow: both name their dtypes as numpy does (``torch.bfloat16``,
+    ``tf.uint16``...); the ones a version lacks (TensorFlow's float8) are left out. Built once
+    per framework (it imports ml_dtypes)."""
+    table = _FRAMEWORK_TABLES.get(module.__name__)
+    if table is None:
+        table = _FRAMEWORK_TABLES[module.__name__] = {
+            getattr(module, name): as_dtype(name) for name in STORABLE_NAMES
+            if hasattr(module, name)}
+    return table
+
+
+def carrier(dtype: np.dtype) -> np.dtype | None:
+    """The integer dtype of the same width that carries an ml_dtypes dtype's bytes through a
+    framework that cannot take it from numpy (int16 for bfloat16, uint8 for float8); None
+    for numpy's own dtypes."""
+    if not (_add_ml_dtypes(False) and _BY_DTYPE.get(dtype) in _ML_DTYPES):
+        return None
+    return np.dtype(np.int16) if dtype.itemsize == 2 else np.dtype(np.uint8)
