@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("io/snapshot.py",),
     ("io/save.py",),
     ("distributed/save.py", "distributed/routing.py"),
+    ("io/flow.py",),
     ("io/writer.py",),
     ("io/restore.py",),
     ("io/reader.py",),
@@ -102,6 +103,7 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("sharding/tf_sharding.py",),
     ("sharding/tensors.py",),
     ("distributed/",),  # "distributed/ (but save.py, routing.py)"
+    ("coordinator.py",),
     ("frameworks/",),
     ("values/",),
     ("__init__.py", "_moved.py"),  # not in the table: see LAYER_GAPS

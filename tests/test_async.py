@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import shardkit.io.flow as save_flow
 import shardkit.io.save as api
 from shardkit.errors import ShardkitError
 from shardkit.format import MANIFEST_FILE
@@ -49,7 +50,7 @@ def failing_writer(monkeypatch):
         (Path(directory) / "model-00001-of-00001.safetensors").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(api, "write_shards", fail)
+    monkeypatch.setattr(save_flow, "write_shards", fail)
 
 
 def no_temp_dirs(directory: Path) -> bool:
@@ -205,7 +206,7 @@ def test_failed_async_save_keeps_earlier_checkpoints(tmp_path, monkeypatch):
     def fail(directory, *args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(api, "write_shards", fail)
+    monkeypatch.setattr(save_flow, "write_shards", fail)
     x[:] = 7
     manager.save(options=ASYNC)
     with pytest.raises(OSError, match="Input/output error"):
@@ -336,12 +337,12 @@ def test_unreported_error_printed_at_exit(tmp_path):
     proc = run_script(tmp_path, """
         import sys
         import numpy as np
-        import shardkit.io.save as api
+        import shardkit.io.flow as save_flow
         from shardkit.checkpoint import Checkpoint
         from shardkit.io.options import CheckpointOptions
         def broken(*a, **k):
             raise OSError(28, "No space left on device")
-        api.write_shards = broken
+        save_flow.write_shards = broken
         Checkpoint(s={"x": np.ones(1)}).save(sys.argv[1] + "/c",
                                              CheckpointOptions(enable_async=True))
     """)

@@ -648,7 +648,8 @@ def test_tasks_get_their_own_shards_numbered_globally(tmp_path, rng):
     with commit.stage(tmp_path / "ckpt", overwrite=False, durable=False) as staging:
         index, index_chunks = writer.write_shards(staging.path, writer.shard_columns(task_shards),
                                     writer.SavedTensors.of(tensors),
-                                    description=policy.description, threads=2, durable=False)
+                                    CheckpointOptions(durable=False),
+                                    description=policy.description, threads=2)
         assert b"".join(index_chunks) == fmt.encode_index(index)
         staging.commit(index_chunks)
     assert [(s.file, s.task) for s in index.shards] == [

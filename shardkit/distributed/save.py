@@ -1,39 +1,18 @@
-"""The collective save: every rank writes its own shards, rank 0 merges and commits once.
-
-Each rank is the device task ``/job:worker/replica:0/task:<rank>``. Four collectives per save,
-whatever the number of tensors (docs/ARCHITECTURE.md):
-
-1. ``plan``: an all-gather of what each rank holds, as columns (key, slice spec, dtype, global
-   shape, bytes), with rank 0's temp directory and the generation id, and the machine and cores
-   of each rank. From it every rank computes the same de-duplication: a (key, slice) held by
-   several ranks (Replicate, a plain tensor on every rank, the replicas of a shard on a 2-D
-   mesh) is written once, by the holder with the fewest bytes so far, largest first, so that
-   ranks write about the same bytes; and each rank its share of the cores it shares with the
-   ranks on its machine (`writer_threads`), the writer threads (and, for the default policy,
-   the shards) it uses.
-2. ``shards``: an all-gather of each rank's shard count after its callback ran on its own
-   tensors and its shards were validated, for the global file numbering.
-3. ``index``: a gather on rank 0 of each rank's index columns after its files are fsynced.
-   Rank 0 merges them (`format.merge_indexes`) and publishes with the single-process commit.
-4. ``commit``: a broadcast of the outcome.
-
-A failure on any rank (flatten, callback, validation, write, commit) travels in the next
-collective, so every rank raises the same DistributedSaveError naming the failing rank and its
-cause; rank 0 removes the temp directory, and nothing becomes visible. A rank that dies makes
-the others' next collective fail (DistributedTimeoutError) within the timeout. Tensor bytes
-never leave their process.
-
-This module sits with the front door (api.py calls it; it uses the writer and the commit);
-the seam it talks through, `base.Coordinator`, sits low in the layers.
+"""A rank of a collective save (`CollectiveRank`): every rank writes its own shards, rank 0
+merges and commits. The steps, their four collectives and the relay of a rank's error are the
+save flow's (`io.flow`; docs/ARCHITECTURE.md). Each rank is the device task
+``/job:worker/replica:0/task:<rank>``: it holds its pieces (`held`: a DTensor as its local
+slice), every rank computes the same de-duplication and choice of writers from the gathered
+columns (`plan`) and its share of its machine's cores (`writer_threads`), runs the callback on
+what it writes, and sends its index columns (`_part`), which rank 0 merges (`merge`). Tensor
+bytes never leave their process.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import os
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, count
 from typing import Any
@@ -42,19 +21,15 @@ import numpy as np
 
 from .. import format as fmt
 from .._threads import usable_cores
-from ..errors import DistributedError, DistributedSaveError, DistributedStateError
+from ..errors import DistributedStateError
 from ..frameworks import dtensor_type, string_to_host, to_host
-from ..io.options import CheckpointOptions
-from ..io.writer import SavedTensors, default_threads, shard_columns, write_shards
-from ..sharding.callback import ShardingCallback, callback_description, shard_tensors
+from ..io.flow import RankSave
+from ..io.writer import SavedTensors, default_threads, shard_columns
+from ..sharding.callback import shard_tensors
 from ..sharding.tensors import ShardableTensor, flatten_columns
-from ..storage import Staging, open_storage
 from ..values.devices import DeviceSpec
 from ..values.dtypes import itemsize, safetensors_name
 from ..values.slices import WHOLE, format_slice_spec
-from .base import Coordinator
-
-OPS = ("plan", "shards", "index", "commit")  # the collectives of one save, in order
 
 
 @dataclass(slots=True)
@@ -70,12 +45,6 @@ class Held:
     nbytes: list[int]
     arrays: list[np.ndarray]
     devices: list[DeviceSpec]
-
-    def columns(self) -> Columns:
-        names: dict[int, str] = {}
-        devices = [names.get(id(d)) or names.setdefault(id(d), d.to_string())
-                   for d in self.devices]
-        return columns(self.keys, self.specs, self.dtypes, self.shapes, self.nbytes, devices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,178 +292,47 @@ def writer_threads(machines: Sequence[tuple[str, frozenset[int]]], rank: int) ->
     return default_threads(len(cores) // sharing)
 
 
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """A rank's error, as it travels to the others."""
+class CollectiveRank(RankSave):
+    """A rank of a collective save, in the save flow (`io.flow.run_save`): it holds its own
+    pieces (`held`), every rank computes the same `plan` from the gathered columns, it runs
+    the callback on the pieces it writes, and rank 0 merges the ranks' index columns."""
 
-    rank: int
-    type: str
-    message: str
+    def hold(self, rank: int) -> Any:
+        self.rank, mine = rank, held(self.state, rank)
+        names: dict[int, str] = {}  # each device converted once
+        devices = [names.get(id(d)) or names.setdefault(id(d), d.to_string()) for d in mine.devices]
+        self.mine = mine
+        return columns(mine.keys, mine.specs, mine.dtypes, mine.shapes, mine.nbytes,
+                       devices), machine()
 
-    @classmethod
-    def of(cls, rank: int, e: BaseException) -> Failure:
-        return cls(rank, type(e).__name__, str(e) or "".join(
-            traceback.format_exception_only(type(e), e)).strip())
+    def assign(self, gathered: list[Any]) -> None:
+        self.pieces = plan([g[0] for g in gathered])
+        self.written = self.pieces.mine[self.rank]
+        self.threads = self.opts.threads or writer_threads([g[1] for g in gathered], self.rank)
 
+    def shard(self) -> int:
+        """The callback (the default policy with this rank's writer threads) on this rank's
+        tensors only, validated here."""
+        callback = self.callback()
+        mine = self.mine
+        tensors = [ShardableTensor(mine.arrays[i], mine.arrays[i].dtype, mine.devices[i],
+                                   mine.keys[i], tuple(mine.arrays[i].shape), mine.specs[i],
+                                   mine.keys[i]) for i in self.written]
+        if tensors:
+            self.shards = shard_columns(shard_tensors(callback, tensors))
+        self.saved = SavedTensors.of(tensors)
+        self.saved.shapes = [mine.shapes[i] for i in self.written]  # global, slices or not
+        return len(self.shards)
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What a collective save returns on every rank."""
+    def part(self, written: Any) -> tuple[Any, ...]:
+        return _part(written[0], self.written, self.mine.specs)
 
-    path: str
-    files: tuple[str, ...]
-    bytes: int
-    generation: str
-
-
-def _raise_first(path: str, failures: Sequence[Failure | None], rank: int,
-                 local: BaseException | None) -> None:
-    failed = [f for f in failures if f is not None]
-    if not failed:
-        return
-    f = failed[0]
-    others = f" (and rank{'s' if len(failed) > 2 else ''} "
-    others = (others + ", ".join(str(x.rank) for x in failed[1:]) + ")") if failed[1:] else ""
-    error = DistributedSaveError(
-        f"collective save of {path} failed on rank {f.rank}{others}: {f.type}: {f.message}; "
-        "nothing was published and any earlier checkpoint there is intact",
-        f.rank, f.type, f.message)
-    raise error from (local if f.rank == rank else None)
-
-
-def collective_save(
-    coord: Coordinator,
-    path: str | os.PathLike[str],
-    state: Any,
-    *,
-    callback: ShardingCallback | None,
-    default_policy: Callable[[int], ShardingCallback],
-    opts: CheckpointOptions,
-    user_metadata: dict[str, Any],
-    overwrite: bool,
-    progress: bool,
-) -> Outcome:
-    """Save `state` at `path` together with the other ranks of `coord` (module docstring).
-    `callback` None: ``default_policy(threads)``, with this rank's writer threads."""
-    rank = coord.rank
-    shown = os.fspath(path)
-    store = open_storage(shown)
-    staging: Staging | None = None
-    local: BaseException | None = None
-    failure: Failure | None = None
-    try:
-        # 1. what this rank holds; rank 0 opens the one temp directory
-        mine: Held | None = None
-        setup: tuple[str, str] | None = None
-        try:
-            mine = held(state, rank)
-            if rank == 0:
-                staging = store.stage(overwrite=overwrite, durable=opts.durable)
-                setup = (staging.store.url, staging.generation)
-        except Exception as e:
-            local, failure = e, Failure.of(rank, e)
-        target = store.url
-        gathered = coord.all_gather(
-            (None if mine is None else mine.columns(), failure, setup, target, machine()),
-            "plan")
-        try:
-            if len({p[3] for p in gathered}) > 1:
-                raise DistributedStateError(
-                    "the ranks of a collective save must name the same path; got "
-                    + ", ".join(f"rank {r}: {p[3]}" for r, p in enumerate(gathered)))
-            _raise_first(shown, [p[1] for p in gathered], rank, local)
-            assert mine is not None
-            directory, generation = gathered[0][2]
-            pieces = plan([p[0] for p in gathered])
-            written = pieces.mine[rank]
-            threads = opts.threads or writer_threads([p[4] for p in gathered], rank)
-            del gathered
-        except Exception:
-            _abort_together(coord, staging)
-            raise
-
-        # 2. the callback on this rank's tensors only, validated here
-        shards: list[Any] = []
-        saved: SavedTensors | None = None
-        description = ""
-        try:
-            if callback is None:
-                callback = default_policy(threads)
-            description = callback_description(callback)
-            tensors = [ShardableTensor(mine.arrays[i], mine.arrays[i].dtype, mine.devices[i],
-                                       mine.keys[i], tuple(mine.arrays[i].shape), mine.specs[i],
-                                       mine.keys[i]) for i in written]
-            if tensors:
-                shards = shard_columns(shard_tensors(callback, tensors))
-            saved = SavedTensors.of(tensors)
-            saved.shapes = [mine.shapes[i] for i in written]  # global shapes, slices or not
-        except Exception as e:
-            local, failure = e, Failure.of(rank, e)
-        counts = coord.all_gather((len(shards), failure), "shards")
-        try:
-            _raise_first(shown, [c[1] for c in counts], rank, local)
-        except Exception:
-            _abort_together(coord, staging)
-            raise
-        assert saved is not None
-        first = sum(c[0] for c in counts[:rank])
-        total = sum(c[0] for c in counts)
-
-        # 3. this rank's shard files, fsynced, into the shared temp directory
-        part: tuple[Any, ...] | None = None
-        try:
-            index, _ = write_shards(
-                directory, shards, saved, description=description, threads=threads,
-                durable=opts.durable, checksum=opts.checksum, progress=progress,
-                compression=opts.compression, level=opts.level, shuffle=opts.shuffle,
-                chunk_size=opts.chunk_size, generation=generation, first_shard=first,
-                shard_count=max(total, 1))
-            part = _part(index, written, mine.specs)
-        except Exception as e:
-            local, failure = e, Failure.of(rank, e)
-        parts = coord.gather((part, failure), "index")
-
-        # 4. rank 0 merges the index columns and publishes; everyone learns the outcome
-        result: Outcome | Failure | list[Failure | None] | None = None
-        if rank == 0:
-            assert parts is not None and staging is not None
-            failures = [p[1] for p in parts]
-            if any(failures):
-                result = failures
-            else:
-                try:
-                    merged = merge(pieces, [p[0] for p in parts], description=description,
-                                   user_metadata=user_metadata, generation=generation)
-                    chunks = fmt.index_chunks(merged)
-                    staging.commit(chunks)
-                    files = (*(s.file for s in merged.shards), fmt.MANIFEST_FILE)
-                    nbytes = sum(s.bytes for s in merged.shards) + sum(map(len, chunks))
-                    result = Outcome(str(staging.target), files, nbytes, generation)
-                except Exception as e:
-                    local = e
-                    result = [Failure.of(rank, e)]
-            if not staging.committed:
-                staging.abort()  # before the others hear of the failure: no temp dir left
-        result = coord.broadcast(result, "commit")
-        if isinstance(result, list):
-            _raise_first(shown, result, rank, local)
-        assert isinstance(result, Outcome)
-        return result
-    finally:
-        if staging is not None and not staging.committed:
-            staging.abort()
-
-
-def _abort_together(coord: Coordinator, staging: Staging | None) -> None:
-    """Rank 0 removes the temp directory, then every rank waits for that (one barrier, on
-    failure only), so that no rank returns from a failed save while the temp directory
-    still exists. A rank that is gone cannot be waited for: then the error stands alone."""
-    if staging is not None:
-        staging.abort()
-    try:
-        coord.barrier("abort")
-    except DistributedError:
-        pass
+    def merge(self, parts: list[Any], user_metadata: dict[str, Any], generation: str | None
+              ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
+        assert generation is not None
+        merged = merge(self.pieces, parts, description=self.description,
+                       user_metadata=user_metadata, generation=generation)
+        return merged, fmt.index_chunks(merged)
 
 
 def _part(index: fmt.CheckpointIndex, written: list[int], specs: list[str]

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import format as fmt
+from ..coordinator import LocalCoordinator
 from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -35,23 +36,23 @@ from ..errors import (
 )
 from ..frameworks import dtensor_type, expand_objects
 from ..optional import require
-from ..sharding.callback import Shard, ShardingCallback, callback_description, shard_tensors
+from ..sharding.callback import Shard, ShardingCallback, shard_tensors
 from ..sharding.policies import get_policy, register_policy
-from ..sharding.tensors import ShardableTensor, gc_paused, host_columns, shardable_tensors
-from ..storage import Storage, is_url, open_storage
+from ..sharding.tensors import (
+    ShardableTensor,
+    gc_paused,
+    host_columns,
+    shardable_tensors,
+)
+from ..storage import is_url, open_storage
 from ..values.slices import WHOLE
 from ..values.strings import StringColumns
+from .flow import RankSave, StorageOutput, run_save
 from .options import CheckpointOptions, check_threads
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
-from .writer import (
-    SavedTensors,
-    ShardColumns,
-    default_threads,
-    shard_columns,
-    write_shards,
-)
+from .writer import SavedTensors, ShardColumns, default_threads, shard_columns
 
 SINGLE_SHARD_BELOW = 64 * 1024 * 1024
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB")
@@ -270,26 +271,37 @@ def save(
     if format not in ("shardkit", "tensorflow"):
         raise InvalidArgumentError(f"format must be 'shardkit' or 'tensorflow', got {format!r}")
     coord = _coordinator(state, process_group, timeout)
-    if coord is not None:
-        if format == "tensorflow":
+    if format == "tensorflow":
+        if coord is not None:
             raise InvalidArgumentError(
                 "format='tensorflow' is written by one process: a collective save (DTensors "
                 "or process_group=) writes shardkit's format; convert it afterwards with "
                 "`shardkit convert`")
-        return _collective_save(coord, path, state, opts, user_metadata, overwrite, progress,
-                                started)
-    if format == "tensorflow":
         if is_url(path):
             raise InvalidArgumentError(
                 f"{path}: format='tensorflow' writes local files only; save shardkit's format "
                 "to the URL, or write the TensorFlow checkpoint locally and upload it")
-        return _save_tensorbundle(path, state, opts, user_metadata, overwrite, progress, started)
-    store = open_storage(path)
-    store.check_target(overwrite)  # fail fast, before the callback runs
+        from ..adapters.tensorbundle.writer import BundleOutput
+
+        output: StorageOutput | BundleOutput = BundleOutput(os.fspath(path), opts,
+                                                            user_metadata, progress)
+    else:
+        output = StorageOutput(open_storage(path), opts, user_metadata, progress)
     with gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
-        info, split = _save(store, state, opts, user_metadata, overwrite, progress, started)
-    if split and _WARN_SPLIT.get():
-        warnings.warn(SplitTensorsWarning(_split_message(split, info.path)), stacklevel=2)
+        if coord is None:
+            rank: RankSave = _LocalRank(state, opts, DefaultShardingPolicy)
+            coord = LocalCoordinator()
+        else:
+            from ..distributed.save import CollectiveRank
+
+            rank = CollectiveRank(state, opts, DefaultShardingPolicy)
+        target, files, nbytes, generation = run_save(coord, rank, output, os.fspath(path),
+                                                     overwrite)
+    opts.run_write_callbacks(target)
+    info = SaveInfo(target, files, nbytes, time.perf_counter() - started, generation)
+    if rank.split and format == "shardkit" and _WARN_SPLIT.get():  # weight_map lacks them
+        warnings.warn(SplitTensorsWarning(_split_message(list(rank.split), info.path)),
+                      stacklevel=2)
     return info
 
 
@@ -301,22 +313,6 @@ def _coordinator(state: Mapping[str, Any], process_group: Any, timeout: float | 
     from ..distributed.routing import coordinator_for
 
     return coordinator_for(state, process_group, timeout)
-
-
-def _collective_save(coord: Any, path: str | os.PathLike[str], state: Mapping[str, Any],
-                     opts: CheckpointOptions, user_metadata: dict[str, Any], overwrite: bool,
-                     progress: bool, started: float) -> SaveInfo:
-    from ..distributed.save import collective_save
-
-    with gc_paused():  # without a callback: the default policy, with each rank's threads
-        out = collective_save(coord, path, state,
-                              callback=opts.experimental_sharding_callback,
-                              default_policy=DefaultShardingPolicy, opts=opts,
-                              user_metadata=user_metadata, overwrite=overwrite,
-                              progress=progress)
-    opts.run_write_callbacks(out.path)
-    return SaveInfo(out.path, out.files, out.bytes, time.perf_counter() - started,
-                    out.generation)
 
 
 _WARN_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_warn_split",
@@ -334,14 +330,6 @@ def _no_split_warning() -> Iterator[None]:
         _WARN_SPLIT.reset(token)
 
 
-def _split_keys(shards: Sequence[ShardColumns]) -> list[str]:
-    """The keys of the tensors stored as slices (not as one entry of spec ""), in shard order,
-    each once: those the manifest's weight_map leaves out."""
-    return list(dict.fromkeys(
-        key for shard in shards if any(shard.specs)
-        for key, spec in zip(shard.keys, shard.specs) if spec != WHOLE))
-
-
 def _split_message(split: list[str], path: str) -> str:
     count = f"{len(split)} tensor{'s' if len(split) != 1 else ''}"
     return (
@@ -352,88 +340,26 @@ def _split_message(split: list[str], path: str) -> str:
     )
 
 
-def _save(
-    store: Storage,
-    state: Mapping[str, Any],
-    opts: CheckpointOptions,
-    user_metadata: dict[str, Any],
-    overwrite: bool,
-    progress: bool,
-    started: float,
-) -> tuple[SaveInfo, list[str]]:
-    """The save, and the keys of the tensors the callback split (none for the default)."""
-    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
-    description = callback_description(callback)
-    strings = StringColumns()  # string tensors: their own file, not the callback's
-    shards, saved, split = _plan(callback, state, strings)
+class _LocalRank(RankSave):
+    """A process alone's side of the save flow (`io.flow.RankSave`): its whole state."""
 
-    with store.stage(overwrite=overwrite, durable=opts.durable) as staging:
-        index, index_chunks = write_shards(
-            staging.store,
-            shards,
-            saved,
-            description=description,
-            threads=opts.threads,
-            durable=opts.durable,
-            checksum=opts.checksum,
-            user_metadata=user_metadata,
-            progress=progress,
-            compression=opts.compression,
-            level=opts.level,
-            shuffle=opts.shuffle,
-            chunk_size=opts.chunk_size,
-            generation=staging.generation,
-            strings=strings,
-        )
-        staging.commit(index_chunks)
-    target = str(staging.target)
-    opts.run_write_callbacks(target)
-    extra = () if index.strings is None else (index.strings.file,)
-    name = staging.store.shard_name
-    files = (*(name(f, index.generation) for f in (*(s.file for s in index.shards), *extra)),
-             fmt.MANIFEST_FILE)
-    total = (sum(s.bytes for s in index.shards) + sum(map(len, index_chunks))
-             + (0 if index.strings is None else index.strings.size))
-    info = SaveInfo(target, files, total, time.perf_counter() - started, index.generation)
-    return info, split
-
-
-def _plan(callback: ShardingCallback, state: Mapping[str, Any], strings: StringColumns
-          ) -> tuple[list[ShardColumns], SavedTensors, list[str]]:
-    """The validated shards of `state`, the saved tensors, and the keys the callback split;
-    string tensors go to `strings` instead."""
-    planned = (_default_shards(callback, state, strings)
-               if type(callback) is DefaultShardingPolicy else None)
-    if planned is None:
-        tensors = shardable_tensors(state, strings=strings)
-        shards = shard_columns(shard_tensors(callback, tensors))
-        return shards, SavedTensors.of(tensors), _split_keys(shards)
-    return *planned, []
-
-
-def _save_tensorbundle(path: str | os.PathLike[str], state: Mapping[str, Any],
-                       opts: CheckpointOptions, user_metadata: dict[str, Any], overwrite: bool,
-                       progress: bool, started: float) -> SaveInfo:
-    """``save(..., format="tensorflow")``: plan as any save, write a TensorBundle."""
-    from ..adapters.tensorbundle.writer import check_prefix, write_bundle
-
-    for name, bad in (("compression", opts.compression is not None),
-                      ("metadata", bool(user_metadata)), ("progress", progress)):
-        if bad:
-            raise InvalidArgumentError(
-                f"save(..., format='tensorflow') cannot honour {name}: a TensorFlow checkpoint "
-                "stores raw tensors and no user metadata")
-    callback = opts.experimental_sharding_callback or DefaultShardingPolicy(opts.threads)
-    prefix = os.fspath(path)
-    check_prefix(prefix, overwrite)  # fail fast, before the callback runs
-    strings = StringColumns()
-    with gc_paused():
-        shards, _saved, _split = _plan(callback, state, strings)
-        files, total = write_bundle(prefix, shards, strings, threads=opts.threads
-                                    or default_threads(), durable=opts.durable,
-                                    overwrite=overwrite)
-    opts.run_write_callbacks(prefix)
-    return SaveInfo(prefix, tuple(files), total, time.perf_counter() - started, None)
+    def shard(self) -> int:
+        """The validated shards of the state, the saved tensors, and the keys the callback
+        split; string tensors go to `strings` instead (their own file, not the callback's)."""
+        callback, strings = self.callback(), StringColumns()
+        self.strings = strings
+        planned = (_default_shards(callback, self.state, strings)
+                   if type(callback) is DefaultShardingPolicy else None)
+        if planned is None:
+            tensors = shardable_tensors(self.state, strings=strings)
+            self.shards = shard_columns(shard_tensors(callback, tensors))
+            self.saved = SavedTensors.of(tensors)
+            self.split = list(dict.fromkeys(  # stored as slices: absent from weight_map
+                key for shard in self.shards if any(shard.specs)
+                for key, spec in zip(shard.keys, shard.specs) if spec != WHOLE))
+        else:
+            self.shards, self.saved = planned
+        return len(self.shards)
 
 
 def _default_shards(

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import format as fmt
 from .._kernels import _gather, _table
-from ..errors import InvalidArgumentError, ShardkitError
+from ..errors import ShardkitError
 from ..optional import require
 from ..sharding.callback import TaskShard
 from ..sharding.tensors import ShardableTensor
@@ -30,6 +30,7 @@ from ..storage import ShardFile, Storage, open_storage
 from ..values.dtypes import safetensors_name
 from ..values.slices import parse_slice_spec
 from ..values.strings import StringColumns
+from .options import CheckpointOptions
 
 
 @dataclass(slots=True)
@@ -95,17 +96,12 @@ def write_shards(
     directory: str | os.PathLike[str] | Storage,
     shards: Sequence[ShardColumns],
     saved: SavedTensors,
+    opts: CheckpointOptions,
     *,
     description: str,
     threads: int | None = None,
-    durable: bool = True,
-    checksum: bool = True,
     user_metadata: dict[str, Any] | None = None,
     progress: bool = False,
-    compression: str | None = None,
-    level: int | None = None,
-    shuffle: bool = True,
-    chunk_size: int | str = "4MiB",
     generation: str | None = None,
     first_shard: int = 0,
     shard_count: int | None = None,
@@ -114,20 +110,20 @@ def write_shards(
     """Write `shards` (validated callback output) as shard files into `directory` (a
     `Storage`, or a path or URL given to `storage.open_storage`: a save's `Staging.store`).
 
-    Raw safetensors shards, or zstd shards (``.skz``, shardkit.shards.skz) when `compression`
-    is ``"zstd"``. Returns the checkpoint index describing them and its manifest bytes in
-    pieces (`format.index_chunks`); writing that file and publishing the directory is the
-    caller's job (`Staging.commit`). `saved` gives the order, dtypes, full shapes and devices of
-    the saved tensors. With `durable`, each shard file is fsynced once complete.
-    `generation`: the checkpoint's unique id, recorded in the index and in every shard header
-    (default: a fresh `format.new_generation`). `first_shard` / `shard_count`: the number of
-    the first of these shards among `shard_count` in the whole checkpoint, for file names (a
-    rank of a collective save writes some of them; default: these are all). `strings`: string
-    tensors, written to their own file (`shardkit.strings`; the manifest then records format
-    2.3).
+    Raw safetensors shards, or zstd shards (``.skz``, shardkit.shards.skz) when
+    `opts.compression` is ``"zstd"`` (with its `level`, `shuffle` and `chunk_size`). Returns the
+    checkpoint index describing them and its manifest bytes in pieces (`format.index_chunks`);
+    writing that file and publishing the directory is the caller's job (`Staging.commit`).
+    `saved` gives the order, dtypes, full shapes and devices of the saved tensors. With
+    `opts.durable`, each shard file is fsynced once complete; with `opts.checksum`, each entry
+    hashed. `generation`: the checkpoint's unique id, recorded in the index and in every shard
+    header (default: a fresh `format.new_generation`). `first_shard` / `shard_count`: the
+    number of the first of these shards among `shard_count` in the whole checkpoint, for file
+    names (a rank of a collective save writes some of them; default: these are all).
+    `strings`: string tensors, written to their own file (`shardkit.strings`; the manifest then
+    records format 2.3).
     """
-    if compression not in (None, "zstd"):
-        raise InvalidArgumentError(f"unknown compression {compression!r}; use None or 'zstd'")
+    compression, durable, checksum = opts.compression, opts.durable, opts.checksum
     store = directory if isinstance(directory, Storage) else open_storage(directory)
     codec = "raw" if compression is None else "zstd"
     threads = threads or default_threads()
@@ -153,7 +149,7 @@ def write_shards(
         index, parts = store.write_shards(
             plans, generation=generation, compressed=codec != "raw", threads=threads,
             durable=durable, checksum=checksum, bar=bar,
-            zstd_options=dict(level=level, shuffle=shuffle, chunk_size=chunk_size,
+            zstd_options=dict(level=opts.level, shuffle=opts.shuffle, chunk_size=opts.chunk_size,
                               metadata={fmt.GENERATION_KEY: generation}),
             meanwhile=describe)
     finally:

@@ -91,8 +91,8 @@ class ShardFile:
 class Staging(Protocol):
     """A save in progress (`Storage.stage`): `store` is where its files go (a local temp
     directory, or the store itself), every file carries `generation`; `commit` publishes the
-    manifest atomically, `abort` removes what was written. A context manager that aborts when
-    left uncommitted."""
+    manifest atomically, `abort` removes what was written (nothing once committed). The save
+    flow (`io.flow.Steps`) aborts one left uncommitted."""
 
     store: Storage
     generation: str
@@ -102,10 +102,6 @@ class Staging(Protocol):
     def commit(self, index_bytes: bytes | Sequence[bytes]) -> None: ...
 
     def abort(self) -> None: ...
-
-    def __enter__(self) -> Staging: ...
-
-    def __exit__(self, *exc: object) -> None: ...
 
 
 class Storage(ABC):

@@ -95,6 +95,18 @@ def is_shardkit_manifest(head: bytes, rest: Callable[[], bytes]) -> bool:
             and isinstance(doc.get("shardkit"), dict))
 
 
+def write_new(path: str | os.PathLike[str], chunks: Sequence[bytes], durable: bool) -> None:
+    """Create the file `path` (none may be there) from `chunks`, written back to back, and
+    fsync it when `durable`: a manifest, a TensorBundle's index."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _gather.write_arrays(fd, [np.frombuffer(c, np.uint8) for c in chunks if c], 0)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so that the names in it (renames, new files) are durable."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -143,15 +155,8 @@ class Staging:
         may come in pieces, written back to back."""
         if self._lock_fd is None:
             raise ShardkitError(f"cannot commit {self.target}: the save was already aborted")
-        index = self.path / MANIFEST_FILE
-        fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            chunks = [index_bytes] if isinstance(index_bytes, bytes) else index_bytes
-            _gather.write_arrays(fd, [np.frombuffer(c, np.uint8) for c in chunks], 0)
-            if self.durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_new(self.path / MANIFEST_FILE,
+                  [index_bytes] if isinstance(index_bytes, bytes) else index_bytes, self.durable)
         if self.durable:
             os.fsync(self._lock_fd)  # the directory's entries
         old = _publish(self.path, self.target, overwrite=self.overwrite)

@@ -120,7 +120,6 @@ class LocalStaging:
     store = property(lambda self: self._staging.store)
     generation = property(lambda self: self._staging.generation)
     target = property(lambda self: self._staging.target)
-    path = property(lambda self: self._staging.path)
     committed = property(lambda self: self._staging.committed)
 
     def commit(self, index_bytes: bytes | Sequence[bytes]) -> None:
@@ -130,13 +129,6 @@ class LocalStaging:
     def abort(self) -> None:
         with os_errors(str(self._staging.path), "removing the unfinished save"):
             self._staging.abort()
-
-    def __enter__(self) -> LocalStaging:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.committed:
-            self.abort()
 
 
 class LocalStorage(Storage):

@@ -29,11 +29,11 @@ from typing import Any
 from .. import format as fmt
 from .._threads import WorkerPool
 from ..errors import CheckpointExistsError, CheckpointFormatError, ShardkitError
-from ..values.strings import STRING_FILE, StringColumns, StringFile, write_string_file
+from ..values.strings import STRING_FILE, StringColumns, StringFile
 from .base import ShardFile, Storage
 from .housekeeping import manifest_objects, mark_staging, remove_owned
 from .layout import object_name
-from .native import _as_bytes, _run_zstd
+from .native import _as_bytes, _run_zstd, _write_strings
 
 
 class RemoteStaging:
@@ -78,13 +78,6 @@ class RemoteStaging:
             except Exception:
                 pass
 
-    def __enter__(self) -> RemoteStaging:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.committed:
-            self.abort()
-
 
 def upload_shards(store: Storage, plans: list[ShardFile], generation: str, *, compressed: bool,
                   threads: int, checksum: bool, zstd_options: dict[str, Any]) -> None:
@@ -100,17 +93,12 @@ def upload_shards(store: Storage, plans: list[ShardFile], generation: str, *, co
 def upload_strings(store: Storage, strings: StringColumns, generation: str,
                    checksum: bool) -> StringFile:
     """The string file (`shardkit.strings`) of the save of `generation`: written to a local
-    temp file (its writer wants a descriptor), then uploaded next to the shard objects."""
+    temp file by the local writer (it wants a descriptor), then uploaded next to the shard
+    objects."""
     mark_staging(store, generation, [STRING_FILE])
     with tempfile.TemporaryDirectory(prefix="shardkit-upload-") as tmp:
-        path = os.path.join(tmp, STRING_FILE)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                     0o600)
-        try:
-            made = write_string_file(fd, strings, generation, checksum)
-        finally:
-            os.close(fd)
-        store.upload_file(object_name(STRING_FILE, generation), path)
+        made = _write_strings(Path(tmp), strings, generation, checksum, False)
+        store.upload_file(object_name(STRING_FILE, generation), os.path.join(tmp, STRING_FILE))
     return made
 
 

@@ -22,14 +22,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
-from ..._kernels import _gather
 from ...errors import CheckpointExistsError, InvalidArgumentError
 from ...storage import commit
 from .names import data_file, index_file
 
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _MAX_SHARDS = 99999  # the %05d of TensorFlow's file names
 
 
@@ -128,7 +124,7 @@ def _stage_interim(tmp: Path, new: list[str], interim: list[str], durable: bool)
             os.rename(tmp / f, tmp / g)
         linked = False
     for g in interim[len(new):]:
-        _write(tmp / g, b"", durable)
+        commit.write_new(tmp / g, [], durable)
     return linked
 
 
@@ -145,20 +141,9 @@ def _move_in(tmp: Path, parent: Path, files: list[str], placed: list[Path],
 def _commit_index(tmp: Path, final_index: Path, table: bytes, durable: bool) -> None:
     """Write the index into `tmp` and rename it over `final_index` (the commit step)."""
     staged = tmp / final_index.name
-    _write(staged, table, durable)
+    commit.write_new(staged, [table], durable)
     if durable:
         commit.fsync_dir(tmp)
     os.rename(staged, final_index)
     if durable:
         commit.fsync_dir(final_index.parent)
-
-
-def _write(path: Path, data: bytes, durable: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
-    try:
-        if data:
-            _gather.write_arrays(fd, [np.frombuffer(data, np.uint8)], 0)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -9,21 +9,16 @@ one entry under its key; a tensor the callback split is a full entry listing its
 entry per slice under TensorFlow's encoded slice key, as BundleWriter::AddSlice writes it.
 Every entry carries its masked crc32c.
 
-Commit (what "atomic" means for a prefix, whose files share a directory with others): all files
-are written into a hidden temp directory next to the prefix (``.<name>.shardkit-tmp-*``, locked
-like shardkit's own saves, so a crashed save's leftovers are cleaned by the next save there) and
-fsynced (`durable`); `publish.publish` then moves them in with the ``.index`` renamed last, as
-the one commit step, and removes the old checkpoint's data files after it. The old files are
-never moved: at every instant the prefix holds the complete old or the complete new checkpoint.
-The ``checkpoint`` state file is not written (``tf.train.Checkpoint.write`` does not write it
-either).
+The save is an output format of the save flow (`BundleOutput`): the files go into a hidden,
+locked temp directory next to the prefix (`BundleOutput.stage`; a crashed save's is cleaned by
+the next save there) and are published by `publish.publish`, the ``.index`` renamed last. The
+``checkpoint`` state file is not written (``tf.train.Checkpoint.write`` does not either).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +29,7 @@ from ..._kernels import _gather
 from ..._threads import ParallelRun
 from ...errors import CheckpointExistsError, InvalidArgumentError, ShardIOError
 from ...storage import commit
+from ...storage.local import LocalStorage
 from ...values.dtypes import safetensors_name
 from ...values.slices import WHOLE, parse_slice_spec
 from .crc import crc32c_extend, mask
@@ -144,32 +140,55 @@ def check_prefix(prefix: str, overwrite: bool) -> Path:
     return path
 
 
-def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, threads: int,
-                 durable: bool, overwrite: bool) -> tuple[list[str], int]:
-    """Write `shards` (validated callback output, `writer.ShardColumns`) and the string
-    tensors `strings` (a `strings.StringColumns`, which the callback does not see; they go into
-    the last data file) as the TensorBundle at `prefix`; returns (the files written, data files
-    then the index; their total bytes)."""
-    target = check_prefix(prefix, overwrite)
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    commit.cleanup_stale(parent)
-    n = max(1, len(shards))
-    tmp, lock_fd = commit.locked_tmp(target)
-    try:
-        files = [_DataFile(data_file(target.name, i, n), tmp / data_file(target.name, i, n))
+class BundleOutput:
+    """``save(..., format="tensorflow")`` as an output format of the save flow
+    (`io.flow.run_save`): `shards` (validated callback output, `io.writer.ShardColumns`) and the
+    string tensors (which the callback does not see; they go into the last data file) as the
+    TensorBundle at `prefix`."""
+
+    user_metadata: dict[str, Any] = {}  # noqa: RUF012  # none: refused
+
+    def __init__(self, prefix: str, opts: Any, user_metadata: dict[str, Any],
+                 progress: bool) -> None:
+        for name, bad in (("compression", opts.compression is not None),
+                          ("metadata", bool(user_metadata)), ("progress", progress)):
+            if bad:
+                raise InvalidArgumentError(
+                    f"save(..., format='tensorflow') cannot honour {name}: a TensorFlow "
+                    "checkpoint stores raw tensors and no user metadata")
+        self.url = self.prefix = prefix
+        self.durable = opts.durable
+
+    def check_target(self, overwrite: bool) -> None:
+        check_prefix(self.prefix, overwrite)
+
+    def stage(self, overwrite: bool) -> commit.Staging:
+        """The locked temp directory next to the prefix (`store`, a LocalStorage of it; a
+        crashed save's is cleaned by the next save there); no generation."""
+        path = check_prefix(self.prefix, overwrite)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        commit.cleanup_stale(path.parent)
+        staging = commit.Staging(path, overwrite=overwrite, durable=self.durable)
+        staging.store = LocalStorage(str(staging.path))
+        staging.generation = None  # type: ignore[assignment]
+        return staging
+
+    def write(self, where: Any, generation: None, rank: Any, first: int, count: int
+              ) -> tuple[list[_DataFile], list[tuple[bytes, bytes]]]:
+        """The data files written and fsynced in `where` (the temp directory), and the
+        entries of the ``.index``, sorted."""
+        name, tmp = Path(self.prefix).name, Path(os.fspath(where))
+        n = max(1, len(rank.shards))
+        files = [_DataFile(data_file(name, i, n), tmp / data_file(name, i, n))
                  for i in range(n)]
         full: dict[bytes, Any] = {}
-        for i, shard in enumerate(shards):
+        for i, shard in enumerate(rank.shards):
             f = files[i]
             for key, spec, array in zip(shard.keys, shard.specs, shard.arrays):
                 kb = key.encode("utf-8")
                 shape = tuple(int(d) for d in np.shape(array))
-                whole = spec == WHOLE
-                if not whole:
-                    s = parse_slice_spec(spec)
-                    whole = s.is_whole
-                if whole:
+                s = None if spec == WHOLE else parse_slice_spec(spec)
+                if s is None or s.is_whole:
                     f.entries.append(_entry(kb, array, shape))
                     continue
                 proto = full.get(kb)
@@ -182,13 +201,14 @@ def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, thr
                     ext.extent.add(start=o, length=ln)
                 f.entries.append(_entry(encode_slice_key(key, s.offsets, s.lengths), array,
                                         shape))
+        strings = rank.strings
         if strings is not None:
             for key, array in zip(strings.keys, strings.arrays):
                 files[-1].entries.append(_entry(key.encode("utf-8"), np.asarray(array),
                                                 tuple(np.shape(array))))
         for f in files:
             _layout(f)
-        ParallelRun(lambda f: _write_file(f, durable), files, threads).wait()
+        ParallelRun(lambda f: _write_file(f, self.durable), files, rank.threads).wait()
         items: dict[bytes, bytes] = {}
         for i, f in enumerate(files):
             for e in f.entries:
@@ -201,7 +221,14 @@ def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, thr
                 items[e.key] = proto.SerializeToString()
         for kb, proto in full.items():
             items[kb] = proto.SerializeToString()
-        entries = sorted(items.items())
+        return files, sorted(items.items())
+
+    def commit(self, staging: commit.Staging,
+               merged: tuple[list[_DataFile], list[tuple[bytes, bytes]]]
+               ) -> tuple[str, tuple[str, ...], int, None]:
+        """Publish the bundle, its ``.index`` last (`publish.publish`): its path, files (data
+        files, then the index), bytes and (no) generation."""
+        files, entries = merged
 
         @functools.cache
         def table(num_shards: int) -> bytes:
@@ -209,13 +236,11 @@ def write_bundle(prefix: str, shards: Sequence[Any], strings: Any = None, *, thr
             header.version.producer = 1
             return build_table([(b"", header.SerializeToString()), *entries])
 
-        published = publish(tmp, parent, target.name, n, table, overwrite=overwrite,
-                            durable=durable)
-    finally:
-        try:
-            commit.remove_tree(tmp)
-        finally:
-            os.close(lock_fd)
-    names = [str(parent / f) for f in published] + [str(parent / index_file(target.name))]
-    return names, sum(f.size for f in files) + len(table(len(published)))
-
+        parent = staging.target.parent
+        published = publish(staging.path, parent, staging.target.name, len(files), table,
+                             overwrite=staging.overwrite, durable=self.durable)
+        staging.abort()  # the temp directory, empty now, and its lock
+        staging.committed = True
+        names = [str(parent / f) for f in (*published, index_file(staging.target.name))]
+        return (self.prefix, tuple(names),
+                sum(f.size for f in files) + len(table(len(published))), None)
