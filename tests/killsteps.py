@@ -3,8 +3,8 @@ step of its commit in turn.
 
 A *step* is every call that changes or syncs what is on disk or in the store: ``os.rename``,
 ``os.replace``, ``os.link``, ``os.unlink``, ``os.rmdir``, ``os.fsync`` (also under
-`commit.fsync_dir`), the ``renameat2`` of `shardkit.storage.commit`, and for a URL each object the
-storage writes, publishes or deletes (`FsspecStorage.write_file`, ``upload_file``,
+`storage.commit.fsync_dir`), the ``renameat2`` of `shardkit.storage.commit`, and for a URL each
+object the storage writes, publishes or deletes (`FsspecStorage.write_file`, ``upload_file``,
 ``publish``, ``delete``). Nothing in shardkit knows about this: the child process wraps those
 functions itself.
 

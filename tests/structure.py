@@ -75,10 +75,11 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("storage/",),
     ("shards/raw.py", "shards/__init__.py"),
     # shards/skz/: "Its modules, each importing only those before it: container.py; codec.py;
-    # writer.py; reader.py; __init__.py re-exports the names other modules use"
+    # writer.py; verify.py; reader.py; __init__.py re-exports the names other modules use"
     [
         ("shards/skz/__init__.py",),
         ("shards/skz/reader.py",),
+        ("shards/skz/verify.py",),
         ("shards/skz/writer.py",),
         ("shards/skz/codec.py",),
         ("shards/skz/container.py", "shards/skz/"),

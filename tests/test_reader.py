@@ -35,11 +35,10 @@ from shardkit.io import reader as rd
 from shardkit.io import restore
 from shardkit.io import save as api
 from shardkit.io.reading import boxes as reading_boxes
-from shardkit.io.reading import jobs as reading_jobs
-from shardkit.io.reading import verify as reading_verify
 from shardkit.io.reading.shards import ShardSet
 from shardkit.io.restore import restore_into
 from shardkit.sharding.tensors import flatten, unflatten
+from shardkit.shards import files
 from shardkit.shards import raw as sources
 from shardkit.values import slicing
 from shardkit.values.slices import format_slice_spec
@@ -247,8 +246,9 @@ def test_split_tensor_is_assembled(tmp_path, dtype, use_mmap):
 
 def test_row_split_across_shards_large_enough_for_parallel_reads(tmp_path, monkeypatch):
     # Small chunk size so the pool path and chunk splitting run on a small array.
-    monkeypatch.setattr(reading_jobs, "PARALLEL_MIN", 1024)
-    monkeypatch.setattr(sources.RawShard, "read_granularity", 1000)
+    monkeypatch.setattr(files, "PARALLEL_MIN", 1024)
+    monkeypatch.setattr(files, "PARALLEL_MIN_BUFFER", 1)
+    monkeypatch.setattr(files, "READ_CHUNK", 1000)
     a = _sample(np.float64, (64, 33))
     b = _sample(np.int16, (10_001,))
     write_checkpoint(tmp_path, row_slices("a", a, 3, [0, 1, 2]) + whole({"b": b}))
@@ -325,13 +325,13 @@ def test_get_slice_reads_only_needed_bytes(tmp_path, monkeypatch):
     a = _sample(np.float64, (100, 50))
     write_checkpoint(tmp_path, row_slices("a", a, 4, [0, 1, 2, 3]))
     reads = []
-    orig = sources.RawShard.read_into
+    orig = sources.RawShard.read_tasks
 
-    def spy(self, entry, begin, end, dest):
-        reads.append((entry.name, begin, end))
-        return orig(self, entry, begin, end, dest)
+    def spy(self, requests):
+        reads.extend((entry.name, begin, end) for entry, begin, end, _ in requests)
+        return orig(self, requests)
 
-    monkeypatch.setattr(sources.RawShard, "read_into", spy)
+    monkeypatch.setattr(sources.RawShard, "read_tasks", spy)
     with rd.CheckpointReader(tmp_path, mmap=False) as r:
         _same(r.get_slice("a", np.s_[30:32, 10:12]), a[30:32, 10:12])
     # rows 30..31 lie in the second slice (rows 25..49); bytes of local rows 5..6, cols 10..11
@@ -342,13 +342,13 @@ def test_get_slice_skips_large_gaps_in_pread_mode(tmp_path, monkeypatch):
     a = _sample(np.int16, (40, 30, 20))
     write_checkpoint(tmp_path, row_slices("a", a, 2, [0, 1]))
     reads: list[int] = []
-    orig = sources.RawShard.read_into
+    orig = sources.RawShard.read_tasks
 
-    def spy(self, entry, begin, end, dest):
-        reads.append(end - begin)
-        return orig(self, entry, begin, end, dest)
+    def spy(self, requests):
+        reads.extend(end - begin for _, begin, end, _ in requests)
+        return orig(self, requests)
 
-    monkeypatch.setattr(sources.RawShard, "read_into", spy)
+    monkeypatch.setattr(sources.RawShard, "read_tasks", spy)
     with rd.CheckpointReader(tmp_path, mmap=False) as r:
         _same(r.get_slice("a", np.s_[3:33:10, 5]), a[3:33:10, 5])
         # rows 3 and 13 are in the first stored slice (rows 0..19), row 23 in the second.
@@ -474,15 +474,20 @@ def test_close_waits_for_reads_in_other_threads(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, whole({"a": a}))
     started, release = threading.Event(), threading.Event()
     events: list[str] = []
-    orig = sources.RawShard.read_into
+    orig = sources.RawShard.read_tasks
 
-    def slow(self, entry, begin, end, dest):
-        started.set()
-        release.wait(10)
-        orig(self, entry, begin, end, dest)
-        events.append("read done")
+    def slow(self, requests):
+        tasks = orig(self, requests)
 
-    monkeypatch.setattr(sources.RawShard, "read_into", slow)
+        def read():
+            started.set()
+            release.wait(10)
+            for task in tasks:
+                task()
+            events.append("read done")
+        return [read]
+
+    monkeypatch.setattr(sources.RawShard, "read_tasks", slow)
     r = rd.CheckpointReader(tmp_path, mmap=False)
     result: list[np.ndarray] = []
     reader_thread = threading.Thread(target=lambda: result.append(r["a"]))
@@ -568,7 +573,7 @@ def test_verify_counts_checked_entries(tmp_path):
 
 
 def test_verify_streams_large_entries_in_pread_mode(tmp_path, monkeypatch):
-    monkeypatch.setattr(reading_verify, "READ_CHUNK", 1000)
+    monkeypatch.setattr(files.CheckpointFile, "task_bytes", 1000)  # batches of 1000 bytes
     a = _sample(np.float32, (3001,))
     write_checkpoint(tmp_path, whole({"a": a}))
     with rd.CheckpointReader(tmp_path, mmap=False) as r:
@@ -787,8 +792,8 @@ def test_pread_mode_reads_runs_of_adjacent_entries(tmp_path, monkeypatch):
     flat = {f"t{i:04d}": _sample(np.float32, (i % 7 + 1,)) for i in range(3000)}
     api.save(tmp_path / "c", flat, durable=False, threads=1)
     calls = []
-    real = sources._gather.read_arrays
-    monkeypatch.setattr(sources._gather, "read_arrays",
+    real = files._gather.read_arrays
+    monkeypatch.setattr(files._gather, "read_arrays",
                         lambda fd, arrays, at: calls.append(len(arrays)) or real(fd, arrays, at))
     got = rd.load(tmp_path / "c", mmap=False)
     assert calls == [3000]
@@ -817,7 +822,7 @@ def test_pread_mode_notices_a_shard_cut_short_after_opening(tmp_path):
 
 def test_read_pieces_cut_runs_into_reads_of_a_chunk():
     arrays = [np.zeros(n, np.uint8) for n in (3, 10, 0, 2, 25)]
-    pieces = sources._read_pieces(arrays, 100, 8)
+    pieces = files._read_pieces(arrays, 100, 8)
     assert [(at, size) for _, at, size in pieces] == [(100, 8), (108, 8), (116, 8), (124, 8),
                                                       (132, 8)]
     assert [[b.nbytes for b in bufs] for bufs, _, _ in pieces] == [
@@ -825,20 +830,21 @@ def test_read_pieces_cut_runs_into_reads_of_a_chunk():
     assert pieces[0][0][0] is arrays[0]  # whole arrays go as they are
     assert all(np.shares_memory(b, arrays[4]) for b in pieces[2][0])
     one = np.zeros(4, np.uint8)
-    ((bufs, at, size),) = sources._read_pieces([one], 7, 8)
+    ((bufs, at, size),) = files._read_pieces([one], 7, 8)
     assert bufs[0] is one and (at, size) == (7, 4)
-    assert sources._read_pieces([], 7, 8) == []
+    assert files._read_pieces([], 7, 8) == []
 
 
 def test_pread_mode_large_tensors_read_in_parallel_pieces(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "READ_CHUNK", 4096)
-    monkeypatch.setattr(sources, "_PARALLEL_MIN_ENTRY", 1024)
+    monkeypatch.setattr(files, "READ_CHUNK", 4096)
+    monkeypatch.setattr(files, "PARALLEL_MIN", 4096)
+    monkeypatch.setattr(files, "PARALLEL_MIN_BUFFER", 1024)
     flat = {"big": _sample(np.float32, (300, 41)), "bf": _sample(ml_dtypes.bfloat16, (9000,)),
             "small": _sample(np.int8, (5,))}
     api.save(tmp_path / "c", flat, durable=False, threads=1)
     threads = set()
-    real = sources._gather.read_arrays
-    monkeypatch.setattr(sources._gather, "read_arrays", lambda fd, bufs, at: threads.add(
+    real = files._gather.read_arrays
+    monkeypatch.setattr(files._gather, "read_arrays", lambda fd, bufs, at: threads.add(
         threading.current_thread().name) or real(fd, bufs, at))
     got = rd.load(tmp_path / "c", mmap=False)
     for k, v in flat.items():

@@ -11,12 +11,12 @@ asked) and name every file they open with `format.check_shard_file_name` first.
 `detect` picks the adapter (docs/FORMAT.md, "Foreign layouts the reader opens"):
 
 - a path that is a ``.safetensors`` file: `SAFETENSORS`, the file read through its parent
-  directory's handle (`files.locate`);
+  directory's handle (`shards.files.locate`);
 - a directory whose manifest (``model.safetensors.index.json``, else ``index.json``) has
   shardkit's section: `SHARDKIT`; ``index.json`` is always shardkit's;
 - ``model.safetensors.index.json`` without it: `HUGGINGFACE` (``metadata`` + ``weight_map``);
 - no manifest but a ``model.safetensors`` (an unsharded ``save_pretrained``): `SAFETENSORS`;
-- a TensorFlow ``<prefix>.index`` file (or the prefix: `files.locate`), or a directory with
+- a TensorFlow ``<prefix>.index`` file (or the prefix: `shards.files.locate`), or a directory with
   TensorFlow's ``checkpoint`` state file (its ``model_checkpoint_path``, the latest):
   `TENSORBUNDLE` (`shardkit.adapters.tensorbundle`).
 """

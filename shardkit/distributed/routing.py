@@ -1,4 +1,4 @@
-"""Which save a state takes, for `api.save` and `Checkpoint`: `coordinator_for` (a collective
+"""Which save a state takes, for `io.save.save` and `Checkpoint`: `coordinator_for` (a collective
 save's coordinator, or None for one process) and the DTensors' local parts an async snapshot
 copies (`local_parts`, `as_local_shards`). It sits with the front door, above the seam
 (docs/ARCHITECTURE.md)."""

@@ -2,7 +2,7 @@
 `ShardingCallback` as a ``tf.train.experimental.ShardingCallback`` that
 ``tf.train.CheckpointOptions(experimental_sharding_callback=...)`` accepts.
 
-Imported only when one is made (`shardkit.as_tensorflow_callback`, in `api.py`): it imports
+Imported only when one is made (`shardkit.as_tensorflow_callback`, in `io.save.py`): it imports
 TensorFlow.
 """
 

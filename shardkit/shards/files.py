@@ -16,9 +16,13 @@ import os
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
-from .._kernels import _mmap
+import numpy as np
+
+from .._kernels import _gather, _mmap
 from ..errors import (
     CheckpointNotFoundError,
     CheckpointReplacedError,
@@ -27,7 +31,13 @@ from ..errors import (
     NotRegularFileError,
     ShardIOError,
     SymlinkRefusedError,
+    TruncatedShardError,
 )
+
+READ_CHUNK = 8 * 1024 * 1024  # bytes per pread task; big enough that syscall cost vanishes
+PARALLEL_MIN = 2 * READ_CHUNK  # bytes of reads from which they go to a pool as several tasks
+PARALLEL_MIN_BUFFER = 256 * 1024  # mean buffer size from which reads go to a pool
+ADVISE_MIN = 64 * 1024 * 1024  # bytes of reads from which readahead is asked for
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -160,11 +170,6 @@ def _lstat_kind(name: str, dir_fd: int | None, follow_symlinks: bool) -> str:
         return "not a plain file"
 
 
-def read_whole(fd: int, size: int, path: str, role: str) -> bytes:
-    """The first `size` bytes of an open file (fewer if it ends first)."""
-    return read_range(fd, 0, size, path, role)
-
-
 def read_range(fd: int, start: int, end: int, path: str, what: str) -> bytes:
     """Bytes ``[start, end)`` of an open file (fewer if it ends first), by pread; `what` names
     them in the ShardIOError of a failed read."""
@@ -181,21 +186,42 @@ def read_range(fd: int, start: int, end: int, path: str, what: str) -> bytes:
     return b"".join(parts)
 
 
+Run = tuple[int, Sequence[np.ndarray]]  # (offset, writable C-contiguous arrays read back to back)
+
+
 class ByteSource(Protocol):
     """The bytes of one shard, wherever they live: what the raw and ``.skz`` readers use.
 
-    Two implementations: `CheckpointFile` (a local file: pread, a copy-on-write map) and
-    `shardkit.storage.remote.RemoteFile` (a store's object: ranged GETs, no map). Call
-    sequence: the storage opens it (``Storage.open_checkpoint(...).open_shard_file``), a
-    shard reader reads its header with `read`, takes a map with `take_map` when mapping
-    (None when the source cannot map: read on), reads on, and `close`s it.
+    Two implementations: `CheckpointFile` (a local file: pread / preadv, a copy-on-write map)
+    and `shardkit.storage.remote.RemoteFile` (a store's object: ranged GETs, coalesced, several
+    in flight; no map). Call sequence: the storage opens it
+    (``Storage.open_checkpoint(...).open_shard_file``), a shard reader reads its header with
+    `read`, takes a map with `take_map` when mapping (None when the source cannot map: read
+    on), reads with `read` / `readinto` / `read_tasks`, and `close`s it. Every read is safe
+    from several threads at once; a read past the end raises TruncatedShardError.
     """
 
     path: str
     size: int
 
+    @property
+    def task_bytes(self) -> int:
+        """About how many bytes one task of `read_tasks` reads (a verify's batch)."""
+        ...
+
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` (fewer at the end)."""
+        ...
+
+    def readinto(self, offset: int, dest: Any) -> None:
+        """Fill the writable buffer `dest` with the bytes from `offset`."""
+        ...
+
+    def read_tasks(self, runs: Sequence[Run]) -> list[Callable[[], None]]:
+        """Many reads as independent tasks for any threads: each run's arrays filled back to
+        back from its offset (a file: preadv batches of about READ_CHUNK, one task when the
+        reads are too small to gain from threads; a store: coalesced GETs, concurrent within a
+        task)."""
         ...
 
     def take_map(self) -> Any:
@@ -203,6 +229,78 @@ class ByteSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def byte_view(a: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a flat uint8 view."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def run_each(calls: Sequence[Callable[[], None]]) -> None:
+    """Run `calls` one after the other, on this thread."""
+    for call in calls:
+        call()
+
+
+def pool_tasks(reads: Sequence[tuple[Callable[[], None], int, int]]
+               ) -> list[Callable[[], None]]:
+    """Reads (call, bytes, buffers) as tasks for a pool: all in one task, in turn, under
+    PARALLEL_MIN bytes in all; else those of buffers under PARALLEL_MIN_BUFFER bytes on
+    average (bound by per-buffer work under the GIL: threads only contend) in one task, the
+    others a task each."""
+    if sum(n for _, n, _ in reads) < PARALLEL_MIN:
+        small, tasks = list(reads), []
+    else:
+        small = [r for r in reads if r[1] < r[2] * PARALLEL_MIN_BUFFER]
+        tasks = [r[0] for r in reads if r[1] >= r[2] * PARALLEL_MIN_BUFFER]
+    if len(small) > 1:
+        return [partial(run_each, [call for call, _, _ in small]), *tasks]
+    return [call for call, _, _ in small] + tasks
+
+
+def _read_pieces(arrays: Sequence[np.ndarray], start: int, chunk: int
+                 ) -> list[tuple[list[np.ndarray], int, int]]:
+    """Cut adjacent arrays (the first at file offset `start`) into reads of about `chunk`
+    bytes: (buffers, offset, bytes). An array that does not fit a read is cut into byte views."""
+    out: list[tuple[list[np.ndarray], int, int]] = []
+    bufs: list[np.ndarray] = []
+    at, size = start, 0
+    for a in arrays:
+        n = a.nbytes
+        if size + n <= chunk:  # the usual case: whole arrays, no views made
+            bufs.append(a)
+            size += n
+            continue
+        flat = byte_view(a)
+        pos = 0
+        while pos < n:
+            take = min(n - pos, chunk - size)
+            bufs.append(flat[pos : pos + take])
+            size += take
+            pos += take
+            if size == chunk:
+                out.append((bufs, at, size))
+                at, bufs, size = at + size, [], 0
+    if bufs:
+        out.append((bufs, at, size))
+    return out
+
+
+def pread_into(fd: int, dest: memoryview, offset: int, path: str) -> None:
+    """Fill `dest` from `fd` at `offset` (os.preadv releases the GIL); short file -> error."""
+    done, n = 0, len(dest)
+    while done < n:
+        try:
+            got = os.preadv(fd, [dest[done:]], offset + done)
+        except OSError as e:
+            raise ShardIOError(e.errno, f"{path}: cannot read {n - done} bytes at "
+                                        f"{offset + done}: {e.strerror}") from None
+        if got == 0:
+            raise TruncatedShardError(
+                f"{path}: unexpected end of file at byte {offset + done} "
+                f"(needed {n - done} more bytes)"
+            )
+        done += got
 
 
 class CheckpointFile:
@@ -255,7 +353,7 @@ class CheckpointFile:
     def read_all(self) -> bytes:
         """The whole file (its `size` bytes when it was opened; fewer if it shrank since)."""
         with self as fd:
-            return read_whole(fd, self.size, self.path, self.role)
+            return read_range(fd, 0, self.size, self.path, self.role)
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the file (fewer at its end), by pread.
@@ -266,9 +364,53 @@ class CheckpointFile:
         with self as fd:
             return read_range(fd, start, end, self.path, f"{end - start} bytes at {start}")
 
+    task_bytes = READ_CHUNK
+
+    def readinto(self, offset: int, dest: Any) -> None:
+        """Fill `dest` with the bytes from `offset`, by preadv (the GIL released)."""
+        with self as fd:
+            pread_into(fd, memoryview(dest).cast("B"), offset, self.path)
+
+    def read_tasks(self, runs: Sequence[Run]) -> list[Callable[[], None]]:
+        """See `ByteSource.read_tasks`: preadv of the arrays back to back, in reads of about
+        READ_CHUNK bytes (the GIL released)."""
+        pieces = [p for at, arrays in runs for p in _read_pieces(arrays, at, READ_CHUNK)]
+        if sum(want for _, _, want in pieces) >= ADVISE_MIN:
+            self._will_need([(at, want) for _, at, want in pieces])
+        return pool_tasks([(partial(self._read_arrays, bufs, at, want), want, len(bufs))
+                           for bufs, at, want in pieces])
+
+    def _will_need(self, ranges: list[tuple[int, int]]) -> None:
+        """Tell the kernel that the byte ranges (offset, length) are read next, so that it
+        reads them ahead in large requests. Without it, a file not in the page cache is read
+        at the pace of the default readahead window, which chunks read by two threads in turn
+        keep small: a cold 1.5 GB TensorBundle read took 4-6 s here against 1.5-2.5 s with the
+        advice (TensorFlow's one sequential reader: 1.9-2.7 s). About 0.1 ms when cached."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        with self as fd:
+            for at, n in ranges:
+                try:
+                    os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED)
+                except OSError:  # advice only (some file systems refuse it)
+                    return
+
+    def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
+        with self as fd:
+            try:
+                got = _gather.read_arrays(fd, bufs, at)
+            except OSError as e:
+                raise ShardIOError(e.errno, f"{self.path}: cannot read {want} bytes at {at}: "
+                                            f"{e.strerror}") from None
+        if got != want:
+            raise TruncatedShardError(
+                f"{self.path}: unexpected end of file at byte {at + got} "
+                f"(needed {want - got} more bytes)"
+            )
+
     def stamp(self) -> tuple[int, int, int, int]:
         """(device, inode, size, mtime in ns) of the open file now: equal stamps mean a
-        header parsed earlier is still the file's (`formats.ParsedHeader`)."""
+        header parsed earlier is still the file's (`adapters.ParsedHeader`)."""
         with self as fd:
             st = os.fstat(fd)
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
@@ -418,7 +560,7 @@ class CheckpointDirectory:
         try:
             if st.st_size > limit:
                 raise CorruptIndexError(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
-            return read_whole(fd, st.st_size, path, name)
+            return read_range(fd, 0, st.st_size, path, name)
         finally:
             os.close(fd)
 

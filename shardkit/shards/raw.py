@@ -1,27 +1,24 @@
 """Shard sources: byte access to the entries of one opened shard file.
 
-A shard's codec selects its `ShardSource` implementation: ``"raw"`` (a safetensors file, mapped
-or read with ``os.preadv``) here, others registered with `register_codec` or imported lazily
-(see `_LAZY_CODECS`).
+A shard's codec selects its `ShardSource` implementation: ``"raw"`` (a safetensors shard over
+a `shards.files.ByteSource`: a file mapped or read with ``os.preadv``, or a store's object) here,
+others registered with `register_codec` or imported lazily (see `_LAZY_CODECS`).
 """
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Executor, wait
 from functools import partial
 from importlib import import_module
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from .._kernels import _gather, _table, _views
-from ..errors import (
-    CheckpointFormatError,
-    ShardIOError,
-    TruncatedShardError,
-    UnknownCodecError,
-)
+from .._kernels import _table, _views
+from ..errors import CheckpointFormatError, ChecksumError, TruncatedShardError, UnknownCodecError
 from ..format import (
     EntryLayout,
     ShardInfo,
@@ -30,57 +27,139 @@ from ..format import (
     read_expected_safetensors_header,
     read_safetensors_header,
 )
-from .files import CheckpointFile, open_shard_file
+from .files import READ_CHUNK, ByteSource, open_shard_file, pool_tasks, run_each
 
-READ_CHUNK = 8 * 1024 * 1024  # bytes per pread job; big enough that syscall cost vanishes
-PARALLEL_MIN = 2 * READ_CHUNK  # bytes of reads from which they go to a pool
-_ADVISE_MIN = 64 * 1024 * 1024  # bytes of a whole-array read from which readahead is asked for
-_PARALLEL_MIN_ENTRY = 256 * 1024  # mean entry size from which whole-entry reads go in parallel
+_VERIFY_WINDOW = 3  # batches a verify keeps in flight per shard
+
+Request = tuple[EntryLayout, int, int, Any]  # bytes [begin, end) of an entry into a buffer
 
 
 class ShardSource:
-    """Byte access to the entries of one opened shard file (the codec extension point).
+    """Byte access to the entries of one opened shard (the codec extension point): the one
+    interface every shard source offers, whatever its codec (`RawShard` here,
+    `shards.skz.SkzShard`, which has the same members) and wherever its bytes are (a
+    `shards.files.ByteSource`: a local file or a store's object).
 
     `entries` maps entry name -> EntryLayout (offsets relative to the logical data region).
-    `read_into` copies bytes ``[begin, end)`` of an entry (relative to the entry's start) into the
-    writable byte buffer `dest`; it must be safe to call from several threads at once.
-    `view` returns a zero-copy buffer of those bytes (writable: a private map), or None if the
-    codec cannot.
-    `read_granularity`: the reader cuts large reads at multiples of it in data-region
-    coordinates (e.g. a codec's chunk size). Ranges the reader asks for always hold whole items
-    of the entry's dtype.
+    `read_into` copies bytes ``[begin, end)`` of an entry (relative to the entry's start) into
+    the writable byte buffer `dest`; `read_tasks` does so for many (entry, begin, end, dest)
+    requests, as independent tasks for the read pool (a codec decodes each chunk once). Both
+    are safe from several threads at once; ranges always hold whole items of the dtype.
+    `view` returns a zero-copy buffer of those bytes (writable: a private map), or None if
+    the source cannot. `whole_arrays` gives whole entries by their offsets, or None when the
+    source reads them only through `read_tasks`. `verify_entries` hashes entries for verify
+    (and checks a codec's frames). `matches_index`: the header was recognised as the index's
+    (not checked again).
     """
 
     path: str
     info: ShardInfo
     entries: dict[str, EntryLayout]
-    read_granularity: int = READ_CHUNK
+    begins: list[int] | None = None
+    matches_index = False
 
-    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
+    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: Any) -> None:
         raise NotImplementedError
+
+    def read_tasks(self, requests: Sequence[Request]) -> list[Callable[[], None]]:
+        return [partial(self.read_into, *r) for r in requests]
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
         return None
+
+    def whole_arrays(self, *args: Any) -> list[np.ndarray] | None:
+        return None  # see RawShard.whole_arrays
+
+    batch_bytes = READ_CHUNK  # bytes a verify reads in one task (`verify_entries`)
+
+    def verify_entries(self, names: Collection[str] | None, pool: Executor | None = None,
+                       every_frame: bool = False
+                       ) -> tuple[dict[str, str], list[tuple[int, ChecksumError]]]:
+        """The xxh3-64 (hex) of the entries `names` (None: all), and the corrupt frames as
+        (frame number, error) (`every_frame`: every frame of the shard is checked, also where
+        no entry is asked for); an entry with bytes in a corrupt frame gets no digest.
+
+        Here: a view hashed where there is one, else the bytes read in batches of about
+        `batch_bytes` (`read_tasks`), _VERIFY_WINDOW batches in flight on `pool`, hashed in
+        order on this thread; memory stays at the batches in flight."""
+        digests: dict[str, str] = {}
+        Piece = tuple[EntryLayout, int, int, int]  # bytes [a, b) of an entry of n bytes
+        batches: list[list[Piece]] = [[]]
+        size, step = 0, self.batch_bytes
+        wanted = [self.entries[n] for n in (self.entries if names is None else names)]
+        for e in sorted(wanted, key=lambda e: e.begin):  # in file order: reads join in runs
+            n = e.nbytes
+            if (view := self.view(e, 0, n)) is not None:
+                digests[e.name] = xxhash.xxh3_64_hexdigest(view)
+                continue
+            pos = -1  # a piece for each part of the entry in a batch, one if it is empty
+            while pos < n:
+                take = min(n - max(pos, 0), step - size)
+                pos = max(pos, 0)
+                batches[-1].append((e, pos, pos + take, n))
+                size, pos = (0, pos + take) if size + take >= step else (size + take, pos + take)
+                if not size:
+                    batches.append([])
+
+        def fetch(batch: list[Piece]) -> memoryview:
+            out = memoryview(bytearray(sum(b - a for _, a, b, _ in batch)))
+            requests, at = [], 0
+            for e, a, b, _ in batch:
+                requests.append((e, a, b, out[at : at + b - a]))
+                at += b - a
+            run_each(self.read_tasks(requests))
+            return out
+
+        running: dict[str, Any] = {}
+        pending: deque[tuple[list[Piece], Any]] = deque()
+        todo = iter(b for b in batches if b)
+        try:
+            while True:
+                while len(pending) < _VERIFY_WINDOW and (nxt := next(todo, None)) is not None:
+                    pending.append((nxt, pool.submit(fetch, nxt) if pool is not None
+                                    else partial(fetch, nxt)))
+                if not pending:
+                    return digests, []
+                done, job = pending.popleft()
+                data, at = job.result() if pool is not None else job(), 0
+                for e, a, b, n in done:
+                    if a == 0 and b == n:  # the whole entry in this batch: one call
+                        digests[e.name] = xxhash.xxh3_64_hexdigest(data[at : at + n])
+                        at += n
+                        continue
+                    h = running.get(e.name)
+                    if h is None:
+                        h = running[e.name] = xxhash.xxh3_64()
+                    h.update(data[at : at + b - a])
+                    at += b - a
+                    if b == n:
+                        digests[e.name] = running.pop(e.name).hexdigest()
+        finally:
+            if pool is not None:
+                for _, f in pending:
+                    f.cancel()
+                wait([f for _, f in pending])
 
     def close(self) -> None:
         pass
 
 
 class RawShard(ShardSource):
-    """A raw (safetensors) shard, memory-mapped (`mmap=True`) or read with ``os.preadv``."""
+    """A raw (safetensors) shard over a `shards.files.ByteSource`: memory-mapped (`mmap=True`, when
+    the source maps), else read through the source (a file's preadv, a store's GETs)."""
 
     def __init__(self, path: str, info: ShardInfo, *, mmap: bool = True,
                  expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None = None,
-                 file: CheckpointFile | None = None, follow_symlinks: bool = False,
+                 file: ByteSource | None = None, follow_symlinks: bool = False,
                  header: tuple[dict[str, EntryLayout], dict[str, str], int] | None = None
                  ) -> None:
         """`expected`: the entries (names, dtype names, shapes, in data-region order) the index
         says the shard holds; when the header is exactly the writer's encoding of them it is
         taken without parsing, `begins` holds their offsets and `matches_index` is True (see
-        read_expected_safetensors_header). `file`: the shard already opened through the
-        checkpoint's directory handle (else `path` is opened, see `shardkit.shards.files`).
+        read_expected_safetensors_header). `file`: the shard's byte source, already opened
+        through the checkpoint's storage (else `path` is opened, see `shardkit.shards.files`).
         `header`: (entries, metadata, data_start) of this very file, already parsed and checked
-        (a foreign layout's adapter did, `formats.ParsedHeader`): not read again.
+        (a foreign layout's adapter did, `adapters.ParsedHeader`): not read again.
 
         A mapped shard is mapped copy-on-write and keeps no descriptor: views of it are
         writable, writing to them never reaches the file, and the map lives as long as they do.
@@ -91,7 +170,8 @@ class RawShard(ShardSource):
         self._entries: dict[str, EntryLayout] | None = None
         self._expected = expected
         self._map: Any = None
-        self._file = file if file is not None else open_shard_file(path, follow_symlinks)
+        self._file: ByteSource = (file if file is not None
+                                  else open_shard_file(path, follow_symlinks))
         try:
             size = self._file.size
             check_shard_size(path, size, info)
@@ -105,7 +185,6 @@ class RawShard(ShardSource):
         except BaseException:
             self._file.close()
             raise
-        self._size = size
 
     def _read_header(self, size: int,
                      expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None) -> None:
@@ -120,7 +199,7 @@ class RawShard(ShardSource):
             )
 
     @property
-    def matches_index(self) -> bool:
+    def matches_index(self) -> bool:  # type: ignore[override]
         return self.begins is not None
 
     @property
@@ -141,8 +220,8 @@ class RawShard(ShardSource):
                      run: Callable[[Sequence[Callable[[], None]]], None] | None = None
                      ) -> list[np.ndarray]:
         """The whole entries at `begins` (data-region offsets): writable views of the private
-        map, or without one new arrays, filled by vectored reads of about READ_CHUNK bytes over
-        runs of adjacent entries; `run` executes those reads (default: one after the other)."""
+        map, or without one new arrays, filled by the source's `read_tasks` over runs of
+        adjacent entries; `run` executes those tasks (default: one after the other)."""
         if self._map is not None:
             base = np.frombuffer(self._map, np.uint8)  # one buffer export for all the views
             return _views.make_views(base, self.data_start, list(begins), list(dtypes),
@@ -156,96 +235,50 @@ class RawShard(ShardSource):
         starts = starts[order]
         ends = starts + nbytes[order]
         cuts = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # a run ends where a gap begins
-        reads = []
-        runs = list(zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)]))
-        self._will_need([(self.data_start + int(starts[lo]), int(ends[hi - 1] - starts[lo]))
-                         for lo, hi in runs])
-        for lo, hi in runs:
-            run_arrays = [arrays[j] for j in order[lo:hi].tolist()]
-            for bufs, at, want in _read_pieces(run_arrays, self.data_start + int(starts[lo]),
-                                               READ_CHUNK):
-                reads.append(partial(self._read_arrays, bufs, at, want))
-        # Many small arrays are bound by per-array work under the GIL: threads do not help them.
-        if run is None or int(nbytes.sum()) < len(arrays) * _PARALLEL_MIN_ENTRY:
-            run = run_each
-        run(reads)
+        runs = [(self.data_start + int(starts[lo]), [arrays[j] for j in order[lo:hi].tolist()])
+                for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(arrays)])]
+        (run or run_each)(self._file.read_tasks(runs))
         return arrays
 
-    def _will_need(self, ranges: list[tuple[int, int]]) -> None:
-        """Tell the kernel that the byte ranges (offset, length) are read next, so that it
-        reads them ahead in large requests. Without it, a file not in the page cache is read
-        at the pace of the default readahead window, which chunks read by two threads in turn
-        keep small: a cold 1.5 GB TensorBundle read took 4-6 s here against 1.5-2.5 s with the
-        advice (TensorFlow's one sequential reader: 1.9-2.7 s). About 0.1 ms when cached."""
-        if not hasattr(os, "posix_fadvise") or sum(n for _, n in ranges) < _ADVISE_MIN:
-            return
-        with self._file as fd:
-            for at, n in ranges:
-                try:
-                    os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED)
-                except OSError:  # advice only (some file systems refuse it)
-                    return
+    @property
+    def batch_bytes(self) -> int:  # type: ignore[override]
+        return self._file.task_bytes  # a store's: a task of concurrent GETs
 
-    def _read_arrays(self, bufs: list[np.ndarray], at: int, want: int) -> None:
-        with self._file as fd:
-            try:
-                got = _gather.read_arrays(fd, bufs, at)
-            except OSError as e:
-                raise ShardIOError(e.errno, f"{self.path}: cannot read {want} bytes at {at}: "
-                                            f"{e.strerror}") from None
-        if got != want:
-            raise TruncatedShardError(
-                f"{self.path}: unexpected end of file at byte {at + got} "
-                f"(needed {want - got} more bytes)"
-            )
-
-    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
+    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: Any) -> None:
         start = self.data_start + entry.begin
         if self._map is not None:  # numpy's copy releases the GIL, so pool threads run in parallel
             n = end - begin
             np.copyto(np.frombuffer(dest, np.uint8, n),
                       np.frombuffer(self._map, np.uint8, n, start + begin))
             return
-        with self._file as fd:
-            pread_into(fd, dest[: end - begin], start + begin, self.path)
+        self._file.readinto(start + begin, memoryview(dest)[: end - begin])
+
+    def read_tasks(self, requests: Sequence[Request]) -> list[Callable[[], None]]:
+        """Copies from the map, else the source's reads (`shards.files.ByteSource.read_tasks`), cut
+        into tasks of about READ_CHUNK bytes; one task when they are small."""
+        if self._map is None:  # a request that starts where the last ends joins its run
+            runs: list[tuple[int, list[np.ndarray]]] = []
+            end_of_run = -1
+            for e, b, n, d in requests:
+                if n > b:
+                    at = self.data_start + e.begin + b
+                    if at != end_of_run:
+                        runs.append((at, []))
+                    runs[-1][1].append(np.frombuffer(d, np.uint8, n - b))
+                    end_of_run = at + n - b
+            return self._file.read_tasks(runs)
+        copies = []
+        for entry, begin, end, dest in requests:
+            for pos in range(begin, end, READ_CHUNK):
+                nxt = min(end, pos + READ_CHUNK)
+                copies.append((partial(self.read_into, entry, pos, nxt,
+                                       memoryview(dest)[pos - begin : nxt - begin]),
+                               nxt - pos, 1))
+        return pool_tasks(copies)
 
     def close(self) -> None:
         self._map = None  # unmapped when the last view of it goes
         self._file.close()
-
-
-def _read_pieces(arrays: list[np.ndarray], start: int, chunk: int
-                 ) -> list[tuple[list[np.ndarray], int, int]]:
-    """Cut adjacent arrays (the first at file offset `start`) into reads of about `chunk`
-    bytes: (buffers, offset, bytes). An array that does not fit a read is cut into byte views."""
-    out: list[tuple[list[np.ndarray], int, int]] = []
-    bufs: list[np.ndarray] = []
-    at, size = start, 0
-    for a in arrays:
-        n = a.nbytes
-        if size + n <= chunk:  # the usual case: whole arrays, no views made
-            bufs.append(a)
-            size += n
-            continue
-        flat = a.reshape(-1).view(np.uint8)
-        pos = 0
-        while pos < n:
-            take = min(n - pos, chunk - size)
-            bufs.append(flat[pos : pos + take])
-            size += take
-            pos += take
-            if size == chunk:
-                out.append((bufs, at, size))
-                at, bufs, size = at + size, [], 0
-    if bufs:
-        out.append((bufs, at, size))
-    return out
-
-
-def run_each(calls: Sequence[Callable[[], None]]) -> None:
-    """Run `calls` one after the other, on this thread."""
-    for call in calls:
-        call()
 
 
 def check_shard_size(path: str, size: int, info: ShardInfo) -> None:
@@ -259,23 +292,6 @@ def check_shard_size(path: str, size: int, info: ShardInfo) -> None:
             f"{path}: shard file has {size} bytes, but the manifest records {info.bytes} "
             "(replaced or appended to after the checkpoint was written)"
         )
-
-
-def pread_into(fd: int, dest: memoryview, offset: int, path: str) -> None:
-    """Fill `dest` from `fd` at `offset` (os.preadv releases the GIL); short file -> error."""
-    done, n = 0, len(dest)
-    while done < n:
-        try:
-            got = os.preadv(fd, [dest[done:]], offset + done)
-        except OSError as e:
-            raise ShardIOError(e.errno, f"{path}: cannot read {n - done} bytes at "
-                                        f"{offset + done}: {e.strerror}") from None
-        if got == 0:
-            raise TruncatedShardError(
-                f"{path}: unexpected end of file at byte {offset + done} "
-                f"(needed {n - done} more bytes)"
-            )
-        done += got
 
 
 Opener = Callable[..., ShardSource]

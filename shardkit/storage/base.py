@@ -148,7 +148,7 @@ class Storage(ABC):
     @abstractmethod
     def open_checkpoint(self, *, follow_symlinks: bool, pool: Any) -> Any:
         """The checkpoint here as the reader and the format adapters see it (a
-        `files.CheckpointDirectory`-like object that also opens shard byte sources:
+        `shards.files.CheckpointDirectory`-like object that also opens shard byte sources:
         ``single``, ``shard_path``, ``opener``, ``open_shard_file``, ``replaced``, ``close``)."""
 
     @abstractmethod

@@ -5,7 +5,7 @@ or exchange (`shardkit.storage.commit`: its generation and overwrite rules); the
 are written by the native write kernel (`shardkit.storage.native`: ``fallocate``, vectored
 writes hashed on the way, ``sync_file_range``, fsync). A reader opens the checkpoint directory
 once and every file relative to that handle (`LocalCheckpoint`, over
-`files.CheckpointDirectory`: regular files only, no symlinks unless asked, a bounded set of
+`shards.files.CheckpointDirectory`: regular files only, no symlinks unless asked, a bounded set of
 descriptors), shards mapped copy-on-write or read with ``preadv`` (`shardkit.shards.raw`).
 
 The byte-level methods (`write_file`, `read_range`, `publish`...) serve storage-level tools
@@ -111,7 +111,7 @@ def os_errors(path: str, doing: str) -> Iterator[None]:
 
 
 class LocalStaging:
-    """A local save in progress (`commit.Staging`), its commit's OSErrors worded by
+    """A local save in progress (`storage.commit.Staging`), its commit's OSErrors worded by
     `os_errors`; a failed commit removes the temp directory (`abort`), as any failed save."""
 
     def __init__(self, staging: commit.Staging) -> None:

@@ -1,53 +1,43 @@
 """Reading a checkpoint from a store: the reader's directory and shard sources for URLs.
 
-`RemoteDirectory` stands in for `files.CheckpointDirectory` (the manifest is one GET, with its
-tag); shard objects are named by the manifest's generation (`layout.object_name`), so a reader
-never sees another save's objects. `RemoteFile` is a shard object as a `files.ByteSource`
-(every read a ranged GET, no map): the `.skz` reader (`compression.SkzShard`) reads it as it
-reads a local file. `RemoteRawShard` is the raw shard source (`view` is None): its
-`read_tasks` turns a batch of reads into pieces of at most PIECE bytes, coalesces adjacent
-pieces into GETs of at most `base.MAX_COALESCED` bytes, and groups those into tasks whose
-GETs run concurrently, so a whole-checkpoint load keeps several requests in flight while a
-one-row `get_slice` fetches only that row. A `.skz` shard fetches each chunk's frame on the
-thread that decompresses it: fetches and decompression overlap across the reader's pool.
-"""
+`RemoteDirectory` stands in for `shards.files.CheckpointDirectory` (the manifest is one GET, with
+its tag); shard objects are named by the manifest's generation (`layout.object_name`), so a reader
+never sees another save's objects. `RemoteFile` is a shard object as a `shards.files.ByteSource`
+(every read a ranged GET, no map): the raw and `.skz` readers (`shards.raw.RawShard`,
+`shards.skz.SkzShard`) read it as they read a local file. Its `read_tasks` turns a batch of reads
+into pieces of at most PIECE bytes, coalesces adjacent pieces into GETs of at most
+`base.MAX_COALESCED` bytes, and groups those into tasks whose GETs run concurrently, so a
+whole-checkpoint load keeps several requests in flight while a one-row `get_slice` fetches only
+that row. A `.skz` shard fetches each chunk's frame on the thread that decompresses it: fetches and
+decompression overlap across the reader's pool. """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from ..errors import (
-    CheckpointReplacedError,
-    MissingShardError,
-    ShardkitError,
-)
-from ..format import (
-    MANIFEST_FILE,
-    MAX_INDEX_BYTES,
-    EntryLayout,
-    ShardInfo,
-    check_generation,
-    read_safetensors_header,
-)
-from ..shards import skz
-from ..shards.raw import ShardSource, check_shard_size
+import numpy as np
+
+from ..errors import CheckpointReplacedError, MissingShardError, ShardkitError
+from ..format import MANIFEST_FILE, MAX_INDEX_BYTES
+from ..shards.files import Run, byte_view, run_each
+from ..shards.raw import ShardSource, shard_opener
 from .base import MAX_COALESCED, Storage, coalesce
 from .layout import object_name
 
 PIECE = 16 * 1024 * 1024  # a large read is cut into GETs of this size
 TASK_BYTES = 64 * 1024 * 1024  # GETs grouped into one task (run concurrently) up to this
-VERIFY_WINDOW = 3  # batches of TASK_BYTES a verify keeps in flight per shard
 
 
 class RemoteFile:
-    """A shard object opened by a reader (a `files.ByteSource`): its store, object name, URL
+    """A shard object opened by a reader (a `shards.files.ByteSource`): its store, object name, URL
     and size; every read a ranged GET."""
 
     def __init__(self, store: Storage, name: str, path: str) -> None:
         self.store, self.name, self.path = store, name, path
+        self._deleted = (f"{path}: the shard object was deleted while it was being read (the "
+                         "checkpoint was overwritten); open the checkpoint again")
         try:
             self.size = store.size(name)
         except FileNotFoundError:
@@ -58,12 +48,56 @@ class RemoteFile:
         try:
             return self.store.read_range(self.name, start, end)
         except FileNotFoundError:
-            raise CheckpointReplacedError(
-                f"{self.path}: the shard object was deleted while it was being read (the "
-                "checkpoint was overwritten); open the checkpoint again") from None
+            raise CheckpointReplacedError(self._deleted) from None
+
+    @property
+    def task_bytes(self) -> int:
+        return TASK_BYTES
+
+    def readinto(self, offset: int, dest: Any) -> None:
+        run_each(self.read_tasks([(offset, [np.frombuffer(dest, np.uint8)])]))
+
+    def read_tasks(self, runs: Sequence[Run]) -> list[Callable[[], None]]:
+        """See `shards.files.ByteSource.read_tasks`: the reads cut into pieces of at most PIECE
+        bytes, adjacent pieces coalesced into GETs of at most `base.MAX_COALESCED` bytes, grouped
+        into tasks of about TASK_BYTES whose GETs run concurrently."""
+        pieces: list[tuple[int, int]] = []
+        dests: list[np.ndarray] = []
+        for at, arrays in runs:
+            for a in arrays:
+                out, n = byte_view(a), a.nbytes
+                for pos in range(0, n, PIECE):
+                    nxt = min(n, pos + PIECE)
+                    pieces.append((at + pos, at + nxt))
+                    dests.append(out[pos:nxt])
+                at += n
+        tasks: list[Callable[[], None]] = []
+        batch: list[tuple[int, int, list[int]]] = []
+        size = 0
+        for g in coalesce(pieces, limit=MAX_COALESCED):
+            batch.append(g)
+            size += g[1] - g[0]
+            if size >= TASK_BYTES:
+                tasks.append(partial(self._fetch, batch, pieces, dests))
+                batch, size = [], 0
+        if batch:
+            tasks.append(partial(self._fetch, batch, pieces, dests))
+        return tasks
+
+    def _fetch(self, groups: list[tuple[int, int, list[int]]], pieces: list[tuple[int, int]],
+               dests: list[np.ndarray]) -> None:
+        try:
+            got = self.store.read_ranges(self.name, [(a, b) for a, b, _ in groups])
+        except FileNotFoundError:
+            raise CheckpointReplacedError(self._deleted) from None
+        for (start, _, members), data in zip(groups, got):
+            view = np.frombuffer(data, np.uint8)
+            for i in members:
+                a, b = pieces[i]
+                dests[i][:] = view[a - start : b - start]
 
     def take_map(self) -> None:
-        """A store's object is never mapped (`files.ByteSource`): its readers read on."""
+        """A store's object is never mapped (`shards.files.ByteSource`): its readers read on."""
         return None
 
     def close(self) -> None:
@@ -71,7 +105,7 @@ class RemoteFile:
 
 
 class LocalCopy:
-    """A small object fetched whole, offered as `files.CheckpointFile` offers a small file
+    """A small object fetched whole, offered as `shards.files.CheckpointFile` offers a small file
     (the string file): `size` and `read_all`."""
 
     def __init__(self, data: bytes) -> None:
@@ -86,7 +120,7 @@ class LocalCopy:
 
 
 class RemoteDirectory:
-    """The checkpoint at a URL as `formats.detect` and the reader see a directory."""
+    """The checkpoint at a URL as `adapters.detect` and the reader see a directory."""
 
     dir_fd = None
     follow_symlinks = False
@@ -107,10 +141,12 @@ class RemoteDirectory:
         return self.store.join(object_name(file, generation))
 
     def opener(self, codec: str, path: str) -> Callable[..., ShardSource]:
-        return opener(codec, path)
-
-    def open_shard_file(self, path: str, file: str, generation: str | None) -> RemoteFile:
-        return self.open_file(file, generation)
+        """`shards.raw.shard_opener` for the codecs whose readers read a
+        `shards.files.ByteSource` (raw, zstd): ``(path, info, *, mmap, file)``."""
+        found = shard_opener(codec, path)  # raises UnknownCodecError for an unknown codec
+        if codec not in ("raw", "zstd"):
+            raise ShardkitError(f"{path}: codec {codec!r} cannot be read from a URL")
+        return found
 
     def replaced(self) -> bool:
         return False  # shard objects are never replaced, only deleted (`open_file` says so)
@@ -149,10 +185,7 @@ class RemoteDirectory:
                                     f"{listed_in or 'the manifest'} but missing from the store")
         return LocalCopy(found.data)
 
-    def shard_object(self, file: str, generation: str | None) -> str:
-        return object_name(file, generation)
-
-    def open_file(self, file: str, generation: str | None) -> RemoteFile:
+    def open_shard_file(self, path: str, file: str, generation: str | None) -> RemoteFile:
         """Shard `file` of `generation`; CheckpointReplacedError when it is gone because a
         newer manifest replaced the one this reader read (its objects are deleted after)."""
         name = object_name(file, generation)
@@ -168,155 +201,4 @@ class RemoteDirectory:
             raise
 
 
-def opener(codec: str, path: str) -> Callable[..., ShardSource]:
-    """The remote counterpart of `sources.shard_opener`: `(path, info, *, mmap, file)`."""
-    if codec == "raw":
-        return open_raw
-    if codec == "zstd":
-        return open_skz
-    from ..shards.raw import shard_opener
-
-    shard_opener(codec, path)  # raises UnknownCodecError for an unknown codec
-    raise ShardkitError(f"{path}: codec {codec!r} cannot be read from a URL")
-
-
-def open_raw(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile) -> ShardSource:
-    return RemoteRawShard(path, info, file)
-
-
-def open_skz(path: str, info: ShardInfo, *, mmap: bool = True, file: RemoteFile) -> Any:
-    return skz.SkzShard(path, info, mmap=False, file=file)
-
-
-class RemoteRawShard(ShardSource):
-    """A raw (safetensors) shard object, read by ranged GETs."""
-
-    read_granularity = PIECE
-    matches_index = False
-
-    def __init__(self, path: str, info: ShardInfo, file: RemoteFile) -> None:
-        self.path, self.info, self._file = path, info, file
-        size = file.size
-        check_shard_size(path, size, info)
-        self.entries, self.metadata, self.data_start = read_safetensors_header(
-            file.read, size, path)
-        check_generation(self.metadata, info.generation, path)
-
-    def read_into(self, entry: EntryLayout, begin: int, end: int, dest: memoryview) -> None:
-        self.run(self.read_tasks([(entry, begin, end, dest)]))
-
-    def read_tasks(self, requests: Sequence[tuple[EntryLayout, int, int, Any]]
-                   ) -> list[Callable[[], None]]:
-        pieces: list[tuple[int, int]] = []
-        dests: list[memoryview] = []
-        for entry, begin, end, dest in requests:
-            out = memoryview(dest).cast("B")
-            at = self.data_start + entry.begin
-            pos = begin
-            while pos < end:
-                nxt = min(end, pos + PIECE)
-                pieces.append((at + pos, at + nxt))
-                dests.append(out[pos - begin : nxt - begin])
-                pos = nxt
-        groups = coalesce(pieces, limit=MAX_COALESCED)
-        tasks: list[Callable[[], None]] = []
-        batch: list[tuple[int, int, list[int]]] = []
-        size = 0
-        for g in groups:
-            batch.append(g)
-            size += g[1] - g[0]
-            if size >= TASK_BYTES:
-                tasks.append(partial(self._fetch, batch, pieces, dests))
-                batch, size = [], 0
-        if batch:
-            tasks.append(partial(self._fetch, batch, pieces, dests))
-        return tasks
-
-    def _fetch(self, groups: list[tuple[int, int, list[int]]], pieces: list[tuple[int, int]],
-               dests: list[memoryview]) -> None:
-        try:
-            got = self._file.store.read_ranges(self._file.name, [(a, b) for a, b, _ in groups])
-        except FileNotFoundError:
-            raise CheckpointReplacedError(
-                f"{self.path}: the shard object was deleted while it was being read (the "
-                "checkpoint was overwritten); open the checkpoint again") from None
-        for (start, _, members), data in zip(groups, got):
-            view = memoryview(data)
-            for i in members:
-                a, b = pieces[i]
-                dests[i][:] = view[a - start : b - start]
-
-    def hash_entries(self, entries: Sequence[EntryLayout], pool: Any) -> dict[str, str]:
-        """The xxh3-64 (hex) of each entry, for `verify`: the bytes fetched in batches of
-        about TASK_BYTES, VERIFY_WINDOW batches in flight on `pool` (each batch's GETs
-        concurrent), hashed in order on this thread; memory stays at the batches in flight."""
-        import xxhash
-
-        batches: list[list[tuple[EntryLayout, int, int]]] = []
-        batch: list[tuple[EntryLayout, int, int]] = []
-        size = 0
-        for e in entries:
-            pos, n = 0, e.nbytes
-            while True:
-                take = min(n - pos, TASK_BYTES - size)
-                batch.append((e, pos, pos + take))
-                size += take
-                pos += take
-                if size >= TASK_BYTES:
-                    batches.append(batch)
-                    batch, size = [], 0
-                if pos >= n:
-                    break
-        if batch:
-            batches.append(batch)
-
-        def fetch(batch: list[tuple[EntryLayout, int, int]]) -> memoryview:
-            out = memoryview(bytearray(sum(b - a for _, a, b in batch)))
-            requests, at = [], 0
-            for e, a, b in batch:
-                if b > a:
-                    requests.append((e, a, b, out[at : at + b - a]))
-                at += b - a
-            self.run(self.read_tasks(requests))
-            return out
-
-        digests: dict[str, str] = {}
-        running: dict[str, Any] = {}
-        pending: deque[tuple[list[tuple[EntryLayout, int, int]], Any]] = deque()
-        todo = iter(batches)
-        try:
-            while True:
-                while len(pending) < VERIFY_WINDOW and (nxt := next(todo, None)) is not None:
-                    pending.append((nxt, pool.submit(fetch, nxt)))
-                if not pending:
-                    return digests
-                done, future = pending.popleft()
-                data, at = future.result(), 0
-                for e, a, b in done:
-                    h = running.get(e.name)
-                    if h is None:
-                        h = running[e.name] = xxhash.xxh3_64()
-                    h.update(data[at : at + b - a])
-                    at += b - a
-                    if b == e.nbytes:
-                        digests[e.name] = running.pop(e.name).hexdigest()
-        finally:
-            for _, f in pending:
-                f.cancel()
-            for _, f in pending:
-                if not f.cancelled():
-                    try:
-                        f.result()
-                    except Exception:
-                        pass
-
-    @staticmethod
-    def run(tasks: Sequence[Callable[[], None]]) -> None:
-        for t in tasks:
-            t()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-__all__ = ["RemoteDirectory", "RemoteFile", "RemoteRawShard", "opener"]
+__all__ = ["RemoteDirectory", "RemoteFile"]

@@ -37,8 +37,8 @@ from .native import _as_bytes, _run_zstd, _write_strings
 
 
 class RemoteStaging:
-    """A save in progress at a URL, in the role `commit.Staging` has locally: `path` is where
-    the shards go (the URL; the objects carry `generation`), `commit` publishes the manifest
+    """A save in progress at a URL, in the role `storage.commit.Staging` has locally: `path` is
+    where the shards go (the URL; the objects carry `generation`), `commit` publishes the manifest
     conditionally and then deletes every other generation, `abort` deletes this save's
     objects."""
 

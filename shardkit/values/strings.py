@@ -201,7 +201,7 @@ class StringTensors:
     """The string tensors of a checkpoint, column-wise: key, kind, full shape, device string.
 
     Subclasses implement `read` (the array of one row, its kind as described in the module
-    docstring) and `verify`; `directory` is the reader's `files.CheckpointDirectory`.
+    docstring) and `verify`; `directory` is the reader's `shards.files.CheckpointDirectory`.
     """
 
     keys: list[str]

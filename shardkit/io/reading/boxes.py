@@ -22,7 +22,7 @@ from ...values.slicing import (
     refine,
     span_shape,
 )
-from .jobs import SMALL_PIECE, ReadJob, as_view, bytes_of, copy_pieces, read_jobs
+from .jobs import ReadJob, as_view, bytes_of, copy_pieces, read_jobs
 from .shards import ShardSet
 
 MANY_BOXES = 64  # box reads of more tensors than this build the index's TensorInfos in bulk
@@ -105,14 +105,7 @@ def read_boxes_into(shards: ShardSet, boxes: Sequence[tuple[str, Sequence[int], 
         _ = shards.index.tensors  # every TensorInfo at once, not one by one per box
     for key, offsets, out in boxes:
         _plan_box(shards, key, tuple(int(o) for o in offsets), out, jobs, copies, rest)
-    # small pieces right here: a pool task each would cost more than the copy
-    large = []
-    for job in jobs:
-        if job[3] - job[2] < SMALL_PIECE and not hasattr(job[0], "read_tasks"):
-            job[0].read_into(*job[1:])
-        else:
-            large.append(job)
-    read_jobs(shards, large)
+    read_jobs(shards, jobs)  # small ones as one task per source: a pool task costs more
     copy_pieces(shards, copies)
     for dst, key, common in rest:  # compressed, or not mapped: get_slice's reads
         dst[...] = get_slice(shards, key, common.to_index())

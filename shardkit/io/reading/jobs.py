@@ -1,4 +1,4 @@
-"""Running a read's byte jobs: cut at each source's granularity, on the read pool when large.
+"""Running a read's byte jobs: each source's as its tasks, on the read pool when several.
 
 A job is (source, entry, begin, end, destination): bytes ``[begin, end)`` of the entry's data
 into a writable buffer. Every read path (whole tensors, slices, boxes) ends here.
@@ -12,64 +12,30 @@ from typing import Any
 import numpy as np
 
 from ...format import EntryLayout
-from ...shards.raw import PARALLEL_MIN, READ_CHUNK, ShardSource, run_each
+from ...shards.files import PARALLEL_MIN, READ_CHUNK
+from ...shards.raw import ShardSource
 from ...shards.skz import run_tasks
 from .shards import ShardSet
 
-SMALL_PIECE = 1 << 20  # box pieces below this are copied on the calling thread
+SMALL_PIECE = 1 << 20  # copies below this are made on the calling thread
 
 ReadJob = tuple[ShardSource, EntryLayout, int, int, memoryview]
 
 
 def read_jobs(shards: ShardSet, jobs: Sequence[ReadJob]) -> None:
-    """Run reads, cut into pieces at each source's granularity, on the pool when large.
-
-    Reads from a source with ``read_tasks`` (compressed shards) go to it in one batch per
-    source, which turns them into one task per chunk (each chunk is decoded once); the tasks
-    of all sources run together on the pool.
-    """
-    batches: dict[int, tuple[Any, list[tuple[EntryLayout, int, int, memoryview]]]] = {}
-    plain = []
+    """Run reads: each source's in one batch (`ShardSource.read_tasks`: a compressed shard
+    decodes each chunk once, a store's object coalesces its GETs, a local file cuts large reads
+    into tasks of about READ_CHUNK bytes), the tasks of all sources together, on the pool when
+    there are several."""
+    batches: dict[int, tuple[ShardSource, list[tuple[EntryLayout, int, int, memoryview]]]] = {}
     for job in jobs:
-        if hasattr(job[0], "read_tasks"):
-            batches.setdefault(id(job[0]), (job[0], []))[1].append(job[1:])
-        else:
-            plain.append(job)
-    if batches:
-        tasks = [t for src, batch in batches.values() for t in src.read_tasks(batch)]
-        run_tasks(tasks, shards.worker_pool() if len(tasks) > 1 else None)
-    jobs = plain
-    if not jobs:
-        return
-    total = sum(end - begin for _, _, begin, end, _ in jobs)
-    if total < PARALLEL_MIN:
-        for src, entry, begin, end, dest in jobs:
-            src.read_into(entry, begin, end, dest)
-        return
-    pieces = []
-    for src, entry, begin, end, dest in jobs:
-        # cut at multiples of the granularity in data-region coordinates (codec chunks)
-        step = max(1, src.read_granularity)
-        base = entry.begin
-        pos = begin
-        while pos < end:
-            nxt = min(end, ((base + pos) // step + 1) * step - base)
-            pieces.append((src, entry, pos, nxt, dest[pos - begin : nxt - begin]))
-            pos = nxt
-    pool = shards.worker_pool()
-    futures = [pool.submit(src.read_into, e, b, n, d) for src, e, b, n, d in pieces]
-    for f in futures:
-        f.result()
+        batches.setdefault(id(job[0]), (job[0], []))[1].append(job[1:])
+    run_reads(shards, [t for src, batch in batches.values() for t in src.read_tasks(batch)])
 
 
 def run_reads(shards: ShardSet, reads: Sequence[Callable[[], None]]) -> None:
     """Run independent reads, on the pool when there are several (they release the GIL)."""
-    if len(reads) < 2:
-        run_each(reads)
-        return
-    pool = shards.worker_pool()
-    for f in [pool.submit(read) for read in reads]:
-        f.result()
+    run_tasks(reads, shards.worker_pool() if len(reads) > 1 else None)
 
 
 def copy_pieces(shards: ShardSet, copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -249,7 +249,7 @@ class ShardSet:
             file.close()
             raise
         try:
-            if not getattr(src, "matches_index", False):
+            if not src.matches_index:
                 self._check_against_index(i, src)
         except BaseException:
             src.close()

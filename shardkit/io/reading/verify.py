@@ -7,9 +7,6 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import xxhash
-
 from ...errors import (
     CheckpointFormatError,
     ChecksumError,
@@ -21,7 +18,7 @@ from ...errors import (
     UnknownCodecError,
 )
 from ...format import EntryLayout
-from ...shards.raw import READ_CHUNK, ShardSource
+from ...shards.raw import ShardSource
 from .boxes import slices_in_box
 from .shards import ShardSet
 
@@ -138,32 +135,24 @@ def _check_slices(shards: ShardSet, everything: bool, slices: Sequence[int],
                                  CorruptIndexError)] = None
             else:
                 good.append((j, entry))
-        digests: dict[str, str] = {}
-        if hasattr(src, "hash_entries"):  # a store's: fetched in parallel, hashed in order
-            digests = src.hash_entries(
-                [e for j, e in good if index.slice_xxh3[j] is not None
-                 and (kinds is None or kinds[j] == "xxh3")], shards.worker_pool())
-        if hasattr(src, "verify_entries"):
-            got, bad = src.verify_entries(
-                None if everything else {e.name for j, e in good if index.slice_xxh3[j]},
-                shards.worker_pool())
-            digests = got
-            for _, e in bad:
-                problems[Problem(src.path, None, getattr(e, "frame", "frame"),
-                                 getattr(e, "expected", "an intact frame"),
-                                 getattr(e, "found", str(e)), ChecksumError)] = None
+        # one pass per shard: the entries' xxh3 (and a codec's frames, every one for a
+        # whole verify), each source as it reads best (a map, batches in flight, chunks)
+        digests, bad = src.verify_entries(
+            {e.name for j, e in good if index.slice_xxh3[j] is not None
+             and (kinds is None or kinds[j] == "xxh3")}, shards.worker_pool(), everything)
+        for _, e in bad:
+            problems[Problem(src.path, None, getattr(e, "frame", "frame"),
+                             getattr(e, "expected", "an intact frame"),
+                             getattr(e, "found", str(e)), ChecksumError)] = None
         for j, entry in good:
             recorded = index.slice_xxh3[j]
             if recorded is None:
                 continue
-            if hasattr(src, "verify_entries"):
-                found = digests.get(entry.name)
-                if found is None:  # in a corrupt frame: reported once, as the frame
-                    continue
-            else:
-                kind = kinds[j] if kinds is not None else "xxh3"
-                found = ((digests.get(entry.name) or _xxh3_of(src, entry)) if kind == "xxh3"
-                         else shards.layout.checksum(kind, src, entry))
+            kind = kinds[j] if kinds is not None else "xxh3"
+            found = (digests.get(entry.name) if kind == "xxh3"
+                     else shards.layout.checksum(kind, src, entry))
+            if found is None:  # in a corrupt frame: reported once, as the frame
+                continue
             checked += 1
             if found != recorded:
                 spec = index.slice_spec[j]
@@ -231,20 +220,3 @@ def _verify_source(shards: ShardSet, i: int, problems: dict[Problem, None],
 
 def _without_path(message: str, path: str) -> str:
     return message[len(path) + 2 :] if message.startswith(path + ": ") else message
-
-
-def _xxh3_of(src: ShardSource, entry: EntryLayout) -> str:
-    n = entry.nbytes
-    view = src.view(entry, 0, n) if n else None
-    if view is not None or n == 0:
-        return xxhash.xxh3_64_hexdigest(view if view is not None else b"")
-    h = xxhash.xxh3_64()
-    buf = np.empty(min(n, READ_CHUNK), np.uint8)
-    mv = buf.data
-    pos = 0
-    while pos < n:
-        k = min(len(mv), n - pos)
-        src.read_into(entry, pos, pos + k, mv[:k])
-        h.update(mv[:k])
-        pos += k
-    return h.hexdigest()

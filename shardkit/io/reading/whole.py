@@ -4,12 +4,14 @@ entries decoded in one parallel batch), and whole tensors decoded straight into 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from itertools import groupby
 from typing import Any
 
 import numpy as np
 
-from ...shards.raw import READ_CHUNK, RawShard
+from ...shards.files import READ_CHUNK
+from ...shards.raw import ShardSource
 from ...values.dtypes import numpy_dtype
 from .jobs import ReadJob, bytes_of, read_jobs, run_reads, whole_entry
 from .shards import ShardSet
@@ -58,20 +60,17 @@ def get_tensors(shards: ShardSet, keys: Sequence[str] | None, rows: np.ndarray |
         slice_ids = list(map(firsts.__getitem__, idx))
         dts = list(map(dtypes.__getitem__, map(dtype_names.__getitem__, idx)))
         shapes = list(map(slice_shapes.__getitem__, slice_ids))
-        if isinstance(src, RawShard):  # codec sources (duck-typed) decode instead
-            arrays = src.whole_arrays(_begins(shards, src, shard, slice_ids), dts, shapes,
-                                      lambda reads: run_reads(shards, reads))
+        arrays = src.whole_arrays(_begins(shards, src, shard, slice_ids), dts, shapes,
+                                  partial(run_reads, shards))
+        if arrays is not None:
             for i, a in zip(idx, arrays):
                 results[i] = a
             continue
-        for i, j, dtype, shape in zip(idx, slice_ids, dts, shapes):
+        for i, j, dtype, shape in zip(idx, slice_ids, dts, shapes):  # decoded: in one batch
             entry = src.entries[entry_names[j]]  # checked on open
-            if hasattr(src, "read_tasks"):
-                results[i] = a = np.empty(shape, dtype)
-                if entry.nbytes:
-                    jobs.append((src, entry, 0, entry.nbytes, bytes_of(a)))
-            else:
-                results[i] = whole_entry(shards, src, entry, dtype, shape)
+            results[i] = a = np.empty(shape, dtype)
+            if entry.nbytes:
+                jobs.append((src, entry, 0, entry.nbytes, bytes_of(a)))
     read_jobs(shards, jobs)
     for i, c in enumerate(counts):
         if c > 1:
@@ -106,23 +105,20 @@ def _get_whole(shards: ShardSet, keys: list[str] | None, rows: np.ndarray | None
     dtypes = {name: numpy_dtype(name) for name in set(index.dtypes)}
     slice_shapes = index.slice_shapes()
 
-    def run(reads: Any) -> None:
-        run_reads(shards, reads)
-
     lo = 0
     for shard, hi in zip(numbers, ends):
         if lo == hi:
             continue
         part = slice_rows[lo:hi]  # the tensor rows read from this shard
         src = shards.source_for(index.keys[part[0]], shard)
-        if not isinstance(src, RawShard):
-            return None
         begins = _begins(shards, src, shard, ids[lo:hi])
         dts = ([*dtypes.values()] * len(part) if len(dtypes) == 1
                else list(map(dtypes.__getitem__, map(index.dtypes.__getitem__, part))))
         shapes = (slice_shapes[lo:hi] if rows is None
                   else list(map(slice_shapes.__getitem__, ids[lo:hi])))
-        views = src.whole_arrays(begins, dts, shapes, run)
+        views = src.whole_arrays(begins, dts, shapes, partial(run_reads, shards))
+        if views is None:  # a decoded shard: the general path reads every shard in one batch
+            return None
         where = at[lo:hi]  # the views' places in `results`
         if where[0] == lo and where[-1] == hi - 1 and where == list(range(lo, hi)):
             results[lo:hi] = views
@@ -133,7 +129,7 @@ def _get_whole(shards: ShardSet, keys: list[str] | None, rows: np.ndarray | None
     return dict(zip(keys, results))
 
 
-def _begins(shards: ShardSet, src: RawShard, shard: int, slice_ids: Sequence[int]
+def _begins(shards: ShardSet, src: ShardSource, shard: int, slice_ids: Sequence[int]
             ) -> list[int]:
     """Where the entries of stored slices `slice_ids` (all in `shard`) start."""
     if src.begins is not None:  # the header matched the index: offsets by position
@@ -186,9 +182,10 @@ def get_one(shards: ShardSet, key: str) -> np.ndarray:
 
 
 def read_direct(shards: ShardSet, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
-    """Decode whole tensors stored in compressed shards straight into their target arrays
-    (C-contiguous, writable, the stored dtype), in one parallel batch; returns those keys.
-    The other keys are left to the caller (a raw shard is a map: nothing to decode)."""
+    """Decode or read whole tensors of shards that are not mapped (compressed, read by pread
+    or from a store) straight into their target arrays (C-contiguous, writable, the stored
+    dtype), in one parallel batch; returns those keys. The other keys are left to the caller
+    (a mapped shard's view is copied)."""
     done: set[str] = set()
     jobs: list[ReadJob] = []
     for key, target in targets:
@@ -197,8 +194,8 @@ def read_direct(shards: ShardSet, targets: Sequence[tuple[str, np.ndarray]]) -> 
                 or not target.flags.writeable or target.dtype != numpy_dtype(t.dtype)):
             continue
         src, entry = shards.entry(key, t.slices[0])
-        if not hasattr(src, "read_tasks"):
-            continue
+        if src.view(entry, 0, entry.nbytes) is not None:
+            continue  # a map: its view is copied by the caller
         if entry.nbytes:
             jobs.append((src, entry, 0, entry.nbytes, bytes_of(target)))
         done.add(key)

@@ -4,9 +4,9 @@ streamed, and frames and entries verified."""
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor
 from functools import partial
 from typing import Any, Final
 
@@ -14,19 +14,11 @@ import numpy as np
 import xxhash
 
 from ..._kernels import _shuffle
-from ...errors import (
-    CheckpointFormatError,
-    ChecksumError,
-    CorruptHeaderError,
-    TruncatedShardError,
-)
-from ...format import (
-    EntryLayout,
-    ShardInfo,
-    check_generation,
-)
+from ...errors import CheckpointFormatError, ChecksumError, CorruptHeaderError, TruncatedShardError
+from ...format import EntryLayout, ShardInfo, check_generation
 from ...values.dtypes import itemsize as dtype_itemsize
 from ..files import ByteSource, open_shard_file
+from . import verify
 from .codec import (
     KEEP_DECODE_BUFFER,
     STREAM_BLOCK,
@@ -42,17 +34,17 @@ from .codec import (
 from .container import KIND_RAW, KIND_ZSTD, plan_chunks, read_skz_header
 
 CACHE_CHUNKS: Final = 4  # decompressed chunks kept for read_into calls that share a chunk
-VERIFY_WINDOW_PER_THREAD: Final = 2  # decoded chunks waiting to be hashed, per thread
 
 
 class SkzShard:
     """An open .skz shard: decompresses the chunks a read needs, in parallel when asked.
 
-    Duck-types the reader's ``ShardSource``: `entries`, `read_into`, `view` (always None: the
-    bytes are compressed), `read_granularity` (the chunk size), `close`. `read_many` decodes
-    every chunk of a set of ranges once and scatters it to all of them; `verify_frames` checks
-    every frame. A frame whose bytes do not match its checksum raises ChecksumError naming the
-    shard file, the frame and the entries stored in it.
+    Has the members of the reader's ``shards.raw.ShardSource``: `entries`, `read_into`,
+    `read_tasks` (a task per chunk), `view` and `whole_arrays` (always None: the bytes are
+    compressed), `verify_entries` (`shards.skz.verify`), `matches_index` (False), `close`.
+    `read_many` decodes every chunk of a set of ranges once and scatters it to all of them;
+    `verify_frames` checks every frame. A frame whose bytes do not match its checksum raises
+    ChecksumError naming the shard file, the frame and the entries stored in it.
     """
 
     def __init__(self, path: str, info: ShardInfo | None = None, *, mmap: bool = True,
@@ -87,14 +79,19 @@ class SkzShard:
         except BaseException:
             self._file.close()
             raise
-        self.read_granularity = self.header.chunk_size
         self._closed = False
         self._lock = threading.Lock()
         self._cache: OrderedDict[int, Any] = OrderedDict()
 
     # -- ShardSource
 
+    matches_index = False
+    begins = None
+
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
+        return None
+
+    def whole_arrays(self, *args: Any) -> None:
         return None
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: Any) -> None:
@@ -172,131 +169,17 @@ class SkzShard:
     def verify_frames(self, pool: Executor | None = None) -> int:
         """Check every frame's checksum and decode it (zstd checks its content checksum); the
         first corrupt frame raises ChecksumError."""
-        _, bad = self.verify_entries(None, pool)
+        _, bad = self.verify_entries((), pool, every_frame=True)
         if bad:
             raise bad[0][1]
         return self.plan.n_chunks
 
-    def verify_entries(self, names: Collection[str] | None, pool: Executor | None = None
+    def verify_entries(self, names: Collection[str] | None, pool: Executor | None = None,
+                       every_frame: bool = False
                        ) -> tuple[dict[str, str], list[tuple[int, ChecksumError]]]:
-        """One pass, in chunk order, over the chunks holding the entries `names` (None: every
-        chunk, so every frame is checked even where no entry is read): each frame is checked
-        (its xxh3 in the frame table, zstd's content size and checksum) and the logical bytes of
-        the entries are hashed incrementally, chunk piece by chunk piece.
-
-        Returns the xxh3-64 hex digest of each entry of `names` (all entries for None) whose
-        frames are intact, and the corrupt frames as (frame number, error); an entry with
-        bytes in a corrupt frame gets no digest. Memory: a chunk buffer per thread plus
-        `VERIFY_WINDOW_PER_THREAD` decoded chunks per thread; chunks larger than
-        KEEP_DECODE_BUFFER are streamed in blocks instead, whatever size the header records.
-        """
-        plan = self.plan
-        n_entries = len(plan.order)
-        name_of = [self._names[int(k)] for k in plan.order]  # entry number -> name
-        if names is None:
-            wanted = np.ones(n_entries, bool)
-            chunks = list(range(plan.n_chunks))
-        else:
-            wanted = np.fromiter((n in names for n in name_of), bool, n_entries)
-            chunks = np.unique(plan.data_offset[wanted[plan.entry]] // plan.chunk_size).tolist()
-        ends = np.fromiter((self.entries[n].end for n in name_of), np.int64, n_entries)
-        digests: dict[str, str] = {}
-        for e in np.flatnonzero(wanted).tolist():
-            if self.entries[name_of[e]].nbytes == 0:
-                digests[name_of[e]] = xxhash.xxh3_64_hexdigest(b"")
-        hashers: dict[int, Any] = {}
-        tainted: set[int] = set()
-        bad: list[tuple[int, ChecksumError]] = []
-
-        def feed(p: int, block: Any) -> None:
-            e = int(plan.entry[p])
-            if not wanted[e] or e in tainted:
-                return
-            h = hashers.get(e)
-            if h is None:
-                h = hashers[e] = xxhash.xxh3_64()
-            h.update(block)
-
-        def close_pieces(i: int) -> None:
-            for p in range(int(plan.ptr[i]), int(plan.ptr[i + 1])):
-                e = int(plan.entry[p])
-                if (plan.data_offset[p] + plan.length[p] == ends[e] and e in hashers
-                        and e not in tainted):
-                    digests[name_of[e]] = hashers.pop(e).hexdigest()
-
-        def fail(i: int, e: ChecksumError) -> None:
-            bad.append((i, e))
-            for p in range(int(plan.ptr[i]), int(plan.ptr[i + 1])):
-                k = int(plan.entry[p])
-                tainted.add(k)
-                hashers.pop(k, None)
-
-        if self.header.chunk_size > KEEP_DECODE_BUFFER:
-            for i in chunks:
-                c0, c1 = plan.chunk_range(i)
-                try:
-                    for p, block in self._stream_range(i, c0, c1, check=True):
-                        feed(p, block)
-                except ChecksumError as e:
-                    fail(i, e)
-                    continue
-                close_pieces(i)
-            return digests, bad
-
-        threads = 1
-        if pool is not None:  # a WorkerPool or a ThreadPoolExecutor
-            n = getattr(pool, "_max_workers", getattr(pool, "_threads", 2))
-            threads = n if isinstance(n, int) else 2
-        window = max(1, VERIFY_WINDOW_PER_THREAD * threads)
-        free: list[np.ndarray] = []
-        pending: deque[tuple[int, np.ndarray, Any]] = deque()
-        todo = deque(chunks)
-
-        def submit() -> None:
-            i = todo.popleft()
-            out = free.pop() if free else np.empty(plan.chunk_size, np.uint8)
-            task = partial(self._logical_chunk, i, out)
-            pending.append((i, out, pool.submit(task) if pool is not None else task))
-
-        try:
-            while todo or pending:
-                while todo and len(pending) < window:
-                    submit()
-                i, out, job = pending.popleft()
-                try:
-                    job.result() if pool is not None else job()
-                except ChecksumError as e:
-                    fail(i, e)
-                    free.append(out)
-                    continue
-                c0 = i * plan.chunk_size
-                for p in range(int(plan.ptr[i]), int(plan.ptr[i + 1])):
-                    at = int(plan.data_offset[p]) - c0
-                    feed(p, out[at : at + int(plan.length[p])])
-                close_pieces(i)
-                free.append(out)
-        finally:
-            for _, _, job in pending:
-                if pool is not None:
-                    job.cancel()
-            if pool is not None:
-                wait([job for _, _, job in pending])
-        return digests, bad
-
-    def _logical_chunk(self, i: int, out: np.ndarray) -> None:
-        """Chunk i's logical (unshuffled) bytes into `out`, its frame checked as in verify."""
-        data = self._decode(i, check_hash=True, into=_chunk_buffer(self.header))
-        plan = self.plan
-        lo, hi = int(plan.ptr[i]), int(plan.ptr[i + 1])
-        c0, c1 = plan.chunk_range(i)
-        if not self.header.shuffle:
-            out[: c1 - c0] = np.frombuffer(data, np.uint8, c1 - c0)
-            return
-        at = plan.data_offset[lo:hi] - c0
-        n = plan.length[lo:hi] // plan.itemsize[lo:hi]
-        zeros = np.zeros(hi - lo, np.int64)
-        _shuffle.unshuffle_scatter(data, at, n, plan.itemsize[lo:hi], zeros, n, [out],
-                                   zeros, at)
+        """The shard source's verify (`shards.raw.ShardSource.verify_entries`): one ordered pass
+        over the chunks, see `shards.skz.verify.verify_entries`."""
+        return verify.verify_entries(self, names, pool, every_frame)
 
     def _stream_range(self, i: int, lo: int, hi: int, reading: str | None = None,
                       check: bool = False) -> Iterator[tuple[int, Any]]:
@@ -309,21 +192,7 @@ class SkzShard:
         always). A shuffled piece of items of size s is read with s decoders in step, one
         per byte plane.
         """
-        offset, stored, raw, kind, _, xxh3 = self._frames[i]
-        data = self._stored(offset, stored)
-        if (check or kind == KIND_RAW) and (found := xxhash.xxh3_64_intdigest(data)) != xxh3:
-            raise self._corrupt(i, reading, f"its {stored} stored bytes hash to {found:016x}, "
-                                f"the header records {xxh3:016x}",
-                                f"xxh3 {xxh3:016x} (frame table)", f"{found:016x}")
-        if kind == KIND_ZSTD:
-            try:
-                size = zstandard.frame_content_size(data)
-            except zstandard.ZstdError as e:
-                raise self._corrupt(i, reading, f"zstd cannot decode it ({e})",
-                                    "a valid zstd frame", f"zstd error: {e}") from None
-            if size != raw:
-                raise self._corrupt(i, reading, f"zstd frame declares {size} bytes, "
-                                    f"expected {raw}", f"{raw} bytes", f"{size} declared")
+        data, raw, kind = self._frame(i, reading, check)
         planes = _Planes(data, kind, raw, partial(self._corrupt, i, reading))
         plan, c0 = self.plan, i * self.plan.chunk_size
         held: tuple[int, Any] | None = None  # the last block waits for the end-of-frame check
@@ -406,21 +275,11 @@ class SkzShard:
         table; a zstd frame by zstd's own content size and checksum (and the table's xxh3 too
         when `check_hash`: it costs a few percent of a fast level's decompression time).
         A zstd frame is decoded into `into` when given (and large enough)."""
-        offset, stored, raw, kind, _, xxh3 = self._frames[i]
-        data = self._stored(offset, stored)
-        if (check_hash or kind == KIND_RAW) and (
-                found := xxhash.xxh3_64_intdigest(data)) != xxh3:
-            raise self._corrupt(i, reading, f"its {stored} stored bytes hash to {found:016x}, "
-                                f"the header records {xxh3:016x}",
-                                f"xxh3 {xxh3:016x} (frame table)", f"{found:016x}")
+        data, raw, kind = self._frame(i, reading, check_hash)
         if kind == KIND_RAW:
             _count_frame()
             return data
         try:
-            size = zstandard.frame_content_size(data)
-            if size != raw:
-                raise self._corrupt(i, reading, f"zstd frame declares {size} bytes, "
-                                    f"expected {raw}", f"{raw} bytes", f"{size} declared")
             if into is not None and len(into) >= raw:
                 # straight into the caller's buffer (GIL released, no fresh output memory)
                 out: Any = into[:raw]
@@ -438,6 +297,26 @@ class SkzShard:
                                 f"{raw} bytes", f"{len(out)} decoded")
         _count_frame()
         return out
+
+    def _frame(self, i: int, reading: str | None, check: bool) -> tuple[Any, int, int]:
+        """Frame i's stored bytes, its decoded size and kind, checked: against its xxh3 in the
+        frame table when `check` (a raw frame's always), a zstd frame's declared size."""
+        offset, stored, raw, kind, _, xxh3 = self._frames[i]
+        data = self._stored(offset, stored)
+        if (check or kind == KIND_RAW) and (found := xxhash.xxh3_64_intdigest(data)) != xxh3:
+            raise self._corrupt(i, reading, f"its {stored} stored bytes hash to {found:016x}, "
+                                f"the header records {xxh3:016x}",
+                                f"xxh3 {xxh3:016x} (frame table)", f"{found:016x}")
+        if kind == KIND_ZSTD:
+            try:
+                size = zstandard.frame_content_size(data)
+            except zstandard.ZstdError as e:
+                raise self._corrupt(i, reading, f"zstd cannot decode it ({e})",
+                                    "a valid zstd frame", f"zstd error: {e}") from None
+            if size != raw:
+                raise self._corrupt(i, reading, f"zstd frame declares {size} bytes, "
+                                    f"expected {raw}", f"{raw} bytes", f"{size} declared")
+        return data, raw, kind
 
     def _corrupt(self, i: int, reading: str | None, why: str, expected: str, found: str
                  ) -> ChecksumError:
