@@ -26,6 +26,20 @@ class SliceSpec:
     lengths: tuple[int, ...]
 
     @classmethod
+    def parse(cls, spec: str, full_shape: Sequence[int] | None = None) -> SliceSpec:
+        """TensorFlow's spec text as a box (``str(box)`` is the text again).
+
+        Args:
+            spec: ``"4 6 2,2:0,6"`` (rows 2-3 of a 4x6 tensor), or ``""`` for a whole tensor.
+            full_shape: the tensor's shape; needed for ``""``, checked against any other spec.
+        Returns:
+            The SliceSpec.
+        Raises:
+            SliceSpecError: malformed text, a box outside the tensor, or another shape.
+        """
+        return parse_slice_spec(spec, full_shape)
+
+    @classmethod
     def whole(cls, full_shape: Sequence[int]) -> SliceSpec:
         shape = tuple(int(d) for d in full_shape)
         return cls(shape, (0,) * len(shape), shape)
