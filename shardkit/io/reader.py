@@ -145,8 +145,12 @@ class CheckpointReader:
         return self.index.user_metadata
 
     def keys(self) -> list[str]:
-        """Checkpoint keys in the order they were saved (string tensors last); with a `prefix`,
-        the keys under it, the prefix stripped."""
+        """The checkpoint's keys.
+
+        Returns:
+            The keys in saved order (string tensors last); with a `prefix`, the keys under it,
+            the prefix stripped.
+        """
         if self._under is not None:
             n = len(self._prefix)
             return [k[n:] for k in self._under]
@@ -200,6 +204,10 @@ class CheckpointReader:
         A string tensor reports dtype name ``"STRING"``, the numpy dtype of its kind (object for
         bytes / str), the bytes of its block and one placement, in the string file.
 
+        Args:
+            key: the tensor's key.
+        Returns:
+            Its `KeyInfo`.
         Raises:
             KeyNotFoundError: `key` is not stored.
         """
@@ -468,8 +476,20 @@ class CheckpointReader:
 def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
                     follow_symlinks: bool = False, prefix: str | None = None
                     ) -> CheckpointReader:
-    """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``);
-    `prefix` shows the sub-tree under it, keys relative to it (as `load`'s)."""
+    """Open a checkpoint for lazy reading; close the reader or use it in a ``with`` block.
+
+    Args:
+        path: the checkpoint (directory, file or URL).
+        mmap: map raw shards (else read them into owned arrays).
+        follow_symlinks: accept symlinked files.
+        prefix: show the sub-tree under this key prefix, keys relative to it (as `load`'s).
+    Returns:
+        The `CheckpointReader`.
+    Raises:
+        CheckpointNotFoundError: nothing is at `path`.
+        CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
+        KeyNotFoundError: no key is under `prefix`.
+    """
     return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks, prefix=prefix)
 
 
@@ -494,29 +514,35 @@ def load(
     device: Any = None,
     prefix: str | None = None,
 ) -> dict[str, Any]:
-    """Read `keys` (default: all, in saved order) into a flat dict key -> array.
+    """Read tensors of a checkpoint into a flat dict.
 
     With `mmap` whole raw tensors are views of private (copy-on-write) maps of the shards: they
-    stay valid after this returns, and writing to them never changes the files. `verify`
-    checks the checksums of the loaded entries first. A single str `keys` is one key. When
-    the checkpoint is replaced while it is being read, the load starts again (up to
-    LOAD_ATTEMPTS times), so the result is always all of one checkpoint.
+    stay valid after this returns, and writing to them never changes the files. When the
+    checkpoint is replaced while it is being read, the load starts again (up to LOAD_ATTEMPTS
+    times), so the result is always all of one checkpoint.
 
-    `framework` returns each value as a tensor of that framework instead of a numpy array
-    (`shardkit.frameworks.FRAMEWORKS`: "numpy", the default, "torch" or "jax"),
-    on `device` (torch: a str or torch.device, "cpu" by default; jax: a jax Device, Sharding or
-    platform string, jax's default device by default). torch tensors on the CPU share the
-    loaded memory (writable, copy-on-write: in-place ops never reach the files); jax arrays
-    are immutable copies. Framework and device are checked before anything is read.
-
-    `prefix` takes a sub-tree: the keys under it, with the prefix stripped (``prefix="model"``
-    or ``"model/"`` returns ``model/0.weight`` as ``0.weight``; a key component boundary, so
-    never ``modelx/...``); `keys` are then relative to it. KeyNotFoundError names the prefix
-    and the nearest stored ones when no key is under it.
-
+    Args:
+        path: the checkpoint (directory, file or URL).
+        keys: the keys to read (default: all, in saved order); a single str is one key.
+        verify: check the checksums of the loaded entries first.
+        mmap: map raw shards (else read them into owned arrays).
+        follow_symlinks: accept symlinked files.
+        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`), checked
+            before anything is read; torch tensors on the CPU share the loaded memory.
+        device: the framework's device (torch: a str or torch.device; jax: a Device, Sharding
+            or platform string).
+        prefix: take the sub-tree under this key prefix, stripped (``"model"`` returns
+            ``model/0.weight`` as ``0.weight``, never ``modelx/...``); `keys` relative to it.
+    Returns:
+        A dict from key to numpy array (or the framework's tensor), in the order read.
     Raises:
-        KeyNotFoundError: a key (or the prefix) is not in the checkpoint.
+        CheckpointNotFoundError: nothing is at `path`.
+        KeyNotFoundError: a key is not stored, or none is under the prefix (the error names
+            the nearest stored ones).
+        InvalidArgumentError: an unknown framework, a bad device, or an empty prefix.
+        MissingDependencyError: the framework is not installed.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
+        ShardIOError: the operating system failed a read.
     """
     conv = converter(framework, device)  # checked before anything is read
     if isinstance(keys, str):

@@ -49,10 +49,16 @@ _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 
 
 def parse_size(size: int | str, name: str = "size") -> int:
-    """A positive byte count from an int or a string such as ``"256MB"``, ``"1GiB"``, ``"1.5GB"``.
+    """A positive byte count from an int or a size string.
 
-    Units (case-insensitive): B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024).
-    Raises PolicyError for anything else, and for zero, negative or fractional byte counts.
+    Args:
+        size: bytes, or a string such as ``"256MB"``, ``"1GiB"``, ``"1.5GB"``; units
+            (case-insensitive) B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (of 1024).
+        name: the argument's name in error messages.
+    Returns:
+        The number of bytes.
+    Raises:
+        PolicyError: anything else, or a zero, negative, fractional or over-int64 count.
     """
     if isinstance(size, (bool, np.bool_)):
         raise PolicyError(f"{name} must be a byte count or a size string, got bool {size!r}")
@@ -92,11 +98,24 @@ class _Policy(ShardingCallback):
     name: ClassVar[str]
 
     def get_config(self) -> dict[str, Any]:
-        """The constructor arguments, JSON-safe: ``type(p)(**p.get_config())`` rebuilds `p`."""
+        """The constructor arguments, JSON-safe.
+
+        Returns:
+            The keyword arguments: ``type(p)(**p.get_config())`` rebuilds `p`.
+        """
         return {}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> _Policy:
+        """The policy `get_config` described.
+
+        Args:
+            config: the constructor's keyword arguments.
+        Returns:
+            A new policy of this class.
+        Raises:
+            PolicyError: `config` does not fit the constructor.
+        """
         try:
             return cls(**config)
         except TypeError as e:
@@ -376,8 +395,16 @@ def policy_names() -> list[str]:
 
 
 def get_policy(name: str, **config: Any) -> ShardingCallback:
-    """Build a built-in policy from its short name, e.g. ``get_policy("bin-pack",
-    max_shard_size="1GiB")``. PolicyError for an unknown name or arguments it does not take."""
+    """Build a built-in policy from its short name.
+
+    Args:
+        name: one of `policy_names()`, e.g. ``"bin-pack"``.
+        **config: the policy's constructor arguments, e.g. ``max_shard_size="1GiB"``.
+    Returns:
+        The policy.
+    Raises:
+        PolicyError: an unknown name, or arguments the policy does not take.
+    """
     cls = POLICIES.get(name)
     if cls is None:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")

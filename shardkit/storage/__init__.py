@@ -41,12 +41,15 @@ def is_url(path: Any) -> bool:
 
 
 def set_storage_options(prefix: str, **storage_options: Any) -> None:
-    """Use `storage_options` (fsspec keyword arguments) for every URL under `prefix`, matched
-    by scheme, bucket and whole path components (`prefix_matches`: ``s3://bucket`` covers
-    ``s3://bucket/x``, never ``s3://bucket-other``); the longest matching prefix wins. With no
-    options, forget the prefix. Example::
+    """Use fsspec keyword arguments for every URL under a prefix; the longest prefix wins.
 
-        shardkit.set_storage_options("s3://bucket", client_kwargs={"endpoint_url": url})
+    Args:
+        prefix: a URL prefix, matched by scheme, bucket and whole path components
+            (`prefix_matches`: ``s3://bucket`` covers ``s3://bucket/x``, never
+            ``s3://bucket-other``).
+        **storage_options: e.g. ``client_kwargs={"endpoint_url": url}``; none forgets `prefix`.
+    Raises:
+        Nothing: options are checked by the file system when a URL under `prefix` is opened.
     """
     with _options_lock:
         if storage_options:

@@ -35,6 +35,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether no problem was found."""
         return not self.problems
 
     @property
@@ -45,7 +46,12 @@ class VerifyReport:
         return f"{self.checked} entries checked"
 
     def error(self) -> CheckpointFormatError:
-        """One exception for all the problems: the first one's class, every problem a line."""
+        """One exception for all the problems (call it only when there are some).
+
+        Returns:
+            An error of the first problem's class, every problem a line of its message, the
+            list in its ``problems`` attribute.
+        """
         lines = [str(p) for p in self.problems]
         head = lines[0] if len(lines) == 1 else f"{len(lines)} problems:"
         body = "" if len(lines) == 1 else "\n" + "\n".join(lines)
