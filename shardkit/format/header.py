@@ -205,8 +205,7 @@ def _header_text(
 ) -> list[bytes]:
     """The pieces of the space-padded JSON header, which joined are byte-identical to
     ``json.dumps(header, separators=(",", ":"), ensure_ascii=False)``; the entries are encoded
-    by the native kernel (~0.07 us each). UnicodeEncodeError for a name that is not valid
-    UTF-8 text."""
+    by the native kernel. UnicodeEncodeError for a name that is not valid UTF-8 text."""
     head = f'{{"{METADATA_KEY}":{json.dumps(meta, separators=(",", ":"), ensure_ascii=False)}'
     text = [head.encode("utf-8"),
             _table.encode_header_entries(names, dtype_names, shapes,

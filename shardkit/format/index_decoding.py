@@ -279,7 +279,7 @@ _COLUMN_MARKS: Final = (("tensors", "key", b',"dtype":'), ("tensors", "dtype", b
 def _canonical_document(data: bytes) -> dict[str, Any] | None:
     """The index document, if `data` may be the compact encoding shardkit writes (else None),
     with its ``weight_map`` left unparsed (empty). The ``shardkit`` section is parsed with
-    orjson (about 3x faster than json) in place, column by column, each column's repeated
+    orjson (faster than json) in place, column by column, each column's repeated
     values shared as soon as it is parsed. The pieces are found by the markers shardkit writes
     between them (a ``"`` inside a JSON string is escaped, so the first marker after a piece
     ends it); orjson keeps the last of repeated keys and the weight map is not read, so the

@@ -77,9 +77,9 @@ class DefaultShardingPolicy(ShardingCallback):
     A state under 64 MiB goes into one shard (a second file costs more than it saves). A larger
     state is cut, in the order given and between whole tensors, into ``max(threads,
     ceil(total / max_shard_size))`` shards of near-equal size: the writer writes separate files
-    in parallel (about twice one file's speed on two cores), and shards stay under HuggingFace's
-    5 GB default. Tensors are never split, so every tensor stays readable by any safetensors or
-    HuggingFace tool through ``weight_map``; a tensor larger than the cap gets its own shard.
+    in parallel, and shards stay under HuggingFace's 5 GB default. Tensors are never split, so
+    every tensor stays readable by any safetensors or HuggingFace tool through ``weight_map``;
+    a tensor larger than the cap gets its own shard.
     """
 
     def __init__(self, threads: int | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):

@@ -384,8 +384,7 @@ class CheckpointFile:
         """Tell the kernel that the byte ranges (offset, length) are read next, so that it
         reads them ahead in large requests. Without it, a file not in the page cache is read
         at the pace of the default readahead window, which chunks read by two threads in turn
-        keep small: a cold 1.5 GB TensorBundle read took 4-6 s here against 1.5-2.5 s with the
-        advice (TensorFlow's one sequential reader: 1.9-2.7 s). About 0.1 ms when cached."""
+        keep small. Cheap when the file is cached."""
         if not hasattr(os, "posix_fadvise"):
             return
         with self as fd:
