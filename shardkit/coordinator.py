@@ -35,8 +35,8 @@ class Coordinator(abc.ABC):
         """Every rank's `payload`, on every rank.
 
         Args:
-            payload: this rank's small picklable value.
-            op: the step's name, for errors.
+            payload: this rank's small picklable value (so for `gather` and `broadcast`).
+            op: the step's name, for errors (so for every collective).
         Returns:
             The payloads in rank order.
         Raises:
@@ -48,8 +48,7 @@ class Coordinator(abc.ABC):
         """Every rank's `payload` on rank `dst`.
 
         Args:
-            payload: this rank's small picklable value.
-            op: the step's name, for errors.
+            payload, op: as for `all_gather`.
             dst: the rank that receives them.
         Returns:
             On `dst` the payloads in rank order, on the others None.
@@ -62,8 +61,7 @@ class Coordinator(abc.ABC):
         """Rank `src`'s `payload` on every rank.
 
         Args:
-            payload: the value on `src`; the others pass anything, e.g. None.
-            op: the step's name, for errors.
+            payload, op: as for `all_gather`; only `src`'s payload counts (others pass None).
             src: the rank that sends.
         Returns:
             Rank `src`'s payload.
@@ -85,8 +83,7 @@ class Coordinator(abc.ABC):
         """A twin for saves that commit from a background thread; every rank asks at once.
 
         Returns:
-            A coordinator over the same ranks whose collectives never interleave with this
-            one's, made once and reused.
+            A coordinator over the same ranks whose collectives never interleave with these.
         Raises:
             NotImplementedError: the base class has none.
         """

@@ -7,9 +7,8 @@ unmapped only when its last view goes, so arrays stay valid after ``close()``. W
 writable arrays, through a bounded set of open descriptors (`MAX_OPEN_FILES`).
 
 One reader reads one checkpoint: it opens the checkpoint directory once and every file
-(the manifest, shards) relative to that handle, safely (`shardkit.shards.files`: regular files only,
-symlinks only with ``follow_symlinks=True``). A shard that vanished because the checkpoint was
-replaced raises CheckpointReplacedError; `load` then starts again, a few times.
+relative to that handle (`shardkit.shards.files`: regular files, no symlinks unless asked). A
+shard gone because the checkpoint was replaced raises CheckpointReplacedError (`load` retries).
 
 The reader is a facade over `shardkit.io.reading`: `ShardSet` (the index, the shard sources
 opened and checked on first use, the pool), `whole` (whole tensors, in bulk), `boxes`
@@ -79,20 +78,11 @@ class KeyInfo:
 class CheckpointReader:
     """Read a checkpoint lazily; use as a context manager.
 
-    `path` is a shardkit checkpoint directory, a HuggingFace one (``model.safetensors.index.json``
-    + shards, or just ``model.safetensors``) or a ``.safetensors`` file: `shardkit.adapters`
-    detects the layout (`format`) and its adapter builds the entry table; everything below is
-    the same for all. Foreign layouts store no checksums (`verify` checks their structure).
-
-    ``reader[key]`` / `get` return the whole tensor (a view of the private map when it is one
-    raw entry and `mmap` is on; otherwise a new array). `get_slice` reads a numpy basic index of
-    the full tensor, touching only the bytes it needs. `verify` checks every checksum. Every
-    array returned is writable and stays valid after the reader is closed; writing to it never
+    `shardkit.adapters` detects the layout (`format`: shardkit's, HuggingFace's, a
+    ``.safetensors`` file, a TensorBundle) and builds the entry table; the rest is the same for
+    all. The reader reads the checkpoint that was at `path` when it was opened, and no other.
+    Every array returned is writable and stays valid after `close`; writing to it never
     changes the checkpoint.
-
-    The reader reads the checkpoint that was at `path` when it was opened, and no other (see the
-    module docstring). Shard files and the manifest must be regular files, and symlinks are
-    refused unless `follow_symlinks`.
 
     Args:
         path: the checkpoint (directory, file or URL).
@@ -100,7 +90,6 @@ class CheckpointReader:
         verify: check every checksum on open.
         follow_symlinks: accept symlinked files.
         prefix: show only the sub-tree under this key prefix, keys relative to it.
-
     Raises:
         CheckpointNotFoundError: nothing is at `path`.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
@@ -231,19 +220,14 @@ class CheckpointReader:
     def get(self, key: str, *, framework: str, device: Any = ...) -> Any: ...
 
     def get(self, key: str, *, framework: str = "numpy", device: Any = None) -> Any:
-        """The whole tensor `key` (ml_dtypes arrays for bfloat16 / float8).
-
-        ``reader[key]`` is always a numpy array.
+        """The whole tensor `key` (ml_dtypes arrays for bfloat16 / float8); ``reader[key]`` too.
 
         Args:
             key: the tensor's key (under `prefix`, when the reader has one).
-            framework: "numpy", "torch" or "jax" (`shardkit.frameworks`): torch shares the
-                array's memory on the CPU, jax copies.
+            framework: as for `load` (``reader[key]`` is always numpy).
             device: the framework's device.
-
         Returns:
             The tensor.
-
         Raises:
             KeyNotFoundError: `key` is not stored.
             CheckpointFormatError: a shard it reads is malformed.
@@ -310,21 +294,15 @@ class CheckpointReader:
 
     def get_slice(self, key: str, index: Any, *, framework: str = "numpy",
                   device: Any = None) -> Any:
-        """``full_tensor[index]``, reading only the needed bytes of the stored slices that
-        intersect it.
-
-        The result is a (writable) view of the private map when it comes from one raw entry and
-        `mmap` is on, else a new array.
+        """``full_tensor[index]``, reading only the bytes it needs of the slices it intersects.
 
         Args:
             key: the tensor's key.
             index: a numpy basic index (ints, slices with steps, ``...``, None).
-            framework: as for `get`.
-            device: as for `get`.
-
+            framework, device: as for `get`.
         Returns:
-            The part of the tensor.
-
+            The part of the tensor: a writable view of the private map when it is one raw
+            entry's and `mmap` is on, else a new array.
         Raises:
             KeyNotFoundError: `key` is not stored.
             InvalidArgumentError: `index` is not a basic index of the tensor's shape.
@@ -370,22 +348,15 @@ class CheckpointReader:
         """Check the stored entries of `keys` against the index: shard files and sizes,
         headers, entry dtypes and shapes, and the xxh3-64 checksums.
 
-        Everything is checked before anything is raised: on any problem this raises one error,
-        of the class of the first problem found, whose message lists every problem, one per
-        line, and whose ``problems`` attribute holds them (`Problem`). `verify_report` returns
-        them instead.
+        Everything is checked before anything is raised (`verify_report` returns the problems).
 
         Args:
-            keys: the keys to check (default: all, and then every frame of every compressed
-                shard, even bytes no entry is read from).
-
+            keys: the keys to check (default: all, and every frame of every compressed shard).
         Returns:
-            The number of entries whose checksum was compared (entries saved without a
-            checksum are skipped).
-
+            The number of entries whose checksum was compared.
         Raises:
-            ChecksumError, MissingShardError, CorruptIndexError, ...: the first problem's
-                class (a `CheckpointFormatError`).
+            CheckpointFormatError: of the first problem's class (`ChecksumError`,
+                `MissingShardError`, ...), every problem a line, the list in ``problems``.
             KeyNotFoundError: a key is not stored.
         """
         report = self.verify_report(keys)
@@ -394,17 +365,15 @@ class CheckpointReader:
         return report.checked
 
     def verify_report(self, keys: Sequence[str] | None = None) -> VerifyReport:
-        """What `verify` checks, returned instead of raised: every distinct problem once, in
-        shard order, each blaming the file that is inconsistent (the manifest when it records
-        a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
-        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`).
+        """What `verify` checks, returned instead of raised.
+
+        Each distinct problem is listed once, in shard order, blaming the file that is
+        inconsistent (the manifest when it records what its shard does not have).
 
         Args:
             keys: the keys to check, under `prefix` when the reader has one (default: all).
-
         Returns:
             The `VerifyReport`.
-
         Raises:
             KeyNotFoundError: a key is not stored.
         """
@@ -516,19 +485,17 @@ def load(
 ) -> dict[str, Any]:
     """Read tensors of a checkpoint into a flat dict.
 
-    With `mmap` whole raw tensors are views of private (copy-on-write) maps of the shards: they
-    stay valid after this returns, and writing to them never changes the files. When the
-    checkpoint is replaced while it is being read, the load starts again (up to LOAD_ATTEMPTS
-    times), so the result is always all of one checkpoint.
+    A checkpoint replaced while it is read is read again (up to LOAD_ATTEMPTS times), so the
+    result is always all of one checkpoint.
 
     Args:
         path: the checkpoint (directory, file or URL).
         keys: the keys to read (default: all, in saved order); a single str is one key.
         verify: check the checksums of the loaded entries first.
-        mmap: map raw shards (else read them into owned arrays).
+        mmap: whole raw tensors as views of private copy-on-write maps (writing to them never
+            changes the files); else read into owned arrays.
         follow_symlinks: accept symlinked files.
-        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`), checked
-            before anything is read; torch tensors on the CPU share the loaded memory.
+        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`).
         device: the framework's device (torch: a str or torch.device; jax: a Device, Sharding
             or platform string).
         prefix: take the sub-tree under this key prefix, stripped (``"model"`` returns
@@ -537,8 +504,7 @@ def load(
         A dict from key to numpy array (or the framework's tensor), in the order read.
     Raises:
         CheckpointNotFoundError: nothing is at `path`.
-        KeyNotFoundError: a key is not stored, or none is under the prefix (the error names
-            the nearest stored ones).
+        KeyNotFoundError: a key is not stored, or none is under the prefix.
         InvalidArgumentError: an unknown framework, a bad device, or an empty prefix.
         MissingDependencyError: the framework is not installed.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).

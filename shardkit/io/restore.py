@@ -30,8 +30,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                  ) -> CheckpointLoadStatus:
     """Copy the stored value of every leaf of `state` into it, in place.
 
-    Everything is checked before anything is copied: every leaf's key must be in the checkpoint,
-    every checkpoint key in `state`, and each leaf's shape and dtype must be the stored ones.
+    Everything (keys one to one, shapes, dtypes) is checked before anything is copied.
 
     Args:
         path: the checkpoint (directory, file or URL).
@@ -45,8 +44,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     Returns:
         The `CheckpointLoadStatus`: what was restored, missing and unexpected.
     Raises:
-        IncompleteRestoreError: keys do not match one to one and `partial` is False (nothing
-            is changed; both sides are named).
+        IncompleteRestoreError: keys do not match one to one and `partial` is False.
         RestoreMismatchError: a leaf's shape or dtype differs, or it cannot be written in place.
         InvalidArgumentTypeError: `partial` is not a bool.
         CheckpointNotFoundError, KeyNotFoundError, CheckpointFormatError: as `load`.

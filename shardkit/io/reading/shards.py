@@ -49,7 +49,6 @@ class ShardSet:
         path: the checkpoint (a directory, a file a layout accepts, or a URL).
         mmap: map raw shards (else read them with ``preadv``).
         follow_symlinks: accept symlinked files.
-
     Raises:
         CheckpointFormatError: the checkpoint's layout or manifest is malformed.
     """
