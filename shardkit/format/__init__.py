@@ -1,10 +1,8 @@
 """Checkpoint format v2: pure encode/decode of shard headers and the manifest, with every limit.
 
-A raw shard is a safetensors file: ``u64`` little-endian header length N, N bytes of UTF-8 JSON
-padded with spaces so that ``8 + N`` is a multiple of 8, then the data region. Entries are laid out
-by descending item size (stable), contiguous, so each starts aligned to its item size.
-``docs/FORMAT.md`` is the full specification. Nothing here writes files; decoders read only the
-bytes they were given (``read_safetensors_header`` reads the header from an open file).
+A raw shard is a safetensors file whose entries are laid out by descending item size, each
+aligned to it; docs/FORMAT.md is the specification. Nothing here writes files; decoders read
+only the bytes they were given (``read_safetensors_header`` reads the header from an open file).
 
 The modules, each importing only those before it: `common` (constants and limits, naming,
 generations, `shown`), `strictjson` (JSON parsed with repeated keys and nesting checked),

@@ -5,12 +5,10 @@ A save runs over a `Coordinator` (a process alone: the `LocalCoordinator`, world
 rank 0 aborts the staging and every rank raises the same error (a process alone its own, as
 raised; many ranks a DistributedSaveError naming the failing rank and its cause).
 
-1. ``plan`` (all-gather): rank 0 checks the target; each rank sends where it saves and what it
-   holds (`RankSave.hold`); every rank computes the same plan from that (`assign`).
-2. ``shards`` (all-gather): each rank's callback on what it writes, validated (`shard`); then
-   rank 0 stages the save (where the files go, the generation).
-3. ``index`` (gather on rank 0): each rank writes its shards and sends what it wrote (`part`).
-4. ``commit`` (broadcast): rank 0 merges the parts (`merge`) and commits.
+The steps (docs/ARCHITECTURE.md, `io/flow.py`): ``plan`` (all-gather: the target checked,
+what each rank holds, `RankSave.hold`, one plan, `assign`), ``shards`` (all-gather: callbacks
+validated, `shard`; rank 0 stages), ``index`` (gather: each rank writes, `part`), ``commit``
+(broadcast: rank 0 `merge`s and commits).
 
 The output format: shardkit's through the `Storage` (`StorageOutput`) or TensorFlow's
 TensorBundle (`adapters.tensorbundle.writer.BundleOutput`).

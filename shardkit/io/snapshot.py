@@ -1,10 +1,9 @@
 """Asynchronous saves: host snapshots in a reused buffer pool, then a write in the background.
 
-An async save copies every tensor into a host buffer before it returns, so the training loop may
-update its weights at once while a background thread writes the copy. The buffers are kept between
-saves (keyed by checkpoint key) because touching fresh memory costs several times a copy into warm
-memory. Tensors on a CUDA device are copied into page-locked (pinned) buffers, which the GPU can
-write to directly; one device synchronisation then makes the whole snapshot valid.
+An async save copies every tensor into a host buffer before it returns, so the training loop
+may update its weights at once while a background thread writes the copy. The buffers are kept
+between saves (keyed by checkpoint key): fresh memory costs more to touch than warm. CUDA
+tensors are copied into pinned buffers; one device synchronisation makes the snapshot valid.
 
 `AsyncWriter` then runs the write in a background thread, one at a time; the `SaveHandle` it
 returns tells "staged" from "durable", and a write's error is handed to the next caller. Pending

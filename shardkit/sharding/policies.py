@@ -5,12 +5,10 @@ shards ``{checkpoint_key: {slice_spec: array}}``. A policy that splits a tensor 
 of it (``tensor[region]``) under TensorFlow slice specs that name the region within the full,
 original tensor, also when the input is itself already a slice. No policy returns an empty shard.
 
-HuggingFace loaders read only tensors stored whole (spec ``""``, listed in the manifest's
-``weight_map``). ``DefaultShardingPolicy`` (shardkit.io.save), ``ShardByTaskPolicy`` and
-``AllInOnePolicy`` keep every tensor whole. ``BinPackPolicy`` and ``BalancedPolicy`` split
-tensors larger than their target; ``MaxShardSizePolicy`` gives every tensor TensorFlow's explicit
-spec (``"4 6 0,4:0,6"``), so none is whole in HuggingFace's sense. ``save`` warns
-(``SplitTensorsWarning``) when a policy stored any tensor as slices.
+HuggingFace loaders read only tensors stored whole (spec ``""``): ``DefaultShardingPolicy``,
+``ShardByTaskPolicy`` and ``AllInOnePolicy`` keep them so, ``BinPackPolicy`` and
+``BalancedPolicy`` split those over their target, ``MaxShardSizePolicy`` gives every tensor an
+explicit spec; ``save`` warns (``SplitTensorsWarning``) when any tensor is stored as slices.
 
 The planning cores run in the compiled kernels (``shardkit._kernels._packing``); this module only
 gathers sizes and shapes into int64 arrays and builds the shard dicts from the plan.
@@ -193,11 +191,9 @@ class MaxShardSizePolicy(_PlanningPolicy):
     most `max_shard_size` bytes, except one per oversized piece that cannot be split (a scalar, or
     a single element when the item size itself exceeds the maximum), which is alone in its shard.
 
-    Where TensorFlow never returns (no single-axis slab of the rest of a tensor fits even an empty
-    shard, e.g. a 3x3 float32 tensor with a maximum of 8 bytes; it appends empty shards forever),
-    this policy cuts a slab of thickness 1 off the first axis longer than 1 and fills it first,
-    cutting it further the same way if needed, then continues with the rest. So it returns for
-    every input, and the maximum still holds.
+    Where TensorFlow never returns (no single-axis slab of the rest fits even an empty shard:
+    it appends empty shards forever), this policy cuts a slab of thickness 1 off the first axis
+    longer than 1, further cut the same way if needed, so it returns and the maximum holds.
     """
 
     name = "max-shard-size"
@@ -337,10 +333,8 @@ class BalancedPolicy(_PlanningPolicy):
     (Graham's LPT rule; ties to the lowest shard). Within a shard entries keep input order.
 
     Guarantee: ``min(num_shards, pieces)`` shards, none empty, and the heaviest holds at most
-    ``total / num_shards + largest piece`` bytes (when the last piece was added to it, it was the
-    lightest, so at most the mean). The largest piece is at most `target` unless it is a single
-    element or scalar, so the heaviest shard holds at most ``mean + max(target, item size)``:
-    about twice the mean in the worst case, and close to the mean when pieces are small.
+    ``total / num_shards + largest piece`` bytes (it was the lightest when it got its last
+    piece), so at most ``mean + max(target, item size)``: twice the mean at worst.
     """
 
     name = "balanced"

@@ -40,16 +40,13 @@ class ShardSource:
     `shards.skz.SkzShard`, which has the same members) and wherever its bytes are (a
     `shards.files.ByteSource`: a local file or a store's object).
 
-    `entries` maps entry name -> EntryLayout (offsets relative to the logical data region).
-    `read_into` copies bytes ``[begin, end)`` of an entry (relative to the entry's start) into
-    the writable byte buffer `dest`; `read_tasks` does so for many (entry, begin, end, dest)
-    requests, as independent tasks for the read pool (a codec decodes each chunk once). Both
-    are safe from several threads at once; ranges always hold whole items of the dtype.
-    `view` returns a zero-copy buffer of those bytes (writable: a private map), or None if
-    the source cannot. `whole_arrays` gives whole entries by their offsets, or None when the
-    source reads them only through `read_tasks`. `verify_entries` hashes entries for verify
-    (and checks a codec's frames). `matches_index`: the header was recognised as the index's
-    (not checked again).
+    `entries` maps entry name -> EntryLayout (offsets relative to the data region); `read_into`
+    copies bytes ``[begin, end)`` of an entry into the writable buffer `dest`, `read_tasks` many
+    such requests as tasks for the read pool (a codec decodes each chunk once), both thread-safe,
+    ranges of whole items. `view` is a zero-copy (private, writable) buffer or None;
+    `whole_arrays` whole entries by offset, or None when only `read_tasks` reads them;
+    `verify_entries` hashes entries (and checks a codec's frames); `matches_index`: the header
+    was recognised as the index's (not checked again).
     """
 
     path: str

@@ -7,9 +7,8 @@ an `FsspecStorage`, with the object layout and manifest-last commit of docs/FORM
 storage"). The writer, the reader and the manager ask the storage and do not know which one
 they have. fsspec and s3fs are imported only for URLs.
 
-Options for a store (s3fs's ``client_kwargs={"endpoint_url": ...}``, ``key``, ``secret``,
-``anon``...) are registered per URL prefix with `set_storage_options`; without any, the file
-system's defaults apply (for S3: the AWS environment variables and config files).
+Options for a store are registered per URL prefix with `set_storage_options`; without any,
+the file system's defaults apply (for S3: the AWS environment variables and config files).
 """
 
 from __future__ import annotations

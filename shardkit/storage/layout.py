@@ -1,10 +1,6 @@
-"""The object layout of a checkpoint in a store (docs/FORMAT.md, "Object storage").
-
-    <prefix>/model.safetensors.index.json            the manifest, written last
-    <prefix>/shards-<generation>/<shard file>         the shards of that save
-    <prefix>/shards-<generation>/.shardkit-staging-<id>.json
-                                                      a staging marker: the objects one
-                                                      upload of that save creates
+"""The object layout of a checkpoint in a store (docs/FORMAT.md section 13): the manifest,
+written last, at ``<prefix>/``; the shards and staging markers of a save under
+``<prefix>/shards-<generation>/``.
 
 The manifest is byte for byte what a local save writes; its shard files are looked up under
 the directory of its own generation, so objects of other saves (older ones, crashed ones, one

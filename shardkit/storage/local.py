@@ -1,12 +1,8 @@
 """The local file system behind the storage interface: today's native path, unchanged.
 
-A save stages a locked temp directory next to the checkpoint and publishes it with one rename
-or exchange (`shardkit.storage.commit`: its generation and overwrite rules); the planned shard files
-are written by the native write kernel (`shardkit.storage.native`: ``fallocate``, vectored
-writes hashed on the way, ``sync_file_range``, fsync). A reader opens the checkpoint directory
-once and every file relative to that handle (`LocalCheckpoint`, over
-`shards.files.CheckpointDirectory`: regular files only, no symlinks unless asked, a bounded set of
-descriptors), shards mapped copy-on-write or read with ``preadv`` (`shardkit.shards.raw`).
+A save stages through `shardkit.storage.commit` and writes its shards with
+`shardkit.storage.native`; a reader opens the checkpoint as a `LocalCheckpoint` (over
+`shards.files.CheckpointDirectory`), its shards mapped or read by `shardkit.shards.raw`.
 
 The byte-level methods (`write_file`, `read_range`, `publish`...) serve storage-level tools
 (`shardkit gc`, the interface's tests): `publish` writes a temp file and renames it over the

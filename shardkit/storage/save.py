@@ -3,19 +3,12 @@
 `FsspecStorage.stage`, `write_shards` and `write_strings` are these; the save flow itself is
 the same as a local one (`shardkit.io.save`, `writer.write_shards`).
 
-1. The manifest now at the URL is read (one GET, with its tag): an existing checkpoint needs
-   ``overwrite=True``, and only a shardkit checkpoint is ever replaced.
-2. The writer's plan (`writer.plan_shards`: the same shard headers, entry order and names as a
-   local save) is uploaded under ``shards-<generation>/``: a raw shard straight from the arrays'
-   memory as a multipart upload (each entry hashed with xxh3-64 on the way), a ``.skz`` shard
-   compressed into a local temp file by the writer's zstd path and uploaded while the next is
-   compressed; raw shards upload in parallel.
-3. The manifest is published conditionally: ``If-None-Match: *`` when there was none,
-   ``If-Match: <tag>`` of the one read in step 1 otherwise. If another writer got there first
-   the save fails (CheckpointExistsError) and its own objects are deleted.
-4. Only then are the objects of every other generation deleted (older saves, crashed ones):
-   those their staging markers or the replaced manifest name, nothing else
-   (`storage.housekeeping`).
+The manifest at the URL is read with its tag; the writer's plan (`writer.plan_shards`, as for
+a local save) is uploaded under ``shards-<generation>/`` (a raw shard straight from the arrays'
+memory, hashed on the way; a ``.skz`` shard through a local temp file); the manifest is
+published conditionally (``If-None-Match`` / ``If-Match``: a writer that lost the race raises
+CheckpointExistsError and deletes its objects); then the objects of every other generation that
+a staging marker or the replaced manifest names are deleted (`storage.housekeeping`).
 """
 
 from __future__ import annotations
