@@ -55,7 +55,6 @@ class _Region:
     with_header: bool
 
 
-
 def _write_strings(directory: Path, strings: StringColumns, generation: str, checksum: bool,
                    durable: bool) -> StringFile:
     path = directory / STRING_FILE
@@ -72,7 +71,6 @@ def _write_strings(directory: Path, strings: StringColumns, generation: str, che
     finally:
         os.close(fd)
     return made
-
 
 
 def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
