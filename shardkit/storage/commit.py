@@ -403,20 +403,13 @@ def _publish_fallback(tmp: Path, target: Path) -> Path:
     return old
 
 
-class _Unsupported(Exception):
-    pass
-
-
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     """``renameat2(src, dst, flags)``; True if it renamed (or exchanged).
 
     False if `dst` exists (NOREPLACE) or if the call or flag is unsupported (EXCHANGE). Without
     renameat2, NOREPLACE degrades to a plain rename when `dst` is absent.
     """
-    try:
-        rc, err = _call_renameat2(os.fsencode(src), os.fsencode(dst), flags)
-    except _Unsupported:
-        rc, err = -1, errno.ENOSYS
+    rc, err = _call_renameat2(os.fsencode(src), os.fsencode(dst), flags)
     if rc == 0:
         return True
     if err == errno.EEXIST or (flags == _RENAME_NOREPLACE and err == errno.ENOTEMPTY):
@@ -467,6 +460,6 @@ _renameat2_fn = _load_renameat2()
 
 def _call_renameat2(src: bytes, dst: bytes, flags: int) -> tuple[int, int]:
     if _renameat2_fn is None:
-        raise _Unsupported
+        return -1, errno.ENOSYS
     rc = _renameat2_fn(_AT_FDCWD, src, _AT_FDCWD, dst, flags)
     return (0, 0) if rc == 0 else (-1, ctypes.get_errno())

@@ -20,6 +20,7 @@ the same as a local one (`shardkit.io.save`, `writer.write_shards`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import format as fmt
-from .._threads import WorkerPool
+from .._threads import ParallelRun, WorkerPool
 from ..errors import CheckpointExistsError, CheckpointFormatError, ShardkitError
 from ..values.strings import STRING_FILE, StringColumns, StringFile
 from .base import ShardFile, Storage
@@ -73,10 +74,8 @@ class RemoteStaging:
 
     def abort(self) -> None:
         if not self.committed:
-            try:
+            with contextlib.suppress(Exception):
                 remove_owned(self.store, None, only=self.generation)
-            except Exception:
-                pass
 
 
 def upload_shards(store: Storage, plans: list[ShardFile], generation: str, *, compressed: bool,
@@ -124,28 +123,15 @@ def _raw_buffers(p: Any, checksum: bool) -> Iterator[Any]:
         yield b
 
 
-def _parallel(jobs: list[Any], threads: int) -> None:
-    if len(jobs) <= 1:
-        for j in jobs:
-            j()
-        return
-    pool = WorkerPool(min(threads, len(jobs)), "shardkit-save")
-    try:
-        futures = [pool.submit(j) for j in jobs]
-        for f in futures:
-            f.result()
-    finally:
-        pool.shutdown(wait=True)
-
-
 def _upload_raw(store: Storage, plans: list[ShardFile], names: list[str], threads: int,
                 checksum: bool) -> None:
-    def job(p: Any, name: str) -> None:
+    def job(planned: tuple[ShardFile, str]) -> None:
+        p, name = planned
         n = store.write_file(name, _raw_buffers(p, checksum))
         if n != p.size:
             raise ShardkitError(f"{store.join(name)}: wrote {n} bytes, planned {p.size}")
 
-    _parallel([lambda p=p, n=n: job(p, n) for p, n in zip(plans, names)], threads)
+    ParallelRun(job, list(zip(plans, names)), threads).wait()
 
 
 def _upload_zstd(store: Storage, plans: list[ShardFile], names: list[str], threads: int,
