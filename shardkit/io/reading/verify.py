@@ -175,7 +175,7 @@ def _verify_source(shards: ShardSet, i: int, problems: dict[Problem, None],
     path = shards.shard_paths[i]
     manifest, index_path = shards.manifest, shards.manifest_path
     try:
-        opener = shards.opener_for(info.codec, path)
+        opener = shards.directory.opener(info.codec, path)
         file = shards.open_file(i)  # the reader's directory handle, its symlink rule
     except MissingShardError:
         problems[Problem(path, None, "shard file", f"a file ({manifest} lists it)",
