@@ -8,6 +8,7 @@ calls on a thread pool into owned arrays, through a bounded set of descriptors
 vanished because the checkpoint was replaced raises CheckpointReplacedError, and `load` starts
 again, a few times. The reader is a facade over `shardkit.io.reading`.
 """
+
 from __future__ import annotations
 
 import dataclasses

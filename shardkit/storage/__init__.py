@@ -6,6 +6,7 @@ manager do not know which one they have. fsspec and s3fs are imported only for U
 options (s3fs's ``client_kwargs``, ``key``...) are registered per URL prefix with
 `set_storage_options`; without any, the file system's defaults apply.
 """
+
 from __future__ import annotations
 
 import os

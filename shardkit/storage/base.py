@@ -6,6 +6,7 @@ and names everything under it by a relative name with ``/`` separators. Its two 
 the writer, the reader and the manager ask for (`stage`, `write_shards`, `write_strings`,
 `open_checkpoint`, `children`, `commit_time`, `remove_checkpoint`).
 """
+
 from __future__ import annotations
 
 import errno

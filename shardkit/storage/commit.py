@@ -1,18 +1,11 @@
-"""Atomic publication of a checkpoint directory.
+"""Atomic publication of a checkpoint directory (docs/FORMAT.md section 8).
 
 A save writes everything into a hidden sibling temp directory ``.<name>.shardkit-tmp-<random>``,
-the manifest (``model.safetensors.index.json``) last, and publishes it with one rename; with
-``durable=True`` every file, the temp directory and, after the rename, the parent directory are
-fsynced. A reader therefore sees the old complete checkpoint, the new complete one, or nothing;
-never a partial one.
-
-Replacing an existing checkpoint (``overwrite=True``) keeps that promise: on Linux the two
-directories are swapped in one ``renameat2(RENAME_EXCHANGE)`` and the old one (now under the temp
-name) is deleted afterwards. Where the exchange is unsupported, the fallback renames the old
-checkpoint aside to ``.<name>.shardkit-old-<random>``, renames the new one in, and deletes the old.
-A crash between those two renames leaves the path missing but both checkpoints complete on disk;
-`recover` (called by every save, and by the reader of a missing local path) renames the old one
-back. Stale-temp clean-up never deletes the only copy of a checkpoint (docs/FORMAT.md section 8).
+the manifest last, and publishes it with one rename (an existing checkpoint: one
+``renameat2(RENAME_EXCHANGE)``, else the fallback that renames the old one aside, which
+`recover` renames back when a crash cut it short). A reader sees the old complete checkpoint,
+the new complete one, or nothing. Stale-temp clean-up never deletes the only copy of a
+checkpoint.
 
 Concurrency: every temp directory is locked with ``flock`` on its own directory fd for as long as
 its save runs. Stale-directory cleanup only removes directories whose lock it can take without

@@ -7,6 +7,7 @@ that handle (`LocalCheckpoint`, over `shards.files.CheckpointDirectory`). At the
 `publish` writes a temp file and renames it over the name (atomic), ``if_absent`` by a hard
 link, which fails if the name exists.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -9,6 +9,7 @@ save starts each group's writeback as soon as it is written (``sync_file_range``
 closing fsync waits for the last group only. Compressed shards are written one after the
 other, each compressed on `threads` threads (`shards.skz`).
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ a reader never sees another save's objects. `RemoteFile` is a shard object as a
 read as they read a local file; a `.skz` shard fetches each chunk's frame on the thread that
 decompresses it, so fetches and decompression overlap across the reader's pool.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -6,6 +6,7 @@ does not shrink it); the layout is docs/FORMAT.md section 6. The modules, each i
 those before it: `container`, `codec`, `writer`, `verify`, `reader`; the names other modules use
 are importable from this package.
 """
+
 from __future__ import annotations
 
 from .codec import (
