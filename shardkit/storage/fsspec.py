@@ -296,14 +296,11 @@ class FsspecStorage(Storage):
         path = self._path(name)
         try:
             size = self.size(name)
-        except FileNotFoundError:
-            return None
-        if size > limit:
-            raise StorageError(27, f"{self.join(name)}: {size} bytes, over the {limit}-byte "
-                                   "limit")
-        try:
+            if size > limit:
+                raise StorageError(27, f"{self.join(name)}: {size} bytes, over the "
+                                       f"{limit}-byte limit")
             data = self._retry(lambda: self.fs.cat_file(path), "reading", name)
-        except FileNotFoundError:
+        except FileNotFoundError:  # none, or deleted since it was looked up
             return None
         return Fetched(data, None)
 

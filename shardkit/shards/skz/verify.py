@@ -124,10 +124,9 @@ def verify_entries(shard: SkzShard, names: Collection[str] | None,
             close_pieces(i)
             free.append(out)
     finally:
-        for _, _, job in pending:
-            if pool is not None:
-                job.cancel()
         if pool is not None:
+            for _, _, job in pending:
+                job.cancel()
             wait([job for _, _, job in pending])
     return digests, bad
 
