@@ -89,7 +89,6 @@ def _index_pieces(index: CheckpointIndex) -> Iterator[bytes | None]:
     yield from (b',"user_metadata":', user_metadata, b"}}\n")
 
 
-
 def huggingface_weight_map(index: CheckpointIndex) -> dict[str, str]:
     """HuggingFace's ``weight_map`` of `index` (docs/FORMAT.md section 2): checkpoint key ->
     shard file, for the tensors stored whole in an entry named like their key (one slice, spec

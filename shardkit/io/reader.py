@@ -1,19 +1,12 @@
-"""CheckpointReader: lazy, zero-copy reading of a shardkit checkpoint directory.
+"""CheckpointReader: lazy, zero-copy reading of a checkpoint.
 
 A whole tensor of a raw shard comes back as a numpy view of a private (copy-on-write) map of the
-shard (`shardkit._kernels._mmap`): writable, writing never reaches the file, and the map is
-unmapped only when its last view goes, so arrays stay valid after ``close()``. With
-``mmap=False`` every read is a set of large ``os.preadv`` calls on a thread pool into owned,
-writable arrays, through a bounded set of open descriptors (`MAX_OPEN_FILES`).
-
-One reader reads one checkpoint: it opens the checkpoint directory once and every file
-relative to that handle (`shardkit.shards.files`: regular files, no symlinks unless asked). A
-shard gone because the checkpoint was replaced raises CheckpointReplacedError (`load` retries).
-
-The reader is a facade over `shardkit.io.reading`: `ShardSet` (the index, the shard sources
-opened and checked on first use, the pool), `whole` (whole tensors, in bulk), `boxes`
-(`get_slice`, restores' boxes) and `verify`. A shard's codec selects its `ShardSource`
-implementation: ``"raw"`` in `shardkit.shards.raw`, others registered with `register_codec`.
+shard: writable, writing never reaches the file, and the map is unmapped only when its last view
+goes, so arrays stay valid after ``close()``. With ``mmap=False`` reads are large ``preadv``
+calls on a thread pool into owned arrays, through a bounded set of descriptors
+(`MAX_OPEN_FILES`). One reader reads one checkpoint (`shardkit.shards.files`); a shard that
+vanished because the checkpoint was replaced raises CheckpointReplacedError, and `load` starts
+again, a few times. The reader is a facade over `shardkit.io.reading`.
 """
 
 from __future__ import annotations
@@ -143,9 +136,6 @@ class CheckpointReader:
         if self._under is not None:
             n = len(self._prefix)
             return [k[n:] for k in self._under]
-        return self._stored_keys()
-
-    def _stored_keys(self) -> list[str]:
         return self._shards.stored_keys()
 
     def __iter__(self) -> Iterator[str]:
@@ -251,30 +241,26 @@ class CheckpointReader:
         """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
         pass per shard; whole tensors stored in compressed shards are read in one batch, so
         that every chunk is decoded once and the chunks are decoded in parallel. `rows`: the
-        keys' `_rows_of`, when the caller has them."""
+        keys' `ShardSet.rows_of`, when the caller has them."""
+        strings = self._strings
         self._shards.begin_read()
         try:
             with gc_paused():  # one GC pass at the end, not one per ~700 new arrays
-                return self._get_many_unlocked(keys, rows)
+                if strings is not None and keys is None:  # every tensor, then every string one
+                    every = whole.get_tensors(self._shards, None)
+                    every.update((k, self._get_string(k)) for k in strings.keys)
+                    return every
+                if strings is not None and keys is not None:  # strings apart, in the order asked
+                    wanted = list(dict.fromkeys(keys))
+                    stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
+                    texts = {k: self._get_string(k) for k in wanted if k in stored}
+                    if texts:
+                        rest = whole.get_tensors(self._shards,
+                                                 [k for k in wanted if k not in texts])
+                        return {k: texts[k] if k in texts else rest[k] for k in wanted}
+                return whole.get_tensors(self._shards, keys, rows)
         finally:
             self._shards.end_read()
-
-    def _get_many_unlocked(self, keys: Sequence[str] | None, rows: np.ndarray | None
-                           ) -> dict[str, np.ndarray]:
-        strings = self._strings
-        if strings is not None and keys is None:  # every tensor, then every string tensor
-            every = whole.get_tensors(self._shards, None)
-            every.update((k, self._get_string(k)) for k in strings.keys)
-            return every
-        if strings is not None:  # the string tensors apart, then in the order asked
-            wanted = list(dict.fromkeys(self._stored_keys() if keys is None else keys))
-            stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
-            texts = {k: self._get_string(k) for k in wanted if k in stored}
-            if texts:
-                rest = whole.get_tensors(self._shards, None if keys is None else
-                                         [k for k in wanted if k not in texts])
-                return {k: texts[k] if k in texts else rest[k] for k in wanted}
-        return whole.get_tensors(self._shards, keys, rows)
 
     def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
         """Decode whole tensors stored in compressed shards straight into their target arrays
@@ -413,14 +399,8 @@ class CheckpointReader:
         assert strings is not None
         row = strings.row(key)
         return KeyInfo(key, kind_dtype(strings.kinds[row], f"{self.path}: {key!r}"), STRING_DTYPE,
-                       strings.shapes[row],
-                       strings.devices[row], strings.nbytes(row),
+                       strings.shapes[row], strings.devices[row], strings.nbytes(row),
                        (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
-
-    def _rows_of(self, keys: Sequence[str]) -> np.ndarray:
-        """The index row of each of `keys` (-1 for a string tensor); KeyNotFoundError (with a
-        hint) for the first key that is neither."""
-        return self._shards.rows_of(keys)
 
     def _tensor(self, key: str) -> TensorInfo:
         return self._shards.tensor(key)
@@ -430,12 +410,12 @@ class CheckpointReader:
         return self._shards.keys_under(prefix)
 
     def _open_shards(self, keys: Sequence[str] | None, rows: np.ndarray | None = None) -> None:
-        """Open (and map) every shard holding `keys` (default: all; `rows`: their `_rows_of`)
-        now rather than on first read, so a concurrent overwrite has only this short window to
-        delete them."""
+        """Open (and map) every shard holding `keys` (default: all; `rows`: their
+        `ShardSet.rows_of`) now rather than on first read, so a concurrent overwrite has only
+        this short window to delete them."""
         strings = self._strings
         if keys is not None and rows is None:
-            rows = self._rows_of(keys)
+            rows = self._shards.rows_of(keys)
         if strings is not None and strings.keys and (
                 rows is None or bool((rows < 0).any())):
             self._get_string(strings.keys[0])  # reads (and keeps) the string file now
@@ -526,7 +506,7 @@ def load(
                 if reader._strings is None and wanted == reader.index.keys:
                     wanted = None  # every key, in saved order: the full read (one C compare)
                 # rows: fail on a missing key before reading anything
-                rows = None if wanted is None else reader._rows_of(wanted)
+                rows = None if wanted is None else reader._shards.rows_of(wanted)
                 if reader._strings is not None:
                     stored = reader._strings.keys
                     for key in stored if wanted is None else set(stored).intersection(wanted):

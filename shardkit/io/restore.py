@@ -139,14 +139,8 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             if key in assigned:
                 continue
             if key not in done:
-                stored = reader.get(key)
-                if callable(writeback) and not target.flags.writeable:
-                    writeback(stored)  # a TensorFlow variable: assigned from the stored array
-                    continue
-                if target.dtype.byteorder == ">":
-                    np.copyto(target, stored, casting="equiv")
-                else:
-                    np.copyto(target, stored, casting="no")
+                np.copyto(target, reader.get(key),
+                          casting="equiv" if target.dtype.byteorder == ">" else "no")
             if writeback is not None:
                 copy_into(writeback, target)
     restored = {key for key, *_ in plans} | {key for key, _, _ in texts}

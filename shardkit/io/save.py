@@ -146,7 +146,6 @@ class DefaultShardingPolicy(ShardingCallback):
             done += size
         return [(a, b) for a, b in zip(starts, [*starts[1:], len(sizes)]) if b > a]
 
-
     @staticmethod
     def _equal_share_bounds(sizes: np.ndarray, total: int, count: int) -> list[tuple[int, int]]:
         """The loop of `_bounds` without the cap, vectorised: shard k starts at the first

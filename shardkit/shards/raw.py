@@ -174,26 +174,19 @@ class RawShard(ShardSource):
             check_shard_size(path, size, info)
             if header is not None:
                 self._entries, self.metadata, self.data_start = header
+            elif expected is None:
+                self._entries, self.metadata, self.data_start = read_safetensors_header(
+                    self._file.read, size, path)
             else:
-                self._read_header(size, expected)
+                self._entries, self.metadata, self.data_start, self.begins = (
+                    read_expected_safetensors_header(self._file.read, size, path, *expected,
+                                                     generation=info.generation))
             check_generation(self.metadata, info.generation, path)
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
                 self._map = self._file.take_map()
         except BaseException:
             self._file.close()
             raise
-
-    def _read_header(self, size: int,
-                     expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None) -> None:
-        if expected is None:
-            self._entries, self.metadata, self.data_start = read_safetensors_header(
-                self._file.read, size, self.path
-            )
-        else:
-            self._entries, self.metadata, self.data_start, self.begins = (
-                read_expected_safetensors_header(self._file.read, size, self.path, *expected,
-                                                 generation=self.info.generation)
-            )
 
     @property
     def matches_index(self) -> bool:  # type: ignore[override]

@@ -1,14 +1,10 @@
 """Where checkpoints live: the local file system, or any fsspec URL (``s3://bucket/prefix``).
 
-`open_storage` is the one place a path becomes a `Storage` (`is_url`, a ``scheme://`` prefix,
-is the one test that tells them apart): a local path a `LocalStorage`, which keeps the native
-code path unchanged (`storage.native`'s write kernel, `storage.commit`, `shards.files`); a URL
-an `FsspecStorage`, with the object layout and manifest-last commit of docs/FORMAT.md ("Object
-storage"). The writer, the reader and the manager ask the storage and do not know which one
-they have. fsspec and s3fs are imported only for URLs.
-
-Options for a store are registered per URL prefix with `set_storage_options`; without any,
-the file system's defaults apply (for S3: the AWS environment variables and config files).
+`open_storage` is the one place a path becomes a `Storage`: a `LocalStorage` for a path, an
+`FsspecStorage` for a URL (`is_url`: a ``scheme://`` prefix); the writer, the reader and the
+manager do not know which one they have. fsspec and s3fs are imported only for URLs. A store's
+options (s3fs's ``client_kwargs``, ``key``...) are registered per URL prefix with
+`set_storage_options`; without any, the file system's defaults apply.
 """
 
 from __future__ import annotations

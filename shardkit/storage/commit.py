@@ -1,11 +1,11 @@
-"""Atomic publication of a checkpoint directory.
+"""Atomic publication of a checkpoint directory (docs/FORMAT.md section 8).
 
-The protocol is docs/FORMAT.md section 8: a hidden sibling temp directory
-``.<name>.shardkit-tmp-<random>``, the manifest last, one rename (``renameat2(RENAME_EXCHANGE)``
-to replace a checkpoint; else the old one renamed aside to ``.<name>.shardkit-old-<random>``
-first, which `recover`, called by every save and by the reader of a missing local path, renames
-back after a crash), fsyncs when ``durable=True``. A reader sees the old complete checkpoint,
-the new complete one, or nothing. Stale-temp clean-up never deletes the only copy of one.
+A save writes everything into a hidden sibling temp directory ``.<name>.shardkit-tmp-<random>``,
+the manifest last, and publishes it with one rename (an existing checkpoint: one
+``renameat2(RENAME_EXCHANGE)``, else the fallback that renames the old one aside, which
+`recover` renames back when a crash cut it short). A reader sees the old complete checkpoint,
+the new complete one, or nothing. Stale-temp clean-up never deletes the only copy of a
+checkpoint.
 
 Concurrency: every temp directory is locked with ``flock`` on its own directory fd for as long as
 its save runs. Stale-directory cleanup only removes directories whose lock it can take without
@@ -396,20 +396,13 @@ def _publish_fallback(tmp: Path, target: Path) -> Path:
     return old
 
 
-class _Unsupported(Exception):
-    pass
-
-
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     """``renameat2(src, dst, flags)``; True if it renamed (or exchanged).
 
     False if `dst` exists (NOREPLACE) or if the call or flag is unsupported (EXCHANGE). Without
     renameat2, NOREPLACE degrades to a plain rename when `dst` is absent.
     """
-    try:
-        rc, err = _call_renameat2(os.fsencode(src), os.fsencode(dst), flags)
-    except _Unsupported:
-        rc, err = -1, errno.ENOSYS
+    rc, err = _call_renameat2(os.fsencode(src), os.fsencode(dst), flags)
     if rc == 0:
         return True
     if err == errno.EEXIST or (flags == _RENAME_NOREPLACE and err == errno.ENOTEMPTY):
@@ -460,6 +453,6 @@ _renameat2_fn = _load_renameat2()
 
 def _call_renameat2(src: bytes, dst: bytes, flags: int) -> tuple[int, int]:
     if _renameat2_fn is None:
-        raise _Unsupported
+        return -1, errno.ENOSYS
     rc = _renameat2_fn(_AT_FDCWD, src, _AT_FDCWD, dst, flags)
     return (0, 0) if rc == 0 else (-1, ctypes.get_errno())

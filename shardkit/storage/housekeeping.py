@@ -1,9 +1,9 @@
-"""What shardkit deletes at a URL: only its own objects (docs/FORMAT.md, "Object storage").
+"""What shardkit deletes at a URL: only its own objects (docs/FORMAT.md section 13).
 
-An object is shardkit's when a shardkit manifest names it or a staging marker does (each
-upload, `save.upload_shards` / `save.upload_strings`, writes its marker first). A crashed save's
-markers, like a superseded one's, name its objects and unfinished multipart uploads; anything
-else under the prefix, even under a ``shards-*/`` name, is never deleted or aborted.
+An object is shardkit's when a shardkit manifest names it or a staging marker does: before a
+save uploads anything, each of its uploads writes a marker listing the names it is about to
+create, so a crashed or superseded save's objects (and its unfinished multipart uploads) are
+found again; anything else under the prefix is never deleted or aborted.
 """
 
 from __future__ import annotations

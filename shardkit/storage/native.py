@@ -1,15 +1,13 @@
 """The local file system's native write path: shard files written from the arrays' memory.
 
 Every entry is written straight from the caller's memory by the native kernel
-(`_gather.write_arrays`, GIL released, vectored writes, xxh3-64 hashed just before each buffer
-is written; a non-contiguous input is copied to C order first, one tensor per thread at a time).
-A pool of threads writes separate shard files at once, and cuts a shard much larger than the
-others into regions at entry boundaries; the first failure stops the others. A durable save
-starts writeback of each group as soon as it is written (``sync_file_range``), so the closing
-fsync waits for the last group only (docs/ARCHITECTURE.md, "Where the code differs from the
-plan"). Compressed shards (``.skz``) are written one after the other by shardkit.shards.skz,
-each shard's chunks compressed on `threads` threads. `LocalStorage.write_shards` runs this; the
-object-store writer uses `run_zstd` to compress a shard into a local temp file to upload.
+(`_gather.write_arrays`, GIL released, hashing each buffer with xxh3-64 just before writing
+it); a non-contiguous input is copied to C order first, one tensor at a time (the only copy).
+Threads write separate shard files at once, a shard much larger than the others cut at entry
+boundaries into regions for several threads; the first failure stops the others. A durable
+save starts each group's writeback as soon as it is written (``sync_file_range``), so the
+closing fsync waits for the last group only. Compressed shards are written one after the
+other, each compressed on `threads` threads (`shards.skz`).
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ class _Region:
     with_header: bool
 
 
-
 def _write_strings(directory: Path, strings: StringColumns, generation: str, checksum: bool,
                    durable: bool) -> StringFile:
     path = directory / STRING_FILE
@@ -63,7 +60,6 @@ def _write_strings(directory: Path, strings: StringColumns, generation: str, che
     finally:
         os.close(fd)
     return made
-
 
 
 def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:

@@ -96,7 +96,7 @@ def verify_boxes(shards: ShardSet, boxes: Sequence[tuple[str, Sequence[int], Seq
 
 
 def _verify_slices(shards: ShardSet, everything: bool, slices: Sequence[int]) -> VerifyReport:
-    opened: list[ShardSource] = []
+    opened: list[ShardSource] = []  # sources opened for verify alone, closed after
     try:
         return _check_slices(shards, everything, slices, opened)
     finally:
@@ -165,9 +165,7 @@ def _check_slices(shards: ShardSet, everything: bool, slices: Sequence[int],
                 what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
                         else f"checksum of entry {entry.name!r}")
                 problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
-                                 f"{kinds[j] if kinds is not None else 'xxh3'} "
-                                 f"{recorded} ({manifest})", found,
-                                 ChecksumError)] = None
+                                 f"{kind} {recorded} ({manifest})", found, ChecksumError)] = None
     return VerifyReport(checked, list(problems),
                         any(x is not None for x in index.slice_xxh3))
 
@@ -181,7 +179,7 @@ def _verify_source(shards: ShardSet, i: int, problems: dict[Problem, None],
     path = shards.shard_paths[i]
     manifest, index_path = shards.manifest, shards.manifest_path
     try:
-        opener = shards.opener_for(info.codec, path)
+        opener = shards.directory.opener(info.codec, path)
         file = shards.open_file(i)  # the reader's directory handle, its symlink rule
     except MissingShardError:
         problems[Problem(path, None, "shard file", f"a file ({manifest} lists it)",
