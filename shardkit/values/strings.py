@@ -29,6 +29,7 @@ import re
 import struct
 import threading
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -279,16 +280,13 @@ class StringFile(StringTensors):
 
     def _read_file(self, directory: Any) -> bytes:
         path = directory.join(self.file)
-        f = directory.open_shard(self.file)
-        try:
+        with closing(directory.open_shard(self.file)) as f:
             size = f.size
             if size != self.size:
                 cls = TruncatedShardError if size < self.size else CheckpointFormatError
                 raise cls(f"{path}: string file has {size} bytes, the manifest records "
                           f"{self.size}")
             data = f.read_all()
-        finally:
-            f.close()
         check_preamble(data, path, self.generation)
         return bytes(data)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -244,12 +245,8 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     shards = []
     for file in files:
         check_shard_file_name(file, path)
-        f = directory.open_shard(file, path)
-        try:
-            file_size = f.size
-        finally:
-            f.close()
-        shards.append(ShardInfo(file, 0, "raw", file_size))
+        with closing(directory.open_shard(file, path)) as f:
+            shards.append(ShardInfo(file, 0, "raw", f.size))
     shard, offset, row, size, crc, order = rows.columns
     steps = shard[1:] - shard[:-1]
     if ((steps > 0) | ((steps == 0) & (offset[1:] >= offset[:-1]))).all() and (
