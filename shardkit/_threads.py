@@ -134,5 +134,4 @@ class ParallelRun:
             raise self._errors[0]
 
 
-
 _DONE = object()

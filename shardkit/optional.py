@@ -34,15 +34,9 @@ it). Modules not listed here are core dependencies."""
 
 def missing(name: str, needed_for: str, cause: BaseException | None = None
             ) -> MissingDependencyError:
-    """The error for module `name` (or a module it needs) that cannot be imported.
-
-    Args:
-        name: the module shardkit tried to import.
-        needed_for: what the caller was doing, e.g. "reading a TensorFlow checkpoint".
-        cause: the ImportError, whose missing module is named when it is a dependency.
-    Returns:
-        A MissingDependencyError saying what to install.
-    """
+    """The MissingDependencyError saying what to install for module `name`, which `needed_for`
+    (e.g. "reading a TensorFlow checkpoint") needs; `cause`, the ImportError, may name a
+    dependency of it as the one missing."""
     top = name.partition(".")[0]
     gone = getattr(cause, "name", None) or name
     if gone.partition(".")[0] in EXTRAS:  # the module's own dependency is the one missing
@@ -59,16 +53,8 @@ def missing(name: str, needed_for: str, cause: BaseException | None = None
 
 
 def require(name: str, needed_for: str) -> types.ModuleType:
-    """Import module `name` now.
-
-    Args:
-        name: a module name, e.g. "google.protobuf".
-        needed_for: what needs it, for the error message.
-    Returns:
-        The module.
-    Raises:
-        MissingDependencyError: it (or a module it imports) is not installed.
-    """
+    """Module `name`, imported now; MissingDependencyError (naming `needed_for`) when it, or a
+    module it imports, is not installed."""
     try:
         return importlib.import_module(name)
     except ImportError as e:
@@ -92,29 +78,16 @@ class LazyModule(types.ModuleType):
 
 
 def lazy_import(name: str, needed_for: str) -> Any:
-    """A stand-in for module `name` that imports it on first use (see `require`).
-
-    Args:
-        name: a module name, e.g. "ml_dtypes".
-        needed_for: what needs it, for the error message.
-    Returns:
-        The stand-in (typed Any: modules import the real one under TYPE_CHECKING).
-    """
+    """A stand-in for module `name` that imports it on first use (`require`); typed Any, as
+    modules import the real one under TYPE_CHECKING."""
     return LazyModule(name, needed_for)
 
 
 def lazy_attributes(package: str, where: dict[str, str], namespace: dict[str, Any]
                     ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A package's module-level ``__getattr__`` and ``__dir__`` that import each public name
-    from its module (`where`: name -> submodule) on first access, and any submodule by name.
-
-    Args:
-        package: the package's ``__name__``.
-        where: each lazily imported name and the submodule that defines it.
-        namespace: the package's ``globals()``: a name found is stored there.
-    Returns:
-        ``(__getattr__, __dir__)``.
-    """
+    """``(__getattr__, __dir__)`` for package `package`: each name of `where` imported from
+    its submodule (`where`: name -> submodule) on first access, any submodule by name; a name
+    found is stored in `namespace`, the package's ``globals()``."""
 
     def __getattr__(name: str) -> Any:
         module = where.get(name)

@@ -473,7 +473,7 @@ def _cols(keys, specs, dtypes, shapes, nbytes):
 
 
 def test_assign_balances_and_checks_pieces():
-    from shardkit.distributed.save import EXACT, assign, plan
+    from shardkit.distributed.save import EXACT, plan
 
     cols = [
         _cols(["a", "b", "c"], ["", "", ""], ["F32"] * 3, [(10,), (20,), (5,)], [40, 80, 20]),
@@ -481,30 +481,30 @@ def test_assign_balances_and_checks_pieces():
     ]
     # c and d are single-held (20 bytes each); b (largest) goes to the least-loaded holder,
     # the lower rank on a tie, then a to the other
-    assert assign(cols) == [[1, 2], [0, 2]]
+    assert plan(cols).mine == [[1, 2], [0, 2]]
     pieces = plan(cols)
     assert [pieces.keys[i] for i in pieces.tensor_first] == ["a", "b", "c", "d"]
     assert pieces.tensor_row.tolist() == [0, 1, 2, 0, 1, 3]
     with pytest.raises(DistributedStateError, match=r"'a'.*rank 0.*F32.*rank 1.*F64"):
-        assign([_cols(["a"], [""], ["F32"], [(10,)], [40]),
+        plan([_cols(["a"], [""], ["F32"], [(10,)], [40]),
                 _cols(["a"], [""], ["F64"], [(10,)], [80])])
     with pytest.raises(DistributedStateError, match=r"'a'.*rank 0.*\[10\].*rank 1.*\[11\]"):
-        assign([_cols(["a"], [""], ["F32"], [(10,)], [40]),
+        plan([_cols(["a"], [""], ["F32"], [(10,)], [40]),
                 _cols(["a"], [""], ["F32"], [(11,)], [44])])
     with pytest.raises(DistributedStateError, match="missing or two overlap"):
-        assign([_cols(["a"], ["4 2 0,2:0,2"], ["F32"], [(4, 2)], [16]), _cols([], [], [], [], [])])
+        plan([_cols(["a"], ["4 2 0,2:0,2"], ["F32"], [(4, 2)], [16]), _cols([], [], [], [], [])])
     with pytest.raises(DistributedStateError, match="missing or two overlap"):  # overlap
-        assign([_cols(["a", "a"], ["2 0,2", "2 1,1"], ["F32"] * 2, [(2,), (2,)], [8, 4])])
+        plan([_cols(["a", "a"], ["2 0,2", "2 1,1"], ["F32"] * 2, [(2,), (2,)], [8, 4])])
     # beyond EXACT replicated pieces the small ones go round-robin: still every piece once,
     # and 3 ranks within a few pieces of each other
     n = EXACT + 3000
     shared = _cols([f"k{i}" for i in range(n)], [""] * n, ["F32"] * n, [(1 + i % 7,)
                    for i in range(n)], [4 * (1 + i % 7) for i in range(n)])
-    mine = assign([shared, shared, shared])
+    mine = plan([shared, shared, shared]).mine
     assert sorted(i for m in mine for i in m) == list(range(n))
     loads = [sum(4 * (1 + i % 7) for i in m) for m in mine]
     assert max(loads) - min(loads) <= 2 * 28, loads
-    assert assign([_cols([], [], [], [], [])] * 2) == [[], []]
+    assert plan([_cols([], [], [], [], [])] * 2).mine == [[], []]
 
 
 def test_writer_threads_share_the_cores_of_a_machine_among_its_ranks():

@@ -294,7 +294,7 @@ def test_hf_manifest_comes_before_index_json_and_single_file(tmp_path):
 
 
 def test_detect():
-    assert formats.MANIFEST_NAMES == (HF_INDEX, "index.json")
+    assert shardkit.format.MANIFEST_FILES == (HF_INDEX, "index.json")  # looked for in order
     assert formats.SHARDKIT.checksums and not formats.HUGGINGFACE.checksums
 
 

@@ -15,7 +15,6 @@ directory's handle (`shards.files.locate`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from ..errors import CheckpointNotFoundError, CheckpointReplacedError
@@ -39,44 +38,32 @@ if TYPE_CHECKING:
 else:
     orjson = lazy_import("orjson", "a checkpoint's manifest")
 
-HF_INDEX_FILE: Final = MANIFEST_FILE
-"""HuggingFace's sharded-checkpoint manifest (transformers' SAFE_WEIGHTS_INDEX_NAME), which is
-shardkit's own manifest name too (with shardkit's section inside)."""
 HF_SINGLE_FILE: Final = "model.safetensors"
 """The one file of an unsharded ``save_pretrained`` (transformers' SAFE_WEIGHTS_NAME)."""
-MANIFEST_NAMES: Final = MANIFEST_FILES
-"""Manifest names looked for in a checkpoint directory, in this order."""
 
 
-@dataclass(frozen=True, slots=True)
-class Detected:
-    """What `detect` found: the adapter, the file its table comes from (the manifest, or the
-    single safetensors file), and the manifest's bytes (None for a single file)."""
-
-    adapter: FormatAdapter
-    name: str
-    data: bytes | None
-
-
-def detect(directory: CheckpointDirectory, single: str | None = None) -> Detected:
-    """The layout of the checkpoint in `directory` (opened), or of its file `single`."""
+def detect(directory: CheckpointDirectory, single: str | None = None
+           ) -> tuple[FormatAdapter, str, bytes | None]:
+    """The layout of the checkpoint in `directory` (opened), or of its file `single`: the
+    adapter, the file its table comes from (the manifest, or the single safetensors file), and
+    the manifest's bytes (None for a single file)."""
     if single is not None:
         if single.endswith(BUNDLE_INDEX_SUFFIX):
-            return Detected(TENSORBUNDLE, single, None)
-        return Detected(SAFETENSORS, single, None)
-    for name in MANIFEST_NAMES:
+            return TENSORBUNDLE, single, None
+        return SAFETENSORS, single, None
+    for name in MANIFEST_FILES:
         data = directory.read_manifest(name, MAX_INDEX_BYTES)
         if data is None:
             continue
         if name == LEGACY_MANIFEST_FILE or _is_shardkit(data):
-            return Detected(SHARDKIT, name, data)
-        return Detected(HUGGINGFACE, name, data)
+            return SHARDKIT, name, data
+        return HUGGINGFACE, name, data
     if directory.has(HF_SINGLE_FILE):
-        return Detected(SAFETENSORS, HF_SINGLE_FILE, None)
+        return SAFETENSORS, HF_SINGLE_FILE, None
     if directory.has(TF_STATE_FILE):  # tf.train.CheckpointManager's directory: its latest
         latest = state_target(directory)
         if latest is not None:
-            return Detected(TENSORBUNDLE, latest, None)
+            return TENSORBUNDLE, latest, None
     # replaced since it was opened: an overwrite deletes the old directory's files before the
     # directory itself (a store's objects are never replaced, only deleted)
     if directory.replaced():
@@ -96,9 +83,8 @@ def read_index(directory: CheckpointDirectory, single: str | None = None,
                ) -> tuple[FormatAdapter, str, CheckpointIndex]:
     """`detect`, then the adapter's table: (adapter, the file it came from, the index); the
     shard headers the adapter parsed on the way go into `headers`."""
-    found = detect(directory, single)
-    index = found.adapter.read_index(directory, found.name, found.data, headers)
-    return found.adapter, found.name, index
+    adapter, name, data = detect(directory, single)
+    return adapter, name, adapter.read_index(directory, name, data, headers)
 
 
 def _is_shardkit(data: bytes) -> bool:
@@ -114,6 +100,6 @@ def _is_shardkit(data: bytes) -> bool:
 
 
 __all__ = [
-    "HF_INDEX_FILE", "HF_SINGLE_FILE", "HUGGINGFACE", "MANIFEST_NAMES", "SAFETENSORS",
-    "SHARDKIT", "TENSORBUNDLE", "Detected", "FormatAdapter", "ParsedHeader", "detect", "read_index",
+    "HF_SINGLE_FILE", "HUGGINGFACE", "SAFETENSORS", "SHARDKIT", "TENSORBUNDLE", "FormatAdapter",
+    "ParsedHeader", "detect", "read_index",
 ]

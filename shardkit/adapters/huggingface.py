@@ -12,6 +12,7 @@ shard the weight_map does not put it in. Nothing is checksummed (``slice_xxh3`` 
 
 from __future__ import annotations
 
+from contextlib import closing
 from operator import attrgetter
 from typing import Any
 
@@ -40,12 +41,9 @@ def _shard_header(directory: CheckpointDirectory, file: str, listed_in: str
                   ) -> tuple[list[EntryLayout], int, ParsedHeader]:
     """The entries of safetensors file `file` in data-region order, its size, and the parsed
     header; the header is checked in full (`format.read_safetensors_header`)."""
-    f = directory.open_shard(file, listed_in)
-    try:
+    with closing(directory.open_shard(file, listed_in)) as f:
         entries, metadata, data_start = read_safetensors_header(f.read, f.size, f.path)
         stamp = f.stamp()
-    finally:
-        f.close()
     ordered = sorted(entries.values(), key=_data_order)
     return ordered, f.size, ParsedHeader(entries, metadata, data_start, stamp)
 

@@ -173,11 +173,6 @@ class Plan:
     mine: list[list[int]]
 
 
-def assign(columns: Sequence[Columns]) -> list[list[int]]:
-    """For each rank, the positions (in its `Held`) of the pieces it writes (`plan`)."""
-    return plan(columns).mine
-
-
 def plan(columns: Sequence[Columns]) -> Plan:
     """Who writes which piece, the same on every rank, from the same gathered columns.
 

@@ -98,40 +98,30 @@ class TorchCoordinator(Coordinator):
     # -- the collectives
 
     def all_gather(self, payload: Any, op: str) -> list[Any]:
-        self._enter(op)
-        if self._world == 1:
-            return [payload]
-        data = _to_bytes(payload)
-        first, sizes = self._first(data, op)
-        if max(sizes) <= self._inline() - _LEN:
-            return [_from_bytes(t, n, _LEN) for t, n in zip(first, sizes)]
-        buf = self._padded(data, max(sizes))
-        out = [self._torch.empty_like(buf) for _ in range(self._world)]
-        self._wait(self._dist.all_gather(out, buf, group=self.group, async_op=True), op)
-        return [_from_bytes(t, n) for t, n in zip(out, sizes)]
+        return self._collect(payload, op, None)  # type: ignore[return-value]
 
     def gather(self, payload: Any, op: str, dst: int = 0) -> list[Any] | None:
+        return self._collect(payload, op, dst)
+
+    def _collect(self, payload: Any, op: str, dst: int | None) -> list[Any] | None:
+        """Every rank's payload on rank `dst` (None on the others), on every rank for None."""
         self._enter(op)
         if self._world == 1:
             return [payload]
         data = _to_bytes(payload)
         first, sizes = self._first(data, op)
+        keep = dst is None or self._rank == dst
         if max(sizes) <= self._inline() - _LEN:
-            return ([_from_bytes(t, n, _LEN) for t, n in zip(first, sizes)]
-                    if self._rank == dst else None)
+            return [_from_bytes(t, n, _LEN) for t, n in zip(first, sizes)] if keep else None
         buf = self._padded(data, max(sizes))
-        out = [self._torch.empty_like(buf) for _ in range(self._world)] if self._rank == dst \
-            else None
-        if self._device.type != "cpu":  # NCCL has no gather: all_gather and keep ours
-            out = [self._torch.empty_like(buf) for _ in range(self._world)]
+        nccl = self._device.type != "cpu"  # NCCL has no gather: all_gather and keep ours
+        out = [self._torch.empty_like(buf) for _ in range(self._world)] if keep or nccl else None
+        if dst is None or nccl:
             self._wait(self._dist.all_gather(out, buf, group=self.group, async_op=True), op)
         else:
             self._wait(self._dist.gather(buf, out, dst=self._global(dst), group=self.group,
                                          async_op=True), op)
-        if self._rank != dst:
-            return None
-        assert out is not None
-        return [_from_bytes(t, n) for t, n in zip(out, sizes)]
+        return [_from_bytes(t, n) for t, n in zip(out, sizes)] if out is not None and keep else None
 
     def broadcast(self, payload: Any, op: str, src: int = 0) -> Any:
         self._enter(op)

@@ -124,13 +124,13 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
             groups.setdefault((value.device, dtype), []).append(i)
         else:
             out[i] = (_host_array(value), _device(value))
-    jobs = []
+    parts, jobs = [], []
     for (device, dtype), rows in groups.items():
         spec = _device(values[rows[0]])
         for at in range(0, len(rows), READ_BATCH):
-            part = rows[at : at + READ_BATCH]
-            jobs.append((part, spec, [values[i] for i in part], dtype, device))
-    for (part, spec, *_), arrays in zip(jobs, _in_parallel(_read_job, jobs)):
+            parts.append((rows[at : at + READ_BATCH], spec))
+            jobs.append(([values[i] for i in parts[-1][0]], dtype, device))
+    for (part, spec), arrays in zip(parts, _in_parallel(_read_batch, jobs)):
         for i, array in zip(part, arrays):
             out[i] = (array, spec)
     return out
@@ -154,12 +154,9 @@ def _in_parallel(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
     return [f.result() for f in futures]
 
 
-def _read_job(job: tuple[Any, ...]) -> list[np.ndarray]:
-    _, _, variables, dtype, device = job
-    return _read_batch(variables, dtype, device)
-
-
-def _read_batch(variables: list[Any], dtype: Any, device: str) -> list[np.ndarray]:
+def _read_batch(job: tuple[list[Any], Any, str]) -> list[np.ndarray]:
+    """The variables of `job` (variables, dtype, device) read by one _ReadVariablesOp."""
+    variables, dtype, device = job
     try:
         with tf.device(device):
             tensors = execute.execute(
@@ -381,9 +378,7 @@ def restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:
     if is_variable(leaf):
         if tf.as_dtype(leaf.dtype) == tf.string:
             return None
-        dtype = host_dtype(leaf.dtype)
-        stand_in = np.broadcast_to(np.zeros((), dtype), tuple(leaf.shape))
-        return stand_in, Assign(leaf)
+        return _stand_in(leaf.dtype, tuple(leaf.shape)), Assign(leaf)
     if isinstance(leaf, tf.Tensor):
         raise RestoreMismatchError(
             f"cannot restore key {key!r} in place into a tf.Tensor: tensors are immutable; "

@@ -23,7 +23,7 @@ import math
 import operator
 import re
 from collections.abc import Sequence
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, ClassVar
 
 import numpy as np
@@ -71,10 +71,7 @@ def parse_size(size: int | str, name: str = "size") -> int:
                 "e.g. '256MB', '1GiB', '512KiB', '1.5GB' (units B, KB, MB, GB, TB, KiB, MiB, "
                 "GiB, TiB)"
             )
-        try:
-            exact = Decimal(m.group(1)) * _UNITS[unit]
-        except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
-            raise PolicyError(f"{name} {size!r} is not a size") from None
+        exact = Decimal(m.group(1)) * _UNITS[unit]  # the regex admits only valid decimals
         if exact != exact.to_integral_value():
             raise PolicyError(f"{name} {size!r} is {exact} bytes, not a whole number of bytes")
         n = int(exact)
@@ -103,22 +100,6 @@ class _Policy(ShardingCallback):
         """
         return {}
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> _Policy:
-        """The policy `get_config` described.
-
-        Args:
-            config: the constructor's keyword arguments.
-        Returns:
-            A new policy of this class.
-        Raises:
-            PolicyError: `config` does not fit the constructor.
-        """
-        try:
-            return cls(**config)
-        except TypeError as e:
-            raise PolicyError(f"policy {cls.name!r} cannot be built from {config!r}: {e}") from e
-
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({args})"
@@ -134,6 +115,16 @@ class _PlanningPolicy(_Policy):
 
     def _plan(self, ts: list[ShardableTensor]) -> Shards:
         raise NotImplementedError
+
+
+class _SizedPolicy(_PlanningPolicy):
+    """A planning policy whose one argument is `max_shard_size`."""
+
+    def __init__(self, max_shard_size: int | str) -> None:
+        self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
+
+    def get_config(self) -> dict[str, Any]:
+        return {"max_shard_size": self.max_shard_size}
 
 
 class ShardByTaskPolicy(_Policy):
@@ -177,7 +168,7 @@ class AllInOnePolicy(_Policy):
         return [shard] if shard else []
 
 
-class MaxShardSizePolicy(_PlanningPolicy):
+class MaxShardSizePolicy(_SizedPolicy):
     """TensorFlow's ``MaxShardSizePolicy``: fill shards in input order up to `max_shard_size`.
 
     A tensor that does not fit the space left in the current shard is split: a slab along the
@@ -198,15 +189,9 @@ class MaxShardSizePolicy(_PlanningPolicy):
 
     name = "max-shard-size"
 
-    def __init__(self, max_shard_size: int | str) -> None:
-        self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
-
     @property
     def description(self) -> str:
         return "Split tensors into shards with a max shard size."
-
-    def get_config(self) -> dict[str, Any]:
-        return {"max_shard_size": self.max_shard_size}
 
     def _plan(self, ts: list[ShardableTensor]) -> Shards:
         n = len(ts)
@@ -283,7 +268,7 @@ class MaxShardSizePolicy(_PlanningPolicy):
             )
 
 
-class BinPackPolicy(_PlanningPolicy):
+class BinPackPolicy(_SizedPolicy):
     """First-fit-decreasing bin packing into shards of at most `max_shard_size` bytes.
 
     Tensors larger than the maximum are split first, into maximum-sized slabs along axis 0 when
@@ -301,18 +286,12 @@ class BinPackPolicy(_PlanningPolicy):
 
     name = "bin-pack"
 
-    def __init__(self, max_shard_size: int | str) -> None:
-        self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
-
     @property
     def description(self) -> str:
         return (
             "Bin-pack tensors first-fit-decreasing into shards of at most "
             f"{self.max_shard_size} bytes."
         )
-
-    def get_config(self) -> dict[str, Any]:
-        return {"max_shard_size": self.max_shard_size}
 
     def _plan(self, ts: list[ShardableTensor]) -> Shards:
         if not ts:

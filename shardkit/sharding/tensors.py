@@ -255,28 +255,18 @@ def _leaf_paths(state: Mapping[str, Any], cache: list[tuple[str | int, ...]]
                 ) -> list[tuple[str | int, ...]]:
     """The path (the keys as given, str or int) of every leaf, in `flatten`'s order."""
     if not cache:
-        stack: list[tuple[tuple[str | int, ...], Iterator[tuple[Any, Any]]]] = [
-            ((), _items(state, "<root>"))]
-        while stack:
-            path, items = stack.pop()
-            for k, v in items:
-                sub = (*path, _key_part(k, path))
-                tv = type(v)
-                if tv is np.ndarray or not (tv is dict or isinstance(v, (Mapping, list, tuple))):
-                    cache.append(sub)
-                else:
-                    stack.append((path, items))
-                    stack.append((sub, _items(v, "")))
-                    break
+        flatten(state, paths=cache)
     return cache
 
 
-def flatten(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def flatten(state: Mapping[str, Any], prefix: str = "",
+            paths: list[tuple[str | int, ...]] | None = None) -> list[tuple[str, Any]]:
     """``(joined_key, leaf)`` pairs depth-first; lists and tuples are indexed ``0, 1, ...``.
 
     Keys are str or int (not bool); a subclass of either is stored as its value (``str.__str__``
     / decimal digits), whatever its own ``__str__`` says. Another key type raises
-    InvalidKeyTypeError naming its place in `state`."""
+    InvalidKeyTypeError naming its place in `state`. `paths`, when given, receives each leaf's
+    path (its keys as str or int)."""
     out: list[tuple[str, Any]] = []
     append = out.append
     ndarray = np.ndarray
@@ -293,6 +283,8 @@ def flatten(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]
             tv = type(v)
             if tv is ndarray or not (tv is dict or isinstance(v, (Mapping, list, tuple))):
                 append((key, v))
+                if paths is not None:
+                    paths.append((*path, part))
             else:
                 # Depth-first in insertion order: park the rest of this level, descend.
                 stack.append((base, items, path))

@@ -74,13 +74,8 @@ def run_tensorflow_callback(callback: Any, tensors: Sequence[ShardableTensor]) -
         if not isinstance(shard, Mapping):
             out.append(shard)
             continue
-        converted: dict[str, Any] = {}
-        for key, slices in shard.items():
-            if not isinstance(slices, Mapping):
-                converted[key] = slices
-                continue
-            converted[key] = {str(spec).strip(): _host(v, given) for spec, v in slices.items()}
-        out.append(converted)
+        out.append({key: {str(spec).strip(): _host(v, given) for spec, v in slices.items()}
+                    if isinstance(slices, Mapping) else slices for key, slices in shard.items()})
     return out
 
 

@@ -109,20 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], help: str,
+             description: str, **kw: Any) -> argparse.ArgumentParser:
+    """Subcommand `name`, run by `func`; its description is printed as written."""
+    p = sub.add_parser(name, help=help, description=description,
+                       formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+    p.set_defaults(func=func, parser=p)
+    return p
+
+
 # ---------------------------------------------------------------------------------------- plan
 
 
 def _add_plan_parser(sub: Any) -> None:
     models = "\n".join(f"  {name:<12} {desc}" for name, desc in MODELS.items())
-    p = sub.add_parser(
-        "plan",
-        help="compare sharding policies on a model or a state file (no data is written)",
-        description=(
-            "Run sharding policies on a state and print, per policy, the number of shards,\n"
-            "their sizes, the imbalance (largest over mean shard), the number of tensors\n"
-            "split and the planning time. Only shapes and dtypes are read: files are not\n"
-            "loaded and built-in models take no memory."
-        ),
+    p = _command(
+        sub, "plan", cmd_plan,
+        "compare sharding policies on a model or a state file (no data is written)",
+        "Run sharding policies on a state and print, per policy, the number of shards,\n"
+        "their sizes, the imbalance (largest over mean shard), the number of tensors\n"
+        "split and the planning time. Only shapes and dtypes are read: files are not\n"
+        "loaded and built-in models take no memory.",
         epilog=(
             f"built-in models:\n{models}\n\n"
             f"policies: {', '.join(_policy_names())}\n"
@@ -130,7 +137,6 @@ def _add_plan_parser(sub: Any) -> None:
             "  NAME:ARG sets the policy's argument, e.g. max-shard-size:256MiB, bin-pack:1GiB, "
             "balanced:4"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -161,7 +167,6 @@ def _add_plan_parser(sub: Any) -> None:
         help=f"shard count for policies without :ARG that take one (default: {DEFAULT_NUM_SHARDS})",
     )
     p.add_argument("--plot", metavar="PNG", help="also write a bar chart of shard sizes here")
-    p.set_defaults(func=cmd_plan, parser=p)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -237,24 +242,22 @@ def make_policy(spec: str, defaults: dict[str, Any]) -> ShardingCallback:
     `DefaultShardingPolicy` as `save` uses it; it takes no argument.
     """
     name, sep, arg = spec.partition(":")
-    if name == DEFAULT_POLICY:
-        if sep:
-            raise PolicyError(f"policy {name!r} takes no argument, got {spec!r}")
-        from ..io.save import DefaultShardingPolicy
-
-        return DefaultShardingPolicy()
-    if name not in POLICIES:
+    if name != DEFAULT_POLICY and name not in POLICIES:
         raise PolicyError(
             f"unknown policy {name!r} in {spec!r}; known: {', '.join(_policy_names())}"
         )
-    params = [
+    params = [] if name == DEFAULT_POLICY else [
         p
         for p in inspect.signature(POLICIES[name]).parameters.values()
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
+    if not params and sep:
+        raise PolicyError(f"policy {name!r} takes no argument, got {spec!r}")
+    if name == DEFAULT_POLICY:
+        from ..io.save import DefaultShardingPolicy
+
+        return DefaultShardingPolicy()
     if not params:
-        if sep:
-            raise PolicyError(f"policy {name!r} takes no argument, got {spec!r}")
         return get_policy(name)
     if len(params) > 1 and sep:
         raise PolicyError(f"policy {name!r} takes {len(params)} arguments; NAME:ARG sets only one")
@@ -283,23 +286,19 @@ def _convert(arg: str, param: inspect.Parameter, spec: str) -> Any:
 
 
 def _add_demo_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="build a transformer-like state, plan, save, verify and restore it, and report",
-        description=(
-            "Build a synthetic transformer-like state (a few hundred MB), compare the sharding\n"
-            "policies, save it with a progress bar into a temporary directory, verify every\n"
-            "checksum, restore it by memory-mapping, check it byte for byte and print the\n"
-            "sizes, throughputs and shard counts. The temporary directory is removed after."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = _command(
+        sub, "demo", cmd_demo,
+        "build a transformer-like state, plan, save, verify and restore it, and report",
+        "Build a synthetic transformer-like state (a few hundred MB), compare the sharding\n"
+        "policies, save it with a progress bar into a temporary directory, verify every\n"
+        "checksum, restore it by memory-mapping, check it byte for byte and print the\n"
+        "sizes, throughputs and shard counts. The temporary directory is removed after.",
     )
     p.add_argument("--model", default="llm-small", choices=sorted(MODELS),
                    help="built-in model to use (default: llm-small, 300 MiB as float32)")
     p.add_argument("--dtype", default="float32", help="dtype of the model (default: float32)")
     p.add_argument("--dir", help="where to create the temporary checkpoint (default: system tmp)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -314,21 +313,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_inspect_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "inspect",
-        help="list a checkpoint's shards and tensors",
-        description=(
-            "Print a checkpoint's format version, sharding callback and user metadata, a table\n"
-            "of its shard files (task, codec, size) and a table of its tensors (dtype, shape,\n"
-            "stored slices, size, the shard each slice is in). Reads the manifest only\n"
-            "(model.safetensors.index.json; index.json for checkpoints of format 2.0/2.1) and,\n"
-            "for HuggingFace and safetensors layouts, which have no dtypes in their index, the\n"
-            "shard headers."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = _command(
+        sub, "inspect", cmd_inspect, "list a checkpoint's shards and tensors",
+        "Print a checkpoint's format version, sharding callback and user metadata, a table\n"
+        "of its shard files (task, codec, size) and a table of its tensors (dtype, shape,\n"
+        "stored slices, size, the shard each slice is in). Reads the manifest only\n"
+        "(model.safetensors.index.json; index.json for checkpoints of format 2.0/2.1) and,\n"
+        "for HuggingFace and safetensors layouts, which have no dtypes in their index, the\n"
+        "shard headers.",
     )
     p.add_argument("path", metavar="CHECKPOINT", help=f"{CHECKPOINT_HELP}, or its URL")
-    p.set_defaults(func=cmd_inspect)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -396,34 +390,26 @@ def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 
 def _add_verify_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check every shard header and checksum; exit 0 if intact, 1 naming what is corrupt",
-        description=(
-            "Read every shard of a checkpoint, check its header against the manifest and the\n"
-            "xxh3-64 checksum of every stored entry. Exit 0 if all is intact; otherwise name\n"
-            "each corrupt tensor on stderr and exit 1."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = _command(
+        sub, "verify", cmd_verify,
+        "check every shard header and checksum; exit 0 if intact, 1 naming what is corrupt",
+        "Read every shard of a checkpoint, check its header against the manifest and the\n"
+        "xxh3-64 checksum of every stored entry. Exit 0 if all is intact; otherwise name\n"
+        "each corrupt tensor on stderr and exit 1.",
     )
     p.add_argument("path", metavar="CHECKPOINT", help=f"{CHECKPOINT_HELP}, or its URL")
-    p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Every problem on its own line on stderr, ``CORRUPT: <file>: <key or ->: <what>, expected
     <x> vs found <y>`` (``UNSUPPORTED:`` for a format this shardkit does not read), each once,
     then a count; exit 1 if there is any, else 0."""
-    import os
-
-    from ..errors import CheckpointNotFoundError, CorruptIndexError, UnsupportedVersionError
+    from ..errors import CorruptIndexError, UnsupportedVersionError
     from ..format import MANIFEST_FILE, find_manifest
     from ..io.reader import Problem, open_checkpoint
 
     try:
         reader = open_checkpoint(args.path)
-    except CheckpointNotFoundError:
-        raise
     except (CorruptIndexError, UnsupportedVersionError) as e:
         manifest = find_manifest(args.path) or MANIFEST_FILE
         index_path = os.path.join(args.path, manifest)
@@ -454,20 +440,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _add_convert_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "convert",
-        help="convert between shardkit and TensorFlow (TensorBundle) checkpoints",
-        description=(
-            "Read the checkpoint SRC (anything the reader opens) and write it as DST: a\n"
-            "TensorFlow checkpoint (DST is a prefix: DST.index + DST.data-*) or a shardkit\n"
-            "checkpoint directory. --to defaults to shardkit for a TensorFlow SRC, else\n"
-            "tensorflow. Every checksum SRC stores is checked first (as `shardkit verify`\n"
-            "does): a corrupt SRC is an error naming the file and the entry, and DST is not\n"
-            "written (--no-verify skips the check). Tensors are memory-mapped and written one\n"
-            "by one from the maps, so memory stays bounded by the page cache, not by the\n"
-            "checkpoint's size. Sliced tensors are written whole."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = _command(
+        sub, "convert", cmd_convert,
+        "convert between shardkit and TensorFlow (TensorBundle) checkpoints",
+        "Read the checkpoint SRC (anything the reader opens) and write it as DST: a\n"
+        "TensorFlow checkpoint (DST is a prefix: DST.index + DST.data-*) or a shardkit\n"
+        "checkpoint directory. --to defaults to shardkit for a TensorFlow SRC, else\n"
+        "tensorflow. Every checksum SRC stores is checked first (as `shardkit verify`\n"
+        "does): a corrupt SRC is an error naming the file and the entry, and DST is not\n"
+        "written (--no-verify skips the check). Tensors are memory-mapped and written one\n"
+        "by one from the maps, so memory stays bounded by the page cache, not by the\n"
+        "checkpoint's size. Sliced tensors are written whole.",
     )
     p.add_argument("src", metavar="SRC", help=f"checkpoint to read: {CHECKPOINT_HELP}, or its URL")
     p.add_argument("dst", metavar="DST", help="checkpoint to write (a prefix for tensorflow)")
@@ -476,7 +459,6 @@ def _add_convert_parser(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check SRC's checksums before writing DST")
-    p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -505,22 +487,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _add_gc_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "gc",
-        help="remove objects of crashed or superseded saves from a checkpoint URL",
-        description=(
-            "Delete the shard objects at a checkpoint URL that its manifest does not name\n"
-            "(left by a save that crashed, or by one that lost a race), once they are at least\n"
-            "--older-than seconds old, so that a save still uploading keeps its objects.\n"
-            "Only objects a shardkit staging marker names are deleted (and only their\n"
-            "unfinished multipart uploads aborted): other objects under the prefix stay."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = _command(
+        sub, "gc", cmd_gc, "remove objects of crashed or superseded saves from a checkpoint URL",
+        "Delete the shard objects at a checkpoint URL that its manifest does not name\n"
+        "(left by a save that crashed, or by one that lost a race), once they are at least\n"
+        "--older-than seconds old, so that a save still uploading keeps its objects.\n"
+        "Only objects a shardkit staging marker names are deleted (and only their\n"
+        "unfinished multipart uploads aborted): other objects under the prefix stay.",
     )
     p.add_argument("url", metavar="URL", help="checkpoint URL (s3://bucket/prefix, ...)")
     p.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
                    help="only objects at least this old (default: 3600)")
-    p.set_defaults(func=cmd_gc)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -19,10 +19,10 @@ What it records in ``extra_info`` is listed in docs/TRAINING.md.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # imported when used: every pytest run loads this plugin
     from ..training.checkpoint import Checkpoint
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CheckpointBenchmarkResult:
     """What one `CheckpointBenchmark` run measured (also stored in ``extra_info``)."""
 
@@ -60,7 +60,7 @@ class CheckpointBenchmark:
     def save(self, state: Mapping[str, Any], options: CheckpointOptions | None = None, *,
              rounds: int = 5, warmup_rounds: int = 1) -> CheckpointBenchmarkResult:
         """Time ``Checkpoint(**state).write(path, options)``, each round into a fresh path."""
-        ckpt, options = self._checkpoint(state), _options(options)
+        ckpt, options = self._checkpoint(state, options)
         path = self._directory / "checkpoint"
 
         def setup() -> None:
@@ -75,7 +75,7 @@ class CheckpointBenchmark:
     def restore(self, state: Mapping[str, Any], options: CheckpointOptions | None = None, *,
                 rounds: int = 5, warmup_rounds: int = 1) -> CheckpointBenchmarkResult:
         """Write the state once with `options` (untimed), then time restoring it in place."""
-        ckpt, options = self._checkpoint(state), _options(options)
+        ckpt, options = self._checkpoint(state, options)
         path = self._directory / "checkpoint"
         _remove(path)
         ckpt.write(path, options)
@@ -84,15 +84,16 @@ class CheckpointBenchmark:
                                  warmup_rounds=warmup_rounds)
         return self._record("restore", path, options)
 
-    def _checkpoint(self, state: Mapping[str, Any]) -> Checkpoint:
-        from ..training.checkpoint import Checkpoint
+    def _checkpoint(self, state: Mapping[str, Any], options: CheckpointOptions | None
+                    ) -> tuple[Checkpoint, CheckpointOptions]:
+        from ..training.checkpoint import Checkpoint, check_options
 
         if not isinstance(state, Mapping):
             raise TypeError(
                 "checkpoint_benchmark takes a mapping of names to objects, as Checkpoint(**state)"
                 f" does; got {type(state).__name__}"
             )
-        return Checkpoint(**state)
+        return Checkpoint(**state), check_options(options)
 
     def _record(self, operation: str, path: Path, options: CheckpointOptions
                 ) -> CheckpointBenchmarkResult:
@@ -105,35 +106,14 @@ class CheckpointBenchmark:
         meta = self._benchmark.stats
         seconds = meta.stats.median if meta is not None else None
         result = CheckpointBenchmarkResult(
-            operation=operation,
-            path=os.fspath(path),
-            bytes=data,
-            file_bytes=files,
-            shards=shards,
-            seconds=seconds,
+            operation, os.fspath(path), data, files, shards, seconds,
             gb_per_s=data / seconds / 1e9 if seconds else None,
             compression_ratio=data / files if files else 1.0,
         )
-        self._benchmark.extra_info.update(
-            operation=operation,
-            bytes=data,
-            file_bytes=files,
-            shards=shards,
-            gb_per_s=result.gb_per_s,
-            compression_ratio=result.compression_ratio,
-            options=repr(options),
-        )
+        info = dataclasses.asdict(result)
+        del info["path"], info["seconds"]  # the rest, and the options
+        self._benchmark.extra_info.update(info, options=repr(options))
         return result
-
-
-def _options(options: CheckpointOptions | None) -> CheckpointOptions:
-    from ..io.options import CheckpointOptions
-
-    if options is None:
-        return CheckpointOptions()
-    if not isinstance(options, CheckpointOptions):
-        raise TypeError(f"options must be a CheckpointOptions, got {type(options).__name__}")
-    return options
 
 
 def _remove(path: Path) -> None:

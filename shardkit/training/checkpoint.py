@@ -62,7 +62,8 @@ LAYOUT_VERSION = 1
 # --- Checkpoint ---------------------------------------------------------------------------------
 
 
-def _check_options(options: CheckpointOptions | None) -> CheckpointOptions:
+def check_options(options: CheckpointOptions | None) -> CheckpointOptions:
+    """`options`, checked to be CheckpointOptions; the defaults for None."""
     if options is None:
         return CheckpointOptions()
     if not isinstance(options, CheckpointOptions):
@@ -168,7 +169,7 @@ class Checkpoint:
     def _write(self, path: str, options: CheckpointOptions | None,
                after_commit: Callable[[str], None] | None = None, *,
                process_group: Any = None, timeout: float | None = None) -> SaveHandle:
-        opts = _check_options(options)
+        opts = check_options(options)
         self._writer.wait()
         tensors, metadata = self._collect()
         coord = api._coordinator(tensors, process_group, timeout)  # None: this process alone
@@ -239,7 +240,7 @@ class Checkpoint:
             InvalidArgumentTypeError: `partial` is not a bool.
             CheckpointNotFoundError, CheckpointFormatError: as `shardkit.load`.
         """
-        _check_options(options)
+        check_options(options)
         if not isinstance(partial, bool):
             raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
         self._writer.wait()

@@ -24,6 +24,7 @@ import re
 import struct
 import threading
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -97,28 +98,21 @@ def decode_elements(kind: str, shape: tuple[int, ...], items: list[bytes], where
     """The array of `kind` and `shape` whose elements (C order) are `items`; an element of a
     ``str`` / ``U`` kind that is not UTF-8, or longer than an ``S`` / ``U`` width, is a
     CorruptHeaderError naming `where`."""
-    if kind in ("bytes", "str"):
-        out = np.empty(len(items), object)
-        if kind == "str":
-            try:
-                items = [b.decode("utf-8") for b in items]  # type: ignore[misc]
-            except UnicodeDecodeError:
-                raise CorruptHeaderError(f"{where}: a str element is not valid UTF-8") from None
-        out[:] = items
-        return out.reshape(shape)
     dtype = kind_dtype(kind, where)
-    width = int(kind[1:])
-    if kind[0] == "U":
+    values: list[Any] = items
+    if kind == "str" or kind[0] == "U":
         try:
-            texts = [b.decode("utf-8") for b in items]
+            values = [b.decode("utf-8") for b in items]
         except UnicodeDecodeError:
             raise CorruptHeaderError(f"{where}: a str element is not valid UTF-8") from None
-        if any(len(t) > width for t in texts):
-            raise CorruptHeaderError(f"{where}: an element is longer than its width {width}")
-        return np.array(texts, dtype=dtype).reshape(shape)
-    if any(len(b) > width for b in items):
+    if kind in ("bytes", "str"):
+        out = np.empty(len(values), object)
+        out[:] = values
+        return out.reshape(shape)
+    width = int(kind[1:])
+    if any(len(v) > width for v in values):
         raise CorruptHeaderError(f"{where}: an element is longer than its width {width}")
-    return np.array(items, dtype=dtype).reshape(shape)
+    return np.array(values, dtype=dtype).reshape(shape)
 
 
 MAX_NUMPY_ITEMSIZE: Final = 2**31 - 1  # numpy refuses a wider S / U dtype
@@ -281,16 +275,13 @@ class StringFile(StringTensors):
 
     def _read_file(self, directory: Any) -> bytes:
         path = directory.join(self.file)
-        f = directory.open_shard(self.file)
-        try:
+        with closing(directory.open_shard(self.file)) as f:
             size = f.size
             if size != self.size:
                 cls = TruncatedShardError if size < self.size else CheckpointFormatError
                 raise cls(f"{path}: string file has {size} bytes, the manifest records "
                           f"{self.size}")
             data = f.read_all()
-        finally:
-            f.close()
         check_preamble(data, path, self.generation)
         return bytes(data)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -240,12 +241,8 @@ def decode_bundle(data: bytes, path: str, prefix: str,
     shards = []
     for file in files:
         check_shard_file_name(file, path)
-        f = directory.open_shard(file, path)
-        try:
-            file_size = f.size
-        finally:
-            f.close()
-        shards.append(ShardInfo(file, 0, "raw", file_size))
+        with closing(directory.open_shard(file, path)) as f:
+            shards.append(ShardInfo(file, 0, "raw", f.size))
     shard, offset, row, size, crc, order = rows.columns
     steps = shard[1:] - shard[:-1]
     if ((steps > 0) | ((steps == 0) & (offset[1:] >= offset[:-1]))).all() and (
@@ -274,28 +271,23 @@ def decode_bundle(data: bytes, path: str, prefix: str,
             f"{path}: tensor {shown(keys[int(row[j])])}: bytes [{a}, {b}) are past the end of "
             f"{files[s_]} ({shards[s_].bytes} bytes)")
     slice_tensor = row.tolist()
-    slice_shard = shard.tolist()
-    begins = offset.tolist()
     index = TensorBundleIndex(
         callback="(none: a TensorFlow TensorBundle checkpoint)", shards=shards, keys=keys,
         dtypes=dtypes, shapes=shapes, devices=[DEFAULT_DEVICE] * len(keys),
-        slice_tensor=slice_tensor, slice_spec=specs, slice_shard=slice_shard,
+        slice_tensor=slice_tensor, slice_spec=specs, slice_shard=shard.tolist(),
         slice_xxh3=HexColumn(crc),
         user_metadata={}, version="", generation=None,
         slice_checksum_kind=[CRC32C] * len(slice_tensor), num_shards=n)
-    index.begins = [[] for _ in files]
     bounds = np.searchsorted(shard, np.arange(n + 1)).tolist()
+    begins = offset.tolist()
+    index.begins = [begins[bounds[i] : bounds[i + 1]] for i in range(n)]
     alignment = {d: _align(d) for d in set(dtypes)}
     if len(alignment) == 1:
         step = next(iter(alignment.values()))
     else:
         step = np.array(list(map(alignment.__getitem__, dtypes)), np.int64)[row]
-    off = np.flatnonzero(offset % step)
-    index.aligned = [True] * n
-    for s_ in set(shard[off].tolist()):
-        index.aligned[s_] = False
-    for i in range(n):
-        index.begins[i] = begins[bounds[i] : bounds[i + 1]]
+    unaligned = set(shard[np.flatnonzero(offset % step)].tolist())
+    index.aligned = [i not in unaligned for i in range(n)]
     if texts:
         from .strings import BundleStrings
 

@@ -465,13 +465,6 @@ def _general_columns(body: list[tuple[bytes, bytes]], parsed: Any, encoded_shape
     return keys, dtypes, shapes, _Rows(columns, [r[3] for r in rows]), texts
 
 
-def _slice_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
-    if spec == WHOLE:
-        return shape
-    ranges = spec.split(" ")[-1].split(":")
-    return tuple(int(r.split(",")[1]) for r in ranges)
-
-
 _Row = tuple[int, int, int, str, str, int, int, int]
 """A stored entry: shard, offset, tensor row, slice spec, entry name, size, crc, order."""
 

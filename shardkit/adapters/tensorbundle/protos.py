@@ -32,7 +32,6 @@ _F: Any = descriptor_pb2.FieldDescriptorProto
 _OPT, _REP = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
 
 
-
 def _field(name: str, number: int, kind: int, label: int = _OPT, type_name: str = "",
            oneof: int | None = None) -> Any:
     f = _F(name=name, number=number, label=label, type=kind)

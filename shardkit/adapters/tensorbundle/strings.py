@@ -13,6 +13,7 @@ import math
 import os
 import struct
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,12 +133,8 @@ class BundleStrings(StringTensors):
     def _stored(self, directory: Any, row: int) -> tuple[bytes, str]:
         name = self.files[row]
         path = directory.join(name)
-        f = directory.open_shard(name)
-        try:
-            with f as fd:
-                data = os.pread(fd, self.sizes[row], self.offsets[row])
-        finally:
-            f.close()
+        with closing(directory.open_shard(name)) as f, f as fd:
+            data = os.pread(fd, self.sizes[row], self.offsets[row])
         if len(data) != self.sizes[row]:
             raise TruncatedShardError(
                 f"{path}: string tensor {self.keys[row]!r}: bytes [{self.offsets[row]}, "
