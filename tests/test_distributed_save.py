@@ -209,7 +209,7 @@ def _failures(rank: int, world: int, root: str) -> dict:
             return super().__call__(tensors)
 
     attempt("callback", {"y": torch.ones(5), f"k{rank}": torch.ones(2)},
-            sharding_callback=Raising())
+            options=shardkit.CheckpointOptions(experimental_sharding_callback=Raising()))
 
     class Dropping(ShardByTaskPolicy):
         def __call__(self, tensors):
@@ -219,7 +219,7 @@ def _failures(rank: int, world: int, root: str) -> dict:
             return shards
 
     attempt("validation", {"y": torch.ones(5), f"k{rank}": torch.ones(2)},
-            sharding_callback=Dropping())
+            options=shardkit.CheckpointOptions(experimental_sharding_callback=Dropping()))
 
     real_region = writer._write_region
 

@@ -42,8 +42,8 @@ WRITER = textwrap.dedent("""
     n = 1
     while not os.path.exists(stop):
         state = {f"t{i:02d}": np.full(1024 + 7 * i, n, np.int32) for i in range(N_TENSORS)}
-        shardkit.save(path, state, sharding_callback=policy, overwrite=True, durable=False,
-                      compression=codec)
+        shardkit.save(path, state, overwrite=True, options=shardkit.CheckpointOptions(
+            experimental_sharding_callback=policy, durable=False, compression=codec))
         print(n, flush=True)  # one line per save: the test follows the writer's progress
         n += 1
         time.sleep(0.05)
@@ -86,13 +86,15 @@ class Writer:
     def finish(self) -> tuple[int, str]:
         """Stop the writer; its exit code and stderr."""
         Path(self.stop_file).touch()
-        try:
-            _, err = self.proc.communicate(timeout=LIMIT)
+        try:  # not communicate(): it would read and close stdout under the following thread
+            self.proc.wait(timeout=LIMIT)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        self.thread.join(timeout=60)
-        return self.proc.returncode, err
+            self.proc.wait()
+        self.thread.join(timeout=60)  # it ends at the end of stdout
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        with self.proc.stdout, self.proc.stderr:
+            return self.proc.returncode, self.proc.stderr.read()
 
 
 def _rounds(arrays) -> set[int]:

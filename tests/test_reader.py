@@ -875,8 +875,8 @@ ARRAYS_OUTLIVE_READER = """
     from shardkit.io import save as api
     path, compression = sys.argv[1], sys.argv[2]
     x = np.arange(100, dtype=np.float32)
-    api.save(path, {"x": x, "s": np.float64(2.5)}, durable=False,
-             compression=None if compression == "raw" else compression)
+    api.save(path, {"x": x, "s": np.float64(2.5)}, options=shardkit.CheckpointOptions(
+        durable=False, compression=None if compression == "raw" else compression))
     got = []
     for use_mmap in (True, False):
         with shardkit.open(path, mmap=use_mmap) as r:
@@ -1122,8 +1122,9 @@ MANY_SHARDS = """
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
     flat = {f"t{i:04d}": np.full(16, i, np.int32) for i in range(1100)}
     policy = api.DefaultShardingPolicy(threads=2, max_shard_size=64)
-    api.save(path, flat, durable=True, sharding_callback=policy,
-             compression=None if compression == "raw" else compression)
+    api.save(path, flat, options=shardkit.CheckpointOptions(
+        durable=True, experimental_sharding_callback=policy,
+        compression=None if compression == "raw" else compression))
     assert len([n for n in os.listdir(path) if n.startswith("model-")]) == 1100
     for use_mmap in (True, False):
         got = shardkit.load(path, mmap=use_mmap, verify=True)
