@@ -116,6 +116,16 @@ class CheckpointOptions:
                 fn()
 
 
+def check_options(options: CheckpointOptions | None) -> CheckpointOptions:
+    """`options`, checked to be CheckpointOptions; the defaults for None."""
+    if options is None:
+        return CheckpointOptions()
+    if not isinstance(options, CheckpointOptions):
+        raise InvalidArgumentTypeError(
+            f"options must be a CheckpointOptions, got {type(options).__name__}")
+    return options
+
+
 def check_threads(threads: int | None) -> None:
     """Raise unless `threads` is None or a positive int."""
     if threads is None:

@@ -48,7 +48,7 @@ from ..storage import is_url, open_storage
 from ..values.slices import WHOLE
 from ..values.strings import StringColumns
 from .flow import RankSave, StorageOutput, run_save
-from .options import CheckpointOptions, check_threads
+from .options import CheckpointOptions, check_options, check_threads
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
@@ -393,11 +393,8 @@ def _resolve_options(options: CheckpointOptions | None, given: dict[str, Any]
     unknown = sorted(set(given) - set(_OPTION_KEYWORDS))
     if unknown:
         raise InvalidArgumentTypeError(f"save() got an unexpected keyword argument {unknown[0]!r}")
-    if options is not None and not isinstance(options, CheckpointOptions):
-        raise InvalidArgumentTypeError(
-            f"options must be a CheckpointOptions, got {type(options).__name__}")
     if not given:
-        return options if options is not None else CheckpointOptions()
+        return check_options(options)
     spelled = ", ".join(f"{_OPTION_KEYWORDS[k]}={v!r}" for k, v in given.items())
     warnings.warn(f"the save() keywords {', '.join(given)} are deprecated: pass "
                   f"options=CheckpointOptions({spelled}) (the keywords go in the next release)",
@@ -405,15 +402,16 @@ def _resolve_options(options: CheckpointOptions | None, given: dict[str, Any]
     chosen = {_OPTION_KEYWORDS[k]: v for k, v in given.items()}
     if options is None:
         return CheckpointOptions(**chosen)
+    checked = check_options(options)
     defaults = {f.name: f.default for f in fields(CheckpointOptions)}
-    for name, value in chosen.items():  # a keyword at its default defers to options
+    for keyword, value in given.items():  # a keyword at its default defers to options
+        name = _OPTION_KEYWORDS[keyword]
         if value is not defaults[name] and value != defaults[name] \
-                and value != getattr(options, name):
+                and value != getattr(checked, name):
             raise InvalidArgumentError(
-                f"save(..., {next(k for k, f in _OPTION_KEYWORDS.items() if f == name)}="
-                f"{value!r}) conflicts with options.{name}={getattr(options, name)!r}; set it "
-                "in one place only")
-    return options
+                f"save(..., {keyword}={value!r}) conflicts with options.{name}="
+                f"{getattr(checked, name)!r}; set it in one place only")
+    return checked
 
 
 def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

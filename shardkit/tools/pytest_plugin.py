@@ -86,7 +86,8 @@ class CheckpointBenchmark:
 
     def _checkpoint(self, state: Mapping[str, Any], options: CheckpointOptions | None
                     ) -> tuple[Checkpoint, CheckpointOptions]:
-        from ..training.checkpoint import Checkpoint, check_options
+        from ..io.options import check_options
+        from ..training.checkpoint import Checkpoint
 
         if not isinstance(state, Mapping):
             raise TypeError(

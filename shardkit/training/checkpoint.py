@@ -38,7 +38,7 @@ from ..errors import (
 )
 from ..frameworks import is_dtensor, module
 from ..io import save as api
-from ..io.options import CheckpointOptions
+from ..io.options import CheckpointOptions, check_options
 from ..io.reader import open_checkpoint
 from ..io.restore import CheckpointLoadStatus, check_complete
 from ..io.snapshot import AsyncWriter, HostBufferPool, SaveHandle
@@ -60,16 +60,6 @@ METADATA_KEY = "shardkit.checkpoint"
 LAYOUT_VERSION = 1
 
 # --- Checkpoint ---------------------------------------------------------------------------------
-
-
-def check_options(options: CheckpointOptions | None) -> CheckpointOptions:
-    """`options`, checked to be CheckpointOptions; the defaults for None."""
-    if options is None:
-        return CheckpointOptions()
-    if not isinstance(options, CheckpointOptions):
-        raise InvalidArgumentTypeError(
-            f"options must be a CheckpointOptions, got {type(options).__name__}")
-    return options
 
 
 class Checkpoint:
