@@ -1,8 +1,24 @@
-"""The ``shardkit`` command (docs/API.md, "Command line"; ``shardkit --help``).
+"""The ``shardkit`` command.
 
 Each subcommand is one ``_add_<command>_parser(subparsers)`` (listed in ``_SUBCOMMANDS``; it sets
 ``func=cmd_<command>``) and one ``cmd_<command>(args) -> int``. Handlers raise ShardkitError (or
 OSError) for failures; `main` turns those into a one-line message and exit code 1.
+
+    shardkit demo [--model llm-small] [--dtype float32] [--dir DIR]
+    shardkit plan --model llm-1b [--policy NAME[:ARG]]... [--max-shard-size 1GiB] [--num-shards 8]
+    shardkit plan FILE.safetensors|FILE.npz|CHECKPOINT [--plot sizes.png]
+    shardkit inspect CHECKPOINT
+    shardkit verify CHECKPOINT
+    shardkit convert SRC DST [--to tensorflow|shardkit] [--overwrite] [--no-verify]
+    shardkit gc URL [--older-than SECONDS]
+
+CHECKPOINT is anything the reader opens: a shardkit checkpoint, a HuggingFace sharded
+directory (model.safetensors.index.json) or unsharded one (model.safetensors), a
+.safetensors file, a TensorFlow checkpoint (its prefix, its .index file, or a directory
+with TensorFlow's checkpoint state file), or the URL of a shardkit checkpoint in an object
+store (s3://bucket/prefix, any fsspec URL; credentials and endpoint from the store's usual
+environment, e.g. AWS_* variables).
+    shardkit --version
 """
 
 from __future__ import annotations

@@ -1,6 +1,24 @@
-"""pytest plugin (entry point ``pytest11``): the ``checkpoint_benchmark`` fixture, which times
-saves or restores of a state with pytest-benchmark and records what it measured in the
-benchmark's ``extra_info`` (docs/TRAINING.md, "Guarding checkpoint speed in CI").
+"""pytest plugin: guard your own checkpoint speed in CI with pytest-benchmark.
+
+Installed with shardkit (entry point ``pytest11``); it provides the ``checkpoint_benchmark``
+fixture, which needs pytest-benchmark::
+
+    from shardkit import CheckpointOptions
+
+    def test_checkpoint_speed(checkpoint_benchmark):
+        model = build_model()
+        checkpoint_benchmark.save({"model": model}, CheckpointOptions(durable=False))
+
+    def test_restore_speed(checkpoint_benchmark):
+        checkpoint_benchmark.restore({"model": build_model()})
+
+The state is what `shardkit.Checkpoint` takes as keyword arguments (arrays, dicts,
+torch modules and optimizers...). Each round times one save into a fresh directory (or one
+restore in place). For ``enable_async=True`` a round times only what blocks the caller: the
+snapshot; the write itself is waited for between rounds, untimed. The result is recorded in the
+benchmark's ``extra_info``: ``operation``, ``bytes`` (tensor data), ``file_bytes`` (on disk),
+``shards``, ``gb_per_s`` (``bytes`` over the median round) and ``compression_ratio``
+(``bytes / file_bytes``), so ``--benchmark-compare-fail`` can catch a regression.
 """
 
 from __future__ import annotations

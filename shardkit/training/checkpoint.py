@@ -1,9 +1,22 @@
-"""Checkpoint and CheckpointManager: a drop-in saver for training loops, in TensorFlow's terms
-(docs/TRAINING.md: what is stored where, restores in place, async saves, retention).
+"""Checkpoint and CheckpointManager: a drop-in saver for training loops, in TensorFlow's terms.
 
-The tracked objects' state (tensors, the JSON skeleton under ``"shardkit.checkpoint"`` in the
-user metadata, tied tensors stored once) is `tracked_state`'s; the async write is
-`io.snapshot`'s.
+    ckpt = Checkpoint(model=model, optimizer=optimizer)
+    manager = CheckpointManager(ckpt, "runs/ckpt", max_to_keep=3)
+    manager.restore_or_initialize()
+    ...
+    manager.save(checkpoint_number=step, options=CheckpointOptions(enable_async=True))
+
+A `Checkpoint` tracks named objects: nested dicts of arrays (numpy, torch, JAX), torch modules
+and optimizers, and anything with ``state_dict()`` / ``load_state_dict()``. Each tensor is stored
+under ``<object name>/<path in its state>``; the structure of every state dict, with its
+non-tensor values (optimizer hyperparameters, step counts, tuples, None), is stored as JSON in the
+checkpoint's user metadata under ``"shardkit.checkpoint"``; the save counter is the 0-d int64
+tensor ``save_counter``. Tensors that share memory (tied weights) are stored once and restored
+into every alias. Restoring copies into the existing arrays and tensors in place.
+
+With ``CheckpointOptions(enable_async=True)`` a save copies the state into a pool of host buffers
+(reused from save to save), returns, and writes in a background thread; the next save, restore,
+`Checkpoint.sync` and interpreter exit wait for it, and its error is raised by the next call.
 """
 
 from __future__ import annotations
