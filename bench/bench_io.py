@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _workloads
 
 from shardkit.io import save as api
+from shardkit.io.options import CheckpointOptions
 from shardkit.sharding.tensors import flatten
 
 STATES = {
@@ -49,7 +50,8 @@ def test_save(benchmark, state, tmp_path, durable):
     nbytes = sum(a.nbytes for _, a in flatten(s))
     benchmark.extra_info["bytes"] = nbytes
     benchmark.pedantic(
-        lambda: api.save(path, s, durable=durable), setup=_fresh(path), rounds=5, warmup_rounds=1
+        lambda: api.save(path, s, options=CheckpointOptions(durable=durable)),
+        setup=_fresh(path), rounds=5, warmup_rounds=1
     )
 
 
@@ -58,7 +60,7 @@ def test_save_checksum_cost(benchmark, state, tmp_path, checksum):
     _, s = state
     path = tmp_path / "ckpt"
     benchmark.pedantic(
-        lambda: api.save(path, s, durable=False, checksum=checksum),
+        lambda: api.save(path, s, options=CheckpointOptions(durable=False, checksum=checksum)),
         setup=_fresh(path), rounds=5, warmup_rounds=1,
     )
 
@@ -67,7 +69,7 @@ def test_save_checksum_cost(benchmark, state, tmp_path, checksum):
 def test_load(benchmark, state, tmp_path, mmap):
     _, s = state
     path = tmp_path / "ckpt"
-    api.save(path, s, durable=False)
+    api.save(path, s, options=CheckpointOptions(durable=False))
     out = benchmark(lambda: api.load(path, mmap=mmap))
     assert len(out) == len(flatten(s))
 
@@ -75,7 +77,7 @@ def test_load(benchmark, state, tmp_path, mmap):
 def test_load_and_touch_every_byte(benchmark, state, tmp_path):
     _, s = state
     path = tmp_path / "ckpt"
-    api.save(path, s, durable=False)
+    api.save(path, s, options=CheckpointOptions(durable=False))
 
     def run() -> float:
         return float(sum(a.sum(dtype=np.float64) for a in api.load(path).values()))
@@ -86,7 +88,7 @@ def test_load_and_touch_every_byte(benchmark, state, tmp_path):
 def test_restore_into(benchmark, state, tmp_path):
     _, s = state
     path = tmp_path / "ckpt"
-    api.save(path, s, durable=False)
+    api.save(path, s, options=CheckpointOptions(durable=False))
     target = {k: np.empty_like(a) for k, a in flatten(s)}
     benchmark(lambda: api.restore_into(path, target))
     first = next(iter(target))

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-keyed-", dir=args.dir))
     try:
         path = root / "ckpt"
-        shardkit.save(path, make(**kwargs), durable=False)
+        shardkit.save(path, make(**kwargs), options=shardkit.CheckpointOptions(durable=False))
         with shardkit.open(path) as reader:
             keys = reader.keys()
         tenth = keys[::10]

@@ -95,7 +95,8 @@ def run(name: str, quick: bool, rounds: int, work: Path) -> dict[str, float]:
 
     def sk_write() -> None:
         shutil.rmtree(work / "skw", ignore_errors=True)
-        shardkit.save(work / "skw" / "ck", arrays, format="tensorflow", durable=False)
+        shardkit.save(work / "skw" / "ck", arrays, format="tensorflow",
+                      options=shardkit.CheckpointOptions(durable=False))
 
     fns = {"tf_read": tf_read, "sk_read": sk_read, "sk_read_copy": sk_read_copy,
            "tf_write": tf_write, "sk_write": sk_write}

@@ -76,7 +76,9 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
 
     def one_round(prefix: str, sk: Path, tf_first: bool) -> None:
         writes = [("tf_write", lambda: ckpt.write(prefix)),
-                  ("sk_save", lambda: shardkit.save(sk, variables, durable=False))]
+                  ("sk_save", lambda: shardkit.save(sk, variables,
+                                                    options=shardkit.CheckpointOptions(
+                                                        durable=False)))]
         for what, fn in writes if tf_first else writes[::-1]:
             add(what, _timed(fn))
         add("sk_flatten", _timed(lambda: host_columns(variables)))
@@ -89,7 +91,8 @@ def run(name: str, rounds: int, quick: bool, root: Path) -> dict[str, float]:
     # TensorFlow build a read kernel per set of variable shapes).
     first = {"tf_first_write": _timed(lambda: ckpt.write(str(root / "warm-tf" / "ckpt"))),
              "sk_first_save": _timed(lambda: shardkit.save(root / "warm-sk", variables,
-                                                           durable=False))}
+                                                           options=shardkit.CheckpointOptions(
+                                                               durable=False)))}
     shutil.rmtree(root / "warm-tf", ignore_errors=True)
     shutil.rmtree(root / "warm-sk", ignore_errors=True)
     for r in range(rounds):

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _workloads
 
 from shardkit.io import save as api
+from shardkit.io.options import CheckpointOptions
 from shardkit.sharding.tensors import flatten
 
 MiB = 1024 * 1024
@@ -129,8 +130,12 @@ def save_methods(
     buf = np.concatenate([a.reshape(-1).view(np.uint8) for a in flat.values()]).data
     m: Methods = {}
     ck, ckd = out / "sk", out / "skd"
-    m["shardkit"] = (lambda: api.save(ck, state, durable=False, threads=threads), remover(ck))
-    m["shardkit durable"] = (lambda: api.save(ckd, state, durable=True, threads=threads),
+    m["shardkit"] = (lambda: api.save(ck, state,
+                                      options=CheckpointOptions(durable=False,
+                                                                threads=threads)), remover(ck))
+    m["shardkit durable"] = (lambda: api.save(ckd, state,
+                                              options=CheckpointOptions(durable=True,
+                                                                        threads=threads)),
                              remover(ckd))
     one = out / "one.bin"
     m["file.write"] = (lambda: write_buffer(one, buf, False), remover(one))
@@ -159,7 +164,7 @@ def load_methods(
     loads the targets compare, and the slow peers (each with shardkit again)."""
     nothing: Callable[[], None] = lambda: None  # noqa: E731
     ck = out / "load-sk"
-    api.save(ck, state, durable=False)
+    api.save(ck, state, options=CheckpointOptions(durable=False))
     m: Methods = {
         "shardkit": (lambda: api.load(ck), nothing),
         "shardkit mmap=False": (lambda: api.load(ck, mmap=False), nothing),
@@ -193,7 +198,8 @@ def touch_methods(
 ) -> dict[str, tuple[Callable[[], Any], Callable[[], None]]]:
     """Read every byte: shardkit.load + sum of each array vs sum of an np.memmap of the file."""
     ck = out / "touch-sk"
-    api.save(ck, state, durable=False, sharding_callback=_OneShard())
+    api.save(ck, state,
+             options=CheckpointOptions(durable=False, experimental_sharding_callback=_OneShard()))
     shard = next(ck.glob("*.safetensors"))
     header_len = int.from_bytes(shard.read_bytes()[:8], "little") + 8  # read once, small file?
 
@@ -392,7 +398,10 @@ def sweep_default(args: argparse.Namespace, out: Path) -> None:
                 path = out / f"sweep{n}"
                 methods[f"{n} shard(s)"] = (
                     lambda p=path, n=n, s=state, d=durable: api.save(
-                        p, s, durable=d, threads=threads, sharding_callback=_Shards(n)
+                        p, s,
+                                                                     options=CheckpointOptions(
+                                                                         durable=d, threads=threads,
+                                                                         experimental_sharding_callback=_Shards(n))
                     ),
                     remover(path),
                 )
@@ -430,13 +439,20 @@ def run_compressed(name: str, args: argparse.Namespace, out: Path) -> list[bool]
     pool = ThreadPoolExecutor(threads)
     zc, zr, raw = out / "zc", out / "zr", out / "raw"
     saves = alternate({
-        "shardkit zstd": (lambda: api.save(zc, state, compression="zstd", durable=False,
-                                           threads=threads), remover(zc)),
+        "shardkit zstd": (lambda: api.save(zc, state,
+                                           options=CheckpointOptions(compression="zstd",
+                                                                     durable=False,
+                                                                     threads=threads)),
+            remover(zc)),
         "shardkit zstd shuffle=False": (
-            lambda: api.save(zc, state, compression="zstd", shuffle=False, durable=False,
-                             threads=threads), remover(zc)),
+            lambda: api.save(zc, state,
+                             options=CheckpointOptions(compression="zstd", shuffle=False,
+                                                       durable=False, threads=threads)),
+            remover(zc)),
         "zstd alone": (lambda: bc.zstd_compress(prep.shuffled, level, pool), lambda: None),
-        "shardkit raw": (lambda: api.save(raw, state, durable=False, threads=threads),
+        "shardkit raw": (lambda: api.save(raw, state,
+                                          options=CheckpointOptions(durable=False,
+                                                                    threads=threads)),
                          remover(raw)),
     }, args.repeats)
     show("compressed save", saves, nbytes)
@@ -444,8 +460,9 @@ def run_compressed(name: str, args: argparse.Namespace, out: Path) -> list[bool]
                        ratio(saves, "zstd alone", "shardkit zstd"), 0.85)]
     sizes = {}
     for label, shuffle, path in (("shuffle", True, zc), ("no shuffle", False, zr)):
-        info = api.save(path, state, compression="zstd", shuffle=shuffle, durable=False,
-                        threads=threads)
+        info = api.save(path, state,
+                        options=CheckpointOptions(compression="zstd", shuffle=shuffle,
+                                                  durable=False, threads=threads))
         sizes[label] = info.bytes
     print(f"  info  size: raw {nbytes / 1e6:.1f} MB; zstd+shuffle {sizes['shuffle'] / 1e6:.1f} MB"
           f" ({nbytes / sizes['shuffle']:.3f}x); zstd {sizes['no shuffle'] / 1e6:.1f} MB "

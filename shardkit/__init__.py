@@ -17,57 +17,15 @@ from . import (
     _kernels,  # noqa: F401  (fails loudly here if the native build is missing)
     _moved,
 )
-from .errors import (
-    CheckpointExistsError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    CheckpointReplacedError,
-    ChecksumError,
-    CorruptHeaderError,
-    CorruptIndexError,
-    DeviceSpecError,
-    DistributedError,
-    DistributedSaveError,
-    DistributedStateError,
-    DistributedTimeoutError,
-    EntryLayoutError,
-    GenerationMismatchError,
-    IncompleteRestoreError,
-    InvalidArgumentError,
-    InvalidArgumentTypeError,
-    InvalidKeyError,
-    InvalidKeyTypeError,
-    InvalidMetadataError,
-    KeyNotFoundError,
-    MissingDependencyError,
-    MissingShardError,
-    NotRegularFileError,
-    PolicyError,
-    ReaderClosedError,
-    RestoreMismatchError,
-    RetentionWarning,
-    ShardingValidationError,
-    ShardIOError,
-    ShardkitError,
-    ShardPathError,
-    SliceIndexError,
-    SliceSpecError,
-    SplitTensorsWarning,
-    StorageError,
-    SymlinkRefusedError,
-    TruncatedShardError,
-    UnknownCodecError,
-    UnknownModelError,
-    UnsupportedDTypeError,
-    UnsupportedVersionError,
-)
+from .errors import *  # noqa: F403  (every error stays importable from shardkit)
+from .errors import ShardkitError
 from .optional import lazy_attributes
 
 _moved.install()  # the old module paths, for one release
 
 if TYPE_CHECKING:
     from .io.options import CheckpointOptions
-    from .io.reader import CheckpointReader, Problem, VerifyReport
+    from .io.reader import CheckpointReader, VerifyReport
     from .io.save import (
         DefaultShardingPolicy,
         SaveInfo,
@@ -78,144 +36,99 @@ if TYPE_CHECKING:
         restore_into,
         save,
     )
-    from .sharding.callback import Shard, ShardingCallback, shard_tensors, validate_shards
+    from .sharding.callback import Shard, ShardingCallback, validate_shards
     from .sharding.policies import (
         AllInOnePolicy,
         BalancedPolicy,
         BinPackPolicy,
         MaxShardSizePolicy,
         ShardByTaskPolicy,
-        parse_size,
     )
-    from .sharding.tensors import ShardableTensor, TensorSaveSpec, shardable_tensors
+    from .sharding.tensors import ShardableTensor, TensorSaveSpec
     from .storage import set_storage_options
-    from .tools.profiling import PolicyProfile, profile
+    from .tools.profiling import profile
     from .training.checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
     from .values.devices import DeviceSpec
-    from .values.slices import SliceSpec, check_tiling, format_slice_spec, parse_slice_spec
+    from .values.slices import SliceSpec
 
 _LAZY: dict[str, str] = {  # public name -> the module that defines it, imported on first use
-    "DefaultShardingPolicy": "io.save",
-    "SaveInfo": "io.save",
+    "save": "io.save",
     "load": "io.save",
     "open": "io.save",
     "restore_into": "io.save",
-    "save": "io.save",
-    "Shard": "sharding.callback",
-    "ShardingCallback": "sharding.callback",
-    "shard_tensors": "sharding.callback",
-    "validate_shards": "sharding.callback",
+    "SaveInfo": "io.save",
+    "CheckpointOptions": "io.options",
+    "CheckpointReader": "io.reader",
+    "VerifyReport": "io.reader",
     "Checkpoint": "training.checkpoint",
     "CheckpointLoadStatus": "training.checkpoint",
     "CheckpointManager": "training.checkpoint",
     "SaveHandle": "training.checkpoint",
-    "DeviceSpec": "values.devices",
+    "ShardingCallback": "sharding.callback",
+    "Shard": "sharding.callback",
+    "validate_shards": "sharding.callback",
+    "ShardableTensor": "sharding.tensors",
+    "TensorSaveSpec": "sharding.tensors",
     "as_tensorflow_callback": "io.save",
-    "CheckpointOptions": "io.options",
+    "DefaultShardingPolicy": "io.save",
+    "get_policy": "io.save",  # io.save registers "default" in the policies registry
     "AllInOnePolicy": "sharding.policies",
     "BalancedPolicy": "sharding.policies",
     "BinPackPolicy": "sharding.policies",
     "MaxShardSizePolicy": "sharding.policies",
     "ShardByTaskPolicy": "sharding.policies",
-    "get_policy": "io.save",  # api registers "default" in the policies registry
-    "parse_size": "sharding.policies",
-    "PolicyProfile": "tools.profiling",
     "profile": "tools.profiling",
-    "CheckpointReader": "io.reader",
-    "Problem": "io.reader",
-    "VerifyReport": "io.reader",
+    "DeviceSpec": "values.devices",
     "SliceSpec": "values.slices",
-    "check_tiling": "values.slices",
-    "format_slice_spec": "values.slices",
-    "parse_slice_spec": "values.slices",
     "set_storage_options": "storage",
-    "ShardableTensor": "sharding.tensors",
-    "TensorSaveSpec": "sharding.tensors",
-    "shardable_tensors": "sharding.tensors",
 }
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+_lazy_attribute, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+
+
+def __getattr__(name: str) -> object:
+    if name in _moved.MOVED_NAMES:
+        return _moved.moved_attribute(name)
+    return _lazy_attribute(name)
+
 
 __version__ = "0.1.0"
 
+# The surface a user holds in their head (docs/API.md). Every error stays importable from here
+# too (`from shardkit import ChecksumError`), and all of them from shardkit.errors.
 __all__ = [
-    "AllInOnePolicy",
-    "BalancedPolicy",
-    "BinPackPolicy",
+    # save, read, restore
+    "save",
+    "load",
+    "open",
+    "restore_into",
+    "SaveInfo",
+    "CheckpointOptions",
+    "CheckpointReader",
+    "VerifyReport",
+    # training loops
     "Checkpoint",
     "CheckpointLoadStatus",
     "CheckpointManager",
-    "CheckpointExistsError",
-    "CheckpointFormatError",
-    "CheckpointNotFoundError",
-    "CheckpointOptions",
-    "CheckpointReplacedError",
-    "CheckpointReader",
-    "ChecksumError",
-    "CorruptHeaderError",
-    "CorruptIndexError",
-    "DefaultShardingPolicy",
-    "DeviceSpec",
-    "DeviceSpecError",
-    "DistributedError",
-    "DistributedSaveError",
-    "DistributedStateError",
-    "DistributedTimeoutError",
-    "EntryLayoutError",
-    "GenerationMismatchError",
-    "IncompleteRestoreError",
-    "InvalidArgumentError",
-    "InvalidArgumentTypeError",
-    "InvalidKeyError",
-    "InvalidKeyTypeError",
-    "InvalidMetadataError",
-    "KeyNotFoundError",
-    "MaxShardSizePolicy",
-    "MissingDependencyError",
-    "MissingShardError",
-    "NotRegularFileError",
-    "PolicyError",
-    "PolicyProfile",
-    "Problem",
-    "ReaderClosedError",
-    "RestoreMismatchError",
     "SaveHandle",
-    "SaveInfo",
-    "Shard",
-    "ShardByTaskPolicy",
-    "ShardIOError",
-    "ShardPathError",
-    "ShardableTensor",
+    # the sharding callback and its policies
     "ShardingCallback",
-    "ShardingValidationError",
-    "ShardkitError",
-    "SliceIndexError",
-    "SliceSpec",
-    "SliceSpecError",
-    "RetentionWarning",
-    "SplitTensorsWarning",
-    "StorageError",
-    "SymlinkRefusedError",
+    "ShardableTensor",
     "TensorSaveSpec",
-    "TruncatedShardError",
-    "UnknownCodecError",
-    "UnknownModelError",
-    "UnsupportedDTypeError",
-    "UnsupportedVersionError",
-    "VerifyReport",
-    "__version__",
-    "as_tensorflow_callback",
-    "check_tiling",
-    "format_slice_spec",
-    "get_policy",
-    "load",
-    "open",
-    "parse_size",
-    "parse_slice_spec",
-    "profile",
-    "restore_into",
-    "save",
-    "set_storage_options",
-    "shard_tensors",
-    "shardable_tensors",
+    "Shard",
     "validate_shards",
+    "as_tensorflow_callback",
+    "DefaultShardingPolicy",
+    "AllInOnePolicy",
+    "BalancedPolicy",
+    "BinPackPolicy",
+    "MaxShardSizePolicy",
+    "ShardByTaskPolicy",
+    "get_policy",
+    "profile",
+    # values, storage, errors
+    "DeviceSpec",
+    "SliceSpec",
+    "set_storage_options",
+    "ShardkitError",
+    "__version__",
 ]

@@ -3,6 +3,7 @@
 ``import shardkit.reader`` still works for one release: it gives the module now at
 ``shardkit.io.reader`` itself (one module object, so patching either name patches both) and a
 ``DeprecationWarning`` naming the new path. docs/ARCHITECTURE.md lists where each module lives.
+Names that left ``shardkit.__all__`` (`MOVED_NAMES`) likewise still resolve, with a warning.
 """
 
 from __future__ import annotations
@@ -46,6 +47,29 @@ MOVED = {  # old path under shardkit -> new path (a package maps everything unde
     "models": "tools.models",
     "pytest_plugin": "tools.pytest_plugin",
 }
+
+
+MOVED_NAMES = {  # a name no longer in shardkit.__all__ -> the module that defines it
+    "shard_tensors": "sharding.callback",
+    "shardable_tensors": "sharding.tensors",
+    "parse_size": "sharding.policies",
+    "check_tiling": "values.slices",
+    "format_slice_spec": "values.slices",
+    "parse_slice_spec": "values.slices",
+    "PolicyProfile": "tools.profiling",
+}
+
+
+def moved_attribute(name: str) -> object:
+    """``shardkit.<name>`` for a name in `MOVED_NAMES`, with a DeprecationWarning naming its
+    module; AttributeError for any other name."""
+    module = MOVED_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+    warnings.warn(f"shardkit.{name} is no longer a top-level name; import it from "
+                  f"shardkit.{module} (the old name goes in the next release)",
+                  DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(f"shardkit.{module}"), name)
 
 
 def new_name(fullname: str) -> str | None:

@@ -22,36 +22,81 @@ class Coordinator(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This process's rank, ``0 .. world_size - 1``."""
 
     @property
     @abc.abstractmethod
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
 
     @abc.abstractmethod
     def all_gather(self, payload: Any, op: str) -> list[Any]:
-        """Every rank's `payload`, in rank order, on every rank. `op` names the step in errors."""
+        """Every rank's `payload`, on every rank.
+
+        Args:
+            payload: this rank's small picklable value (so for `gather` and `broadcast`).
+            op: the step's name, for errors (so for every collective).
+        Returns:
+            The payloads in rank order.
+        Raises:
+            DistributedTimeoutError: a rank did not answer within `timeout`.
+        """
 
     @abc.abstractmethod
     def gather(self, payload: Any, op: str, dst: int = 0) -> list[Any] | None:
-        """Every rank's `payload` in rank order on rank `dst`; None on the others."""
+        """Every rank's `payload` on rank `dst`.
+
+        Args:
+            payload, op: as for `all_gather`.
+            dst: the rank that receives them.
+        Returns:
+            On `dst` the payloads in rank order, on the others None.
+        Raises:
+            DistributedTimeoutError: a rank did not answer within `timeout`.
+        """
 
     @abc.abstractmethod
     def broadcast(self, payload: Any, op: str, src: int = 0) -> Any:
-        """Rank `src`'s `payload` on every rank (the others pass anything, e.g. None)."""
+        """Rank `src`'s `payload` on every rank.
+
+        Args:
+            payload, op: as for `all_gather`; only `src`'s payload counts (others pass None).
+            src: the rank that sends.
+        Returns:
+            Rank `src`'s payload.
+        Raises:
+            DistributedTimeoutError: `src` did not answer within `timeout`.
+        """
 
     @abc.abstractmethod
     def barrier(self, op: str) -> None:
-        """Return once every rank has called it."""
+        """Return once every rank has called it.
+
+        Args:
+            op: the step's name, for errors.
+        Raises:
+            DistributedTimeoutError: a rank did not arrive within `timeout`.
+        """
 
     def background(self) -> Coordinator:
-        """A coordinator over the same ranks whose collectives never interleave with this
-        one's (for saves that commit from a background thread); made once, reused. Every
-        rank must ask for it at the same point. The base class has none."""
+        """A twin for saves that commit from a background thread; every rank asks at once.
+
+        Returns:
+            A coordinator over the same ranks whose collectives never interleave with these.
+        Raises:
+            NotImplementedError: the base class has none.
+        """
         raise NotImplementedError(f"{type(self).__name__} has no background coordinator")
 
     def with_timeout(self, timeout: float | None) -> Coordinator:
-        """This coordinator with collectives waiting `timeout` seconds (None: unchanged)."""
+        """Set how long collectives wait.
+
+        Args:
+            timeout: seconds (None: unchanged).
+        Returns:
+            This coordinator.
+        """
         if timeout is not None:
             self.timeout = float(timeout)
         return self

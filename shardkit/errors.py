@@ -252,3 +252,19 @@ class Problem:
         key = "-" if self.key is None else repr(self.key)
         return " ".join(f"{self.file}: {key}: {self.what}, expected {self.expected} vs found "
                         f"{self.found}".split())
+
+# every error and warning; all of them are importable from shardkit too
+__all__ = [
+    "ShardkitError", "SliceSpecError", "DeviceSpecError", "UnsupportedDTypeError",
+    "ShardingValidationError", "InvalidMetadataError", "PolicyError", "InvalidArgumentError",
+    "InvalidArgumentTypeError", "InvalidKeyError", "InvalidKeyTypeError",
+    "CheckpointNotFoundError", "KeyNotFoundError", "CheckpointFormatError",
+    "UnsupportedVersionError", "ChecksumError", "CheckpointExistsError",
+    "RestoreMismatchError", "CorruptHeaderError", "EntryLayoutError",
+    "GenerationMismatchError", "TruncatedShardError", "CorruptIndexError", "ShardPathError",
+    "UnknownCodecError", "SliceIndexError", "MissingShardError", "CheckpointReplacedError",
+    "NotRegularFileError", "SymlinkRefusedError", "ShardIOError", "ReaderClosedError",
+    "MissingDependencyError", "UnknownModelError", "IncompleteRestoreError",
+    "SplitTensorsWarning", "RetentionWarning", "DistributedError", "DistributedTimeoutError",
+    "DistributedStateError", "DistributedSaveError", "StorageError", "Problem",
+]

@@ -96,15 +96,21 @@ def make_seeds(root: Path) -> dict[str, Path]:
     # loaders cannot read them (SplitTensorsWarning), which is expected here
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", shardkit.SplitTensorsWarning)
-        shardkit.save(seeds["raw"], state, sharding_callback=policy, durable=False)
-        shardkit.save(seeds["zstd"], state, sharding_callback=shardkit.MaxShardSizePolicy(4096),
-                      compression="zstd", chunk_size=256, durable=False)
+        shardkit.save(seeds["raw"], state,
+                      options=shardkit.CheckpointOptions(experimental_sharding_callback=policy,
+                                                         durable=False))
+        shardkit.save(seeds["zstd"], state,
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=shardkit.MaxShardSizePolicy(4096),
+                          compression="zstd", chunk_size=256, durable=False))
     assert [w.category for w in caught] == [shardkit.SplitTensorsWarning] * 2
     # a TensorFlow TensorBundle (the same state, split into slices over several data files),
     # with TensorFlow's checkpoint state file, so that the directory opens as the checkpoint
     seeds["tb"] = root / "tb"
-    shardkit.save(seeds["tb"] / TB_PREFIX, state, sharding_callback=shardkit.MaxShardSizePolicy(
-        max_shard_size=1024), format="tensorflow", durable=False)
+    shardkit.save(seeds["tb"] / TB_PREFIX, state,
+                  options=shardkit.CheckpointOptions(
+                      experimental_sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=1024),
+                      durable=False), format="tensorflow")
     (seeds["tb"] / "checkpoint").write_text(f'model_checkpoint_path: "{TB_PREFIX}"\n')
     return seeds
 

@@ -80,14 +80,15 @@ def _save(kind: str, path: str, seed: int, shards: int) -> None:
     import shardkit
     from shardkit.storage import commit
 
-    kwargs: dict[str, Any] = {"sharding_callback": shardkit.BalancedPolicy(shards)}
-    if kind == "zstd":
-        kwargs["compression"] = "zstd"
-    elif kind == "fallback":
+    kwargs: dict[str, Any] = {}
+    compression = "zstd" if kind == "zstd" else None
+    if kind == "fallback":
         commit._renameat2_fn = None  # the rename-aside fallback
     elif kind == "tensorflow":
         kwargs["format"] = "tensorflow"
-    shardkit.save(path, state(seed), overwrite=True, threads=2, durable=True, **kwargs)
+    shardkit.save(path, state(seed), overwrite=True, **kwargs, options=shardkit.CheckpointOptions(
+        threads=2, durable=True, experimental_sharding_callback=shardkit.BalancedPolicy(shards),
+        compression=compression))
 
 
 def main(kind: str, path: str, options_json: str = "{}") -> None:

@@ -119,7 +119,8 @@ def kill_rounds_main(url: str, options_json: str) -> None:
             try:
                 state = kill_state(int(seed))
                 os.write(ready_w, b"r")
-                shardkit.save(url, state, overwrite=True, threads=2)
+                shardkit.save(url, state, overwrite=True,
+                              options=shardkit.CheckpointOptions(threads=2))
                 os.write(done_w, b"d")
             finally:
                 os._exit(0)

@@ -587,9 +587,10 @@ def test_a_shard_of_another_save_is_refused_naming_both_generations(tmp_path, co
     from shardkit.errors import GenerationMismatchError
 
     state = {"a": np.arange(6, dtype=np.float32), "b": np.arange(3, dtype=np.int8)}
-    first = shardkit.save(tmp_path / "one", state, compression=compression)
+    first = shardkit.save(tmp_path / "one", state,
+                          options=shardkit.CheckpointOptions(compression=compression))
     second = shardkit.save(tmp_path / "two", {k: v + 1 for k, v in state.items()},
-                           compression=compression)
+                           options=shardkit.CheckpointOptions(compression=compression))
     assert first.generation != second.generation
     assert re.fullmatch(r"[0-9a-f]{32}", first.generation)
     (name,) = [f for f in first.files if f != MANIFEST_FILE]

@@ -24,6 +24,7 @@ import zstandard
 from shardkit import format as fmt
 from shardkit.format import MANIFEST_FILE
 from shardkit.io import save as api
+from shardkit.io.options import CheckpointOptions
 from shardkit.shards import skz
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
@@ -163,7 +164,8 @@ def large(tmp_path_factory):
     paths = {}
     for chunk in ("4MiB", "64MiB"):
         path = tmp_path_factory.mktemp("large") / chunk
-        api.save(path, {"w": a}, compression="zstd", chunk_size=chunk, durable=False)
+        api.save(path, {"w": a},
+                 options=CheckpointOptions(compression="zstd", chunk_size=chunk, durable=False))
         paths[chunk] = path
     return a.nbytes, paths
 

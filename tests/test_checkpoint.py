@@ -113,7 +113,8 @@ def test_list_of_arrays_restored_in_place(tmp_path):
 
 
 def test_restore_from_plain_save_matches_by_key(tmp_path):
-    api.save(tmp_path / "plain", {"m": {"w": np.ones(3), "extra": np.zeros(1)}}, durable=False)
+    api.save(tmp_path / "plain", {"m": {"w": np.ones(3), "extra": np.zeros(1)}},
+             options=CheckpointOptions(durable=False))
     w = np.zeros(3)
     with pytest.raises(IncompleteRestoreError, match=r"'m/absent'.*'m/extra'"):
         Checkpoint(m={"w": w, "absent": np.zeros(2)}).read(tmp_path / "plain")
@@ -403,7 +404,8 @@ def test_missing_checkpoint(tmp_path):
 
 def test_newer_layout_version_rejected(tmp_path):
     meta = {METADATA_KEY: {"version": 99, "objects": {}}}
-    api.save(tmp_path / "c", {"s": {"x": np.ones(1)}}, metadata=meta, durable=False)
+    api.save(tmp_path / "c", {"s": {"x": np.ones(1)}}, metadata=meta,
+             options=CheckpointOptions(durable=False))
     with pytest.raises(RestoreMismatchError, match="layout version 99 is newer"):
         Checkpoint(s={"x": np.ones(1)}).read(tmp_path / "c")
 

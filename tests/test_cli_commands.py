@@ -11,6 +11,7 @@ import pytest
 
 from shardkit.errors import SplitTensorsWarning
 from shardkit.format import MANIFEST_FILE
+from shardkit.io.options import CheckpointOptions
 from shardkit.io.reader import load
 from shardkit.io.save import save
 from shardkit.sharding.policies import MaxShardSizePolicy
@@ -22,7 +23,8 @@ def checkpoint(tmp_path):
     path = tmp_path / "ckpt"
     state = {"a": np.arange(100, dtype=np.float32).reshape(10, 10), "b": {"c": np.ones(3)}}
     with pytest.warns(SplitTensorsWarning, match=r"stored 2 tensors as slices \(e\.g\. 'a'\)"):
-        save(path, state, sharding_callback=MaxShardSizePolicy(200), metadata={"step": 3})
+        save(path, state, metadata={"step": 3},
+             options=CheckpointOptions(experimental_sharding_callback=MaxShardSizePolicy(200)))
     return path
 
 
@@ -216,7 +218,7 @@ def _corrupt_shardkit(path, codec):
     """A shardkit checkpoint whose tensor 'w' has one byte flipped in its shard's data region
     (a raw shard's entry, or an .skz shard's last frame); returns (path, the shard file)."""
     state = {"w": np.arange(4096, dtype=np.float32), "b": np.ones(7, np.int16)}
-    save(path, state, compression=None if codec == "raw" else "zstd")
+    save(path, state, options=CheckpointOptions(compression=None if codec == "raw" else "zstd"))
     shard = next(p for p in path.iterdir() if p.name.startswith("model-"))
     data_start = 8 + int.from_bytes(shard.read_bytes()[:8], "little")  # 'w' comes first
     _flip(shard, data_start + 100 if codec == "raw" else -40)
@@ -299,7 +301,7 @@ def test_inspect_shows_each_slices_own_size_and_counts_in_the_singular(tmp_path,
     path = tmp_path / "c"
     with pytest.warns(SplitTensorsWarning):
         save(path, {"w": np.zeros((8, 128), np.float32)},
-             sharding_callback=MaxShardSizePolicy(1024))
+             options=CheckpointOptions(experimental_sharding_callback=MaxShardSizePolicy(1024)))
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if "8 128 " in line]

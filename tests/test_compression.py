@@ -27,6 +27,7 @@ from shardkit.errors import (
 )
 from shardkit.format import MANIFEST_FILE, EntryLayout, ShardInfo, layout_entries
 from shardkit.io import save as api
+from shardkit.io.options import CheckpointOptions
 from shardkit.io.reader import CheckpointReader
 from shardkit.sharding.policies import MaxShardSizePolicy
 from shardkit.shards import skz
@@ -587,8 +588,10 @@ def test_checkpoint_round_trip(tmp_path, shuffle, level, chunk, mmap):
     state = make_state(np.random.default_rng(11))
     policy = MaxShardSizePolicy(3000)  # several shards, "big" split into row slices
     with pytest.warns(SplitTensorsWarning, match="tensors as slices"):
-        api.save(tmp_path / "c", state, sharding_callback=policy, compression="zstd",
-                 level=level, shuffle=shuffle, chunk_size=chunk, durable=False)
+        api.save(tmp_path / "c", state,
+                 options=CheckpointOptions(experimental_sharding_callback=policy,
+                                           compression="zstd", level=level, shuffle=shuffle,
+                                           chunk_size=chunk, durable=False))
     names = sorted(os.listdir(tmp_path / "c"))
     assert names[-1] == MANIFEST_FILE and all(n.endswith(".skz") for n in names[:-1])
     assert len(names) > 2 and set(codecs(tmp_path / "c")) == {"zstd"}
@@ -607,7 +610,8 @@ def test_checkpoint_round_trip(tmp_path, shuffle, level, chunk, mmap):
 
 def test_one_row_of_a_compressed_embedding_decodes_one_chunk(tmp_path):
     rows = np.arange(32000, dtype=np.float32)[:, None] + np.zeros((1, 1024), np.float32)
-    api.save(tmp_path / "c", {"embed": rows}, compression="zstd", durable=False)
+    api.save(tmp_path / "c", {"embed": rows},
+             options=CheckpointOptions(compression="zstd", durable=False))
     with CheckpointReader(tmp_path / "c") as r:
         before = skz.frames_decompressed()
         row = r.get_slice("embed", np.s_[31999])
@@ -622,7 +626,8 @@ def test_one_row_of_a_compressed_embedding_decodes_one_chunk(tmp_path):
 def test_load_decodes_each_chunk_once(tmp_path):
     rng = np.random.default_rng(12)
     state = {f"w{i}": rng.standard_normal(3000).astype(np.float32) for i in range(40)}
-    api.save(tmp_path / "c", state, compression="zstd", chunk_size="64KiB", durable=False)
+    api.save(tmp_path / "c", state,
+             options=CheckpointOptions(compression="zstd", chunk_size="64KiB", durable=False))
     n_chunks = -(-sum(a.nbytes for a in state.values()) // (64 * 1024))
     before = skz.frames_decompressed()
     assert_same(api.load(tmp_path / "c"), state)
@@ -631,7 +636,8 @@ def test_load_decodes_each_chunk_once(tmp_path):
 
 def test_restore_into_from_compressed_shards(tmp_path):
     state = make_state(np.random.default_rng(13))
-    api.save(tmp_path / "c", state, compression="zstd", chunk_size=512, durable=False)
+    api.save(tmp_path / "c", state,
+             options=CheckpointOptions(compression="zstd", chunk_size=512, durable=False))
     target = {k: np.zeros_like(v) for k, v in state.items()}
     assert api.restore_into(tmp_path / "c", target, verify=True).restored_keys == list(state)
     assert_same(target, state)
@@ -650,7 +656,8 @@ def test_corrupt_frame_through_the_reader_names_shard_and_key(tmp_path):
     rng = np.random.default_rng(14)
     state = {"a/first": (rng.standard_normal(4096) * 0.1).astype(np.float32),
              "b/second": (rng.standard_normal(4096) * 0.1).astype(np.float32)}
-    api.save(tmp_path / "c", state, compression="zstd", chunk_size="16KiB", durable=False)
+    api.save(tmp_path / "c", state,
+             options=CheckpointOptions(compression="zstd", chunk_size="16KiB", durable=False))
     shard = corrupt_frame(tmp_path / "c", 1)  # chunk 1 = the second tensor's bytes
     with CheckpointReader(tmp_path / "c") as r:
         assert r["a/first"].tobytes() == state["a/first"].tobytes()
@@ -672,8 +679,9 @@ def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path, monkeypatch):
     raw_part = {"r/w": rng.standard_normal((64, 8)).astype(np.float32), "r/n": np.arange(5)}
     zstd_part = {"z/w": rng.standard_normal((32, 32)).astype(ml_dtypes.bfloat16),
                  "z/i": np.arange(100, dtype=np.int16)}
-    api.save(tmp_path / "a", raw_part, durable=False)
-    api.save(tmp_path / "b", zstd_part, compression="zstd", durable=False)
+    api.save(tmp_path / "a", raw_part, options=CheckpointOptions(durable=False))
+    api.save(tmp_path / "b", zstd_part,
+             options=CheckpointOptions(compression="zstd", durable=False))
     ia = fmt.decode_index((tmp_path / "a" / MANIFEST_FILE).read_bytes(), "a")
     ib = fmt.decode_index((tmp_path / "b" / MANIFEST_FILE).read_bytes(), "b")
     assert len(ia.shards) == len(ib.shards) == 1
@@ -699,7 +707,8 @@ def test_mixed_checkpoint_raw_and_zstd_shards(tmp_path, monkeypatch):
 def test_restore_into_torch_tensors_decodes_in_place(tmp_path):
     torch = pytest.importorskip("torch", reason="torch is an optional dependency")
     src = {"w": torch.randn(64, 32), "bf": torch.randn(16, dtype=torch.bfloat16)}
-    api.save(tmp_path / "c", src, compression="zstd", chunk_size=1024, durable=False)
+    api.save(tmp_path / "c", src,
+             options=CheckpointOptions(compression="zstd", chunk_size=1024, durable=False))
     dst = {"w": torch.zeros(64, 32), "bf": torch.zeros(16, dtype=torch.bfloat16)}
     before = skz.frames_decompressed()
     assert api.restore_into(tmp_path / "c", dst).restored_keys == ["w", "bf"]

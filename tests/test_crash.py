@@ -27,6 +27,7 @@ from s3server import S3Server
 
 import shardkit
 from shardkit.io import save as api
+from shardkit.io.options import CheckpointOptions
 from shardkit.io.reader import load
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL (POSIX)")
@@ -85,7 +86,7 @@ def _kill_rounds(tmp_path: Path, rounds: int, exchange: bool,
     path = tmp_path / "ckpt"
     old_seed, new_seed = 1, 2
     old, new = _state(old_seed), _state(new_seed)
-    api.save(path, old, durable=False)
+    api.save(path, old, options=CheckpointOptions(durable=False))
     # How long does the child's save take? Measure one uninterrupted run.
     child = _spawn(tmp_path / "probe", new_seed, exchange)
     out, _ = child.communicate(timeout=120)
@@ -110,14 +111,16 @@ def _kill_rounds(tmp_path: Path, rounds: int, exchange: bool,
             outcomes.append("old")
         elif _equal(loaded, new):
             outcomes.append("new")
-            api.save(path, old, overwrite=True, durable=False)  # start the next round from old
+            api.save(path, old, overwrite=True,
+                     options=CheckpointOptions(durable=False))  # start the next round from old
         else:
             pytest.fail("the checkpoint after a killed save is neither the old nor the new one")
         del loaded
         if any(".shardkit-" in name for name in os.listdir(tmp_path)):
             outcomes[-1] += "+leftovers"
         # The next save cleans whatever the killed one left behind.
-        api.save(tmp_path / "other", {"x": np.zeros(1)}, overwrite=True, durable=False)
+        api.save(tmp_path / "other", {"x": np.zeros(1)}, overwrite=True,
+                 options=CheckpointOptions(durable=False))
         assert sorted(os.listdir(tmp_path)) == ["ckpt", "other", "probe"], os.listdir(tmp_path)
     return outcomes
 
@@ -217,7 +220,8 @@ def test_sigkill_before_every_step_of_a_local_overwrite(tmp_path, kind, old_shar
     other = parent / "other"
 
     def after_kill(_got: str) -> None:
-        shardkit.save(other, {"x": np.zeros(1)}, overwrite=True, durable=False,
+        shardkit.save(other, {"x": np.zeros(1)}, overwrite=True,
+                      options=shardkit.CheckpointOptions(durable=False),
                       **({"format": "tensorflow"} if tf else {}))
         assert not [n for n in os.listdir(parent) if ".shardkit-" in n], os.listdir(parent)
 

@@ -92,13 +92,19 @@ def write_checkpoints(root: Path) -> dict[str, str]:
              "rows2": str(root / "rows2")}
     shardkit.save(paths["full"], state)
     with pytest.warns(shardkit.SplitTensorsWarning):
-        shardkit.save(paths["rows4"], state, sharding_callback=RowsPerRank(4))
+        shardkit.save(paths["rows4"], state,
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=RowsPerRank(4)))
     with pytest.warns(shardkit.SplitTensorsWarning):
-        shardkit.save(paths["rows2"], state, sharding_callback=RowsPerRank(2))
+        shardkit.save(paths["rows2"], state,
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=RowsPerRank(2)))
     paths["rows4z"] = str(root / "rows4z")  # compressed shards: boxes through the codec
     with pytest.warns(shardkit.SplitTensorsWarning):
-        shardkit.save(paths["rows4z"], state, sharding_callback=RowsPerRank(4),
-                      compression="zstd", chunk_size="64KiB")
+        shardkit.save(paths["rows4z"], state,
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=RowsPerRank(4), compression="zstd",
+                          chunk_size="64KiB"))
     return paths
 
 

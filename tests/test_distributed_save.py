@@ -188,7 +188,8 @@ def _replicated_state(rank: int, world: int, path: str) -> tuple:
     sizes = [1000, 900, 800, 700, 600, 500, 400, 300, 200, 100, 50, 25]
     state = {f"r{i}": torch.full((n,), float(i)) for i, n in enumerate(sizes)}
     state[f"only{rank}"] = torch.zeros(100)
-    info = shardkit.save(path, state, process_group=torch.distributed.group.WORLD, threads=5)
+    info = shardkit.save(path, state, process_group=torch.distributed.group.WORLD,
+                         options=shardkit.CheckpointOptions(threads=5))
     return info.files
 
 
@@ -318,7 +319,8 @@ def _failures(rank: int, world: int, root: str) -> dict:
     out["final"] = shardkit.open(path).index.generation
     # compressed shards, written by each rank the same way
     shardkit.save(os.path.join(root, "zstd"), {"rep": torch.arange(64.0), f"own{rank}":
-                  torch.full((100,), float(rank))}, compression="zstd",
+                  torch.full((100,), float(rank))},
+                  options=shardkit.CheckpointOptions(compression="zstd"),
                   process_group=torch.distributed.group.WORLD)
     # without DTensors or a group, a save is this process's alone: rank 0 saves, rank 1 not
     if rank == 0:
@@ -448,7 +450,8 @@ def _kill_round(rank: int, world: int, i: int, path: str, parent_generation: str
     started = time.monotonic()
     try:
         shardkit.save(path, state, process_group=torch.distributed.group.WORLD,
-                      overwrite=True, timeout=10, sharding_callback=Killing())
+                      overwrite=True, timeout=10,
+                      options=shardkit.CheckpointOptions(experimental_sharding_callback=Killing()))
         outcome = "saved"
     except (DistributedTimeoutError, DistributedSaveError) as e:
         outcome = type(e).__name__

@@ -1109,7 +1109,7 @@ def test_a_2_0_or_2_1_checkpoint_is_still_read_verified_and_replaceable(tmp_path
     # saving over it (overwrite=True) replaces it by a 2.2 checkpoint: one manifest
     import shardkit
 
-    shardkit.save(ckpt, {"a": a}, overwrite=True, durable=False)
+    shardkit.save(ckpt, {"a": a}, overwrite=True, options=shardkit.CheckpointOptions(durable=False))
     assert sorted(os.listdir(ckpt)) == ["model-00001-of-00001.safetensors", MANIFEST_FILE]
     np.testing.assert_array_equal(load(ckpt)["a"], a)
 

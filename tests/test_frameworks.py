@@ -79,7 +79,7 @@ def mapping_of(address: int) -> tuple[str, str] | None:
 def every_dtype(tmp_path):
     state = {f"{dt}/{i}": random_array(dt, shape, i)
              for dt in DTYPES for i, shape in enumerate(SHAPES)}
-    shardkit.save(tmp_path / "c", state, durable=False)
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(durable=False))
     return tmp_path / "c", state
 
 
@@ -139,7 +139,7 @@ def test_torch_values_match_numpy(tmp_path, dtype):
         a = np.arange(12).astype(dtype)
     else:
         a = np.linspace(-6, 6, 12).astype(np.float32).astype(dtype)
-    shardkit.save(tmp_path / "c", {"a": a}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": a}, options=shardkit.CheckpointOptions(durable=False))
     t = shardkit.load(tmp_path / "c", framework="torch")["a"]
     if dtype.kind == "b" or dtype.kind in "iu":
         assert t.numpy().tolist() == a.tolist()
@@ -153,7 +153,7 @@ def test_torch_is_zero_copy_over_the_map_and_copy_on_write(tmp_path):
              "f32": np.linspace(-2, 2, 1000).astype(np.float32),
              "i64": np.arange(1000, dtype=np.int64),
              "scalar": np.array(1.5, BF16)}
-    shardkit.save(tmp_path / "c", state, durable=False)
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(durable=False))
     before = file_bytes(tmp_path / "c")
     shard = next(str(tmp_path / "c" / n) for n in before if n.endswith(".safetensors"))
     got = shardkit.load(tmp_path / "c", framework="torch")
@@ -174,7 +174,7 @@ def test_torch_is_zero_copy_over_the_map_and_copy_on_write(tmp_path):
 
 def test_reader_get_torch_shares_the_map_with_numpy(tmp_path):
     a = np.arange(12, dtype=np.float32).reshape(3, 4).astype(BF16)
-    shardkit.save(tmp_path / "c", {"a": a}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": a}, options=shardkit.CheckpointOptions(durable=False))
     with shardkit.open(tmp_path / "c") as r:
         view = r.get("a")
         t = r.get("a", framework="torch")
@@ -199,7 +199,8 @@ def test_torch_split_and_zstd_and_unmapped(tmp_path):
     _split_ckpt(tmp_path / "split", a)
     state = {f"k{i}": random_array(dt, (5, 3), i) for i, dt in enumerate([BF16, E4M3, E5M2])}
     state["f"] = np.arange(4096, dtype=np.float32)
-    shardkit.save(tmp_path / "z", state, compression="zstd", durable=False)
+    shardkit.save(tmp_path / "z", state,
+                  options=shardkit.CheckpointOptions(compression="zstd", durable=False))
     t = shardkit.load(tmp_path / "split", framework="torch")["t"]
     assert t.dtype == torch.bfloat16 and torch_bits(t) == bits(a)
     with shardkit.open(tmp_path / "split") as r:
@@ -237,7 +238,8 @@ def test_load_state_dict_idiom(tmp_path):
     torch.manual_seed(0)
     src = _Net()
     src.norm(torch.randn(8, 3))  # non-trivial running stats
-    shardkit.save(tmp_path / "c", src.state_dict(), durable=False)
+    shardkit.save(tmp_path / "c", src.state_dict(),
+                  options=shardkit.CheckpointOptions(durable=False))
     before = file_bytes(tmp_path / "c")
     dst = _Net()
     result = dst.load_state_dict(shardkit.load(tmp_path / "c", framework="torch"))
@@ -264,7 +266,7 @@ def test_in_place_ops_on_every_tensor(tmp_path):
              for i, dt in enumerate(dtypes)}
     state["t5"] = np.array(2.25, np.float32)  # 0-d
     state["t6"] = np.zeros((0, 3), BF16)  # empty
-    shardkit.save(tmp_path / "c", state, durable=False)
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(durable=False))
     before = file_bytes(tmp_path / "c")
     got = shardkit.load(tmp_path / "c", framework="torch")
     for t in got.values():
@@ -287,7 +289,8 @@ def test_in_place_ops_on_every_tensor(tmp_path):
 
 
 def test_torch_device_handling(tmp_path):
-    shardkit.save(tmp_path / "c", {"a": np.arange(4, dtype=np.float32)}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": np.arange(4, dtype=np.float32)},
+                  options=shardkit.CheckpointOptions(durable=False))
     with shardkit.open(tmp_path / "c") as r:
         ptr = r.get("a").ctypes.data
         for device in ("cpu", "cpu:0", torch.device("cpu")):
@@ -326,7 +329,8 @@ def test_jax_every_dtype_bit_exact(every_dtype):
 
 def test_jax_64_bit_needs_x64_mode(tmp_path):
     shardkit.save(tmp_path / "c", {"small": np.arange(3, dtype=np.int32),
-                                   "big": np.arange(3, dtype=np.int64)}, durable=False)
+                                   "big": np.arange(3, dtype=np.int64)},
+                  options=shardkit.CheckpointOptions(durable=False))
     with jax.enable_x64(False):
         assert shardkit.load(tmp_path / "c", "small", framework="jax")["small"].dtype == np.int32
         with pytest.raises(UnsupportedDTypeError, match="'big': dtype int64 needs jax's 64-bit"):
@@ -335,7 +339,7 @@ def test_jax_64_bit_needs_x64_mode(tmp_path):
 
 def test_jax_copies_and_is_immutable(tmp_path):
     a = np.arange(1024, dtype=np.float32).astype(BF16)
-    shardkit.save(tmp_path / "c", {"a": a}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": a}, options=shardkit.CheckpointOptions(durable=False))
     with shardkit.open(tmp_path / "c") as r:
         view = r.get("a")
         j = r.get("a", framework="jax")
@@ -353,7 +357,7 @@ def test_jax_split_zstd_and_devices(tmp_path):
     a = random_array(E5M2, (4, 6), 5)
     _split_ckpt(tmp_path / "split", a)
     shardkit.save(tmp_path / "z", {"a": a, "b": np.arange(9, dtype=np.int8)},
-                  compression="zstd", durable=False)
+                  options=shardkit.CheckpointOptions(compression="zstd", durable=False))
     dev = jax.devices("cpu")[0]
     for device in (None, "cpu", "cpu:0", dev, jax.sharding.SingleDeviceSharding(dev)):
         j = shardkit.load(tmp_path / "split", framework="jax", device=device)["t"]
@@ -376,7 +380,8 @@ def test_jax_split_zstd_and_devices(tmp_path):
 
 @pytest.mark.parametrize("call", ["load", "get", "get_slice"])
 def test_unknown_framework_names_the_options(tmp_path, call):
-    shardkit.save(tmp_path / "c", {"a": np.ones(2)}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": np.ones(2)},
+                  options=shardkit.CheckpointOptions(durable=False))
     with shardkit.open(tmp_path / "c") as r:
         run = {"load": lambda **kw: shardkit.load(tmp_path / "c", **kw),
                "get": lambda **kw: r.get("a", **kw),
@@ -393,7 +398,8 @@ def test_unknown_framework_names_the_options(tmp_path, call):
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_framework_not_installed(tmp_path, monkeypatch, framework):
-    shardkit.save(tmp_path / "c", {"a": np.ones(2)}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": np.ones(2)},
+                  options=shardkit.CheckpointOptions(durable=False))
     monkeypatch.setitem(sys.modules, framework, None)  # import fails as if not installed
     with pytest.raises(MissingDependencyError,
                        match=f"framework='{framework}' needs {framework}, which cannot be "

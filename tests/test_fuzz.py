@@ -50,8 +50,9 @@ def seeds(tmp_path_factory):
     paths["raw_again"] = root / "raw_again"
     with pytest.warns(shardkit.SplitTensorsWarning):  # slices on purpose, as the seeds
         shardkit.save(paths["raw_again"], fz.seed_state(),
-                      sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=1024),
-                      durable=False)
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=1024),
+                          durable=False))
     return root, paths
 
 

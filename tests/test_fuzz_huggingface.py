@@ -85,7 +85,9 @@ def seeds(tmp_path_factory):
                                 metadata={"format": "pt"})
     with pytest.warns(shardkit.SplitTensorsWarning):  # "big" is split on purpose
         shardkit.save(root / "sk", foreign_reader.sk_state(),
-                      sharding_callback=shardkit.BinPackPolicy(256), durable=False)
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=shardkit.BinPackPolicy(256),
+                          durable=False))
     return root
 
 

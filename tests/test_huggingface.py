@@ -64,10 +64,11 @@ def _model(name: str, seed: int = 0):
     return cls, config, model
 
 
-def _save(path: Path, model, config, **kwargs) -> shardkit.SaveInfo:
+def _save(path: Path, model, config, sharding_callback=None) -> shardkit.SaveInfo:
     with warnings.catch_warnings():
         warnings.simplefilter("error", shardkit.SplitTensorsWarning)  # whole tensors only
-        info = shardkit.save(path, model.state_dict(), durable=False, **kwargs)
+        info = shardkit.save(path, model.state_dict(), options=shardkit.CheckpointOptions(
+            durable=False, experimental_sharding_callback=sharding_callback))
     config.save_pretrained(path)
     return info
 
@@ -189,7 +190,9 @@ def test_a_splitting_policy_warns_once_naming_the_count_and_a_key(tmp_path, poli
     state = model.state_dict()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        info = shardkit.save(tmp_path / "ckpt", state, sharding_callback=policy, durable=False)
+        info = shardkit.save(tmp_path / "ckpt", state,
+                             options=shardkit.CheckpointOptions(
+                                 experimental_sharding_callback=policy, durable=False))
     manifest = _manifest(tmp_path / "ckpt")
     split = [k for k in state if k not in manifest["weight_map"]]
     assert split, "the policy was expected to split something at this size"
@@ -226,7 +229,8 @@ def test_overwrite_never_replaces_a_huggingface_save_pretrained_directory(tmp_pa
     assert "model.safetensors" in before
     with pytest.raises(shardkit.CheckpointExistsError, match=r"hf exists, is not empty and "
                        r"holds no shardkit model\.safetensors\.index\.json"):
-        shardkit.save(tmp_path / "hf", model.state_dict(), overwrite=True, durable=False)
+        shardkit.save(tmp_path / "hf", model.state_dict(), overwrite=True,
+                      options=shardkit.CheckpointOptions(durable=False))
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before
     # a sharded HuggingFace checkpoint has a model.safetensors.index.json, not shardkit's
     model.save_pretrained(tmp_path / "hf-sharded", max_shard_size="20KB")
@@ -257,10 +261,12 @@ def split_brain(tmp_path):
     path, other = tmp_path / "ckpt", tmp_path / "other"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", shardkit.SplitTensorsWarning)
-        shardkit.save(path, state, sharding_callback=BinPackPolicy(256),
-                      durable=False)
+        shardkit.save(path, state,
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=BinPackPolicy(256), durable=False))
         shardkit.save(other, {k: v[::-1].copy() for k, v in state.items()},
-                      sharding_callback=BinPackPolicy(256), durable=False)
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=BinPackPolicy(256), durable=False))
     weight_map = _manifest(path)["weight_map"]
     assert len(set(weight_map.values())) > 1  # whole tensors in more than one shard
     assert "split" not in weight_map and "text" not in weight_map

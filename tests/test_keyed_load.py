@@ -30,7 +30,8 @@ def saved(request, tmp_path):
     path = tmp_path / "ckpt"
     callback = shardkit.BinPackPolicy("1KiB") if request.param == "split" else None
     with pytest.warns(shardkit.SplitTensorsWarning) if callback else _nothing():
-        shardkit.save(path, mixed_state(), sharding_callback=callback)
+        shardkit.save(path, mixed_state(),
+                      options=shardkit.CheckpointOptions(experimental_sharding_callback=callback))
     with shardkit.open(path) as reader:
         split = reader.info("model/embed").slices
         assert len({s.shard for s in split}) == (1 if callback is None else len(split)) > 0
@@ -70,7 +71,9 @@ def test_split_tensors_span_several_shards(tmp_path):
     path = tmp_path / "ckpt"
     state = {"big": RNG.random((256, 8)), "small": np.arange(3.0)}
     with pytest.warns(shardkit.SplitTensorsWarning):
-        shardkit.save(path, state, sharding_callback=shardkit.BinPackPolicy("4KiB"))
+        shardkit.save(path, state,
+                      options=shardkit.CheckpointOptions(
+                          experimental_sharding_callback=shardkit.BinPackPolicy("4KiB")))
     with shardkit.open(path) as reader:
         assert len({s.shard for s in reader.info("big").slices}) > 1
     assert_same(shardkit.load(path, ["small", "big"]), {"small": state["small"],

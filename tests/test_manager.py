@@ -271,7 +271,7 @@ def test_retention_never_follows_a_symlinked_checkpoint(tmp_path, target):
     root.mkdir()
     elsewhere = tmp_path / "elsewhere"
     if target == "directory":
-        save(elsewhere, {"s/x": np.ones(3)}, durable=False)
+        save(elsewhere, {"s/x": np.ones(3)}, options=CheckpointOptions(durable=False))
     else:
         elsewhere.write_text("a file")
     before = {p.name: p.read_bytes() for p in elsewhere.iterdir()} if target == "directory" \

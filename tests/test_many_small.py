@@ -48,10 +48,10 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("max_shard_size", [None, 4096])
 def test_many_small_tensors_round_trip(tmp_path, max_shard_size):
     state = _state(2000)
-    kwargs = {} if max_shard_size is None else {
-        "sharding_callback": api.DefaultShardingPolicy(threads=2, max_shard_size=max_shard_size)
-    }
-    shardkit.save(tmp_path / "c", state, durable=False, **kwargs)
+    policy = None if max_shard_size is None else api.DefaultShardingPolicy(
+        threads=2, max_shard_size=max_shard_size)
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(
+        durable=False, experimental_sharding_callback=policy))
     loaded = shardkit.load(tmp_path / "c", verify=True)
     assert list(loaded) == list(state)
     for key, a in state.items():
@@ -66,8 +66,9 @@ def test_round_trip_with_split_tensors_among_many_small(tmp_path):
     state["big"] = np.arange(4000, dtype=np.float32).reshape(100, 40)
     state["wide"] = np.arange(3000, dtype=np.int16).reshape(3, 1000)
     with pytest.warns(shardkit.SplitTensorsWarning, match=r"stored \d+ tensors as slices"):
-        shardkit.save(tmp_path / "c", state, durable=False,
-                      sharding_callback=MaxShardSizePolicy(2000))
+        shardkit.save(tmp_path / "c", state,
+                      options=shardkit.CheckpointOptions(durable=False,
+                                                         experimental_sharding_callback=MaxShardSizePolicy(2000)))
     view = tensor_view(index_document(tmp_path / "c"))
     assert len(view["big"]["slices"]) > 1  # really split
     loaded = shardkit.load(tmp_path / "c", verify=True)
@@ -477,7 +478,7 @@ def test_entries_not_aligned_to_their_item_size_load_correctly(tmp_path):
 
 
 def _saved(tmp_path, state):
-    shardkit.save(tmp_path / "c", state, durable=False)
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(durable=False))
     return tmp_path / "c", json.loads((tmp_path / "c" / MANIFEST_FILE).read_text())
 
 

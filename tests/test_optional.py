@@ -85,7 +85,8 @@ def tf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("sk") / "ckpt"
-    shardkit.save(path, {"w": np.arange(6, dtype=np.float32)}, durable=False)
+    shardkit.save(path, {"w": np.arange(6, dtype=np.float32)},
+                  options=shardkit.CheckpointOptions(durable=False))
     return str(path)
 
 
@@ -183,8 +184,10 @@ def test_float32_round_trip_needs_no_ml_dtypes_tqdm_or_zstandard(tmp_path):
 
 def test_core_dependency_missing_says_to_reinstall(tmp_path):
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    shardkit.save(tmp_path / "bf", {"w": np.ones(3, ml_dtypes.bfloat16)}, durable=False)
-    shardkit.save(tmp_path / "raw", {"w": np.ones(3, np.float32)}, durable=False)
+    shardkit.save(tmp_path / "bf", {"w": np.ones(3, ml_dtypes.bfloat16)},
+                  options=shardkit.CheckpointOptions(durable=False))
+    shardkit.save(tmp_path / "raw", {"w": np.ones(3, np.float32)},
+                  options=shardkit.CheckpointOptions(durable=False))
     cases = [(["ml_dtypes"], f"shardkit.load({str(tmp_path / 'bf')!r})", "ml_dtypes"),
              (["zstandard"], f"shardkit.save({str(tmp_path / 'z')!r}, {{'a': np.ones(2)}}, "
                              "compression='zstd')", "zstandard"),

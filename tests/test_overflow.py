@@ -43,7 +43,8 @@ def bundle(request, tmp_path):
     state = {"a": np.arange(6, dtype=np.float32), "b": np.arange(4, dtype=np.int64)}
     prefix = tmp_path / "ck"
     policy = shardkit.MaxShardSizePolicy(max_shard_size=24) if request.param == "sliced" else None
-    shardkit.save(prefix, state, format="tensorflow", sharding_callback=policy)
+    shardkit.save(prefix, state, format="tensorflow",
+                  options=shardkit.CheckpointOptions(experimental_sharding_callback=policy))
     if request.param == "sliced":
         with shardkit.open(prefix) as r:
             assert len(r.info("a").slices) == 1 and len(r.info("b").slices) == 3
@@ -207,7 +208,8 @@ def skz_shard(tmp_path):
     """A zstd checkpoint of one .skz shard with several frames, its bytes and header."""
     path = tmp_path / "ck"
     state = {"w": np.linspace(0, 1, 600, dtype=np.float32), "n": np.arange(40, dtype=np.int16)}
-    shardkit.save(path, state, compression="zstd", chunk_size=1024)
+    shardkit.save(path, state,
+                  options=shardkit.CheckpointOptions(compression="zstd", chunk_size=1024))
     (shard,) = path.glob("*.skz")
     data = shard.read_bytes()
     return shard, data, skz.decode_skz_header(data, len(data), str(shard))

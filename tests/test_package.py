@@ -72,7 +72,8 @@ def test_ml_dtypes_is_imported_by_the_calls_that_need_it(tmp_path):
     """bfloat16 / float8 work wherever they are used: a checkpoint that holds them, a state
     built with them, arrays of them made after ``import shardkit``."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    shardkit.save(tmp_path / "bf", {"w": np.arange(3).astype(ml_dtypes.bfloat16)}, durable=False)
+    shardkit.save(tmp_path / "bf", {"w": np.arange(3).astype(ml_dtypes.bfloat16)},
+                  options=shardkit.CheckpointOptions(durable=False))
     out = run(f"""
         import sys, numpy as np, shardkit
         state = shardkit.load({str(tmp_path / "bf")!r})
@@ -137,9 +138,10 @@ def test_pure_python_twins_round_trip_every_path(tmp_path):
         state["big"] = rng.random((600, 500)).astype(np.float32)
         state["strided"] = rng.random((40, 30))[::2, ::3]
         for i, kw in enumerate(({{}}, {{"compression": "zstd", "chunk_size": 4096}},
-                                {{"sharding_callback": shardkit.MaxShardSizePolicy(100_000)}})):
+                                {{"experimental_sharding_callback":
+                                  shardkit.MaxShardSizePolicy(100_000)}})):
             path = r"{tmp_path}" + f"/c{{i}}"
-            shardkit.save(path, state, durable=False, **kw)
+            shardkit.save(path, state, options=shardkit.CheckpointOptions(durable=False, **kw))
             back = shardkit.load(path, verify=True)
             for key, a in state.items():
                 b = back[key]

@@ -127,8 +127,9 @@ def test_reader_never_mixes_generations(tmp_path, codec):
     path = str(tmp_path / "ckpt")
     first = {f"t{i:02d}": np.full(1024 + 7 * i, 0, np.int32) for i in range(N_TENSORS)}
     with pytest.warns(shardkit.SplitTensorsWarning, match=f"stored {N_TENSORS} tensors"):
-        shardkit.save(path, first, durable=False, compression=codec or None,
-                      sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=8192))
+        shardkit.save(path, first,
+                      options=shardkit.CheckpointOptions(durable=False, compression=codec or None,
+                                                         experimental_sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=8192)))
     writer = Writer(path, codec, str(tmp_path / "stop"))
     outcomes: Counter[str] = Counter()
     mixed = []

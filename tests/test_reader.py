@@ -34,6 +34,7 @@ from shardkit.format import MANIFEST_FILE
 from shardkit.io import reader as rd
 from shardkit.io import restore
 from shardkit.io import save as api
+from shardkit.io.options import CheckpointOptions
 from shardkit.io.reading import boxes as reading_boxes
 from shardkit.io.reading.shards import ShardSet
 from shardkit.io.restore import restore_into
@@ -148,7 +149,8 @@ def test_owned_copies_survive_the_files_changing_under_them(tmp_path, compressio
     verified or not, and reading every byte does not crash."""
     state = {"w": np.arange(4 * 4096, dtype=np.float32).reshape(4, 4096),
              "b": np.arange(7, dtype=np.int64)}
-    api.save(tmp_path / "c", state, compression=compression, durable=False)
+    api.save(tmp_path / "c", state,
+             options=CheckpointOptions(compression=compression, durable=False))
     got = rd.load(tmp_path / "c", mmap=False, verify=True)
     with rd.CheckpointReader(tmp_path / "c", mmap=False) as r:
         part = r.get_slice("w", (slice(1, 3),))
@@ -163,11 +165,11 @@ def test_a_map_is_a_view_of_the_file(tmp_path):
     written to, even one `verify=True` checked; a truncation makes reading a page of it raise
     SIGBUS (in a child process here)."""
     state = {"w": np.arange(4 * 4096, dtype=np.float32)}
-    api.save(tmp_path / "c", state, durable=False)
+    api.save(tmp_path / "c", state, options=CheckpointOptions(durable=False))
     got = rd.load(tmp_path / "c", verify=True)
     _rewrite_shards(tmp_path / "c", "rewrite")
     assert not np.array_equal(got["w"], state["w"])  # the view shows the file's new bytes
-    api.save(tmp_path / "d", state, durable=False)
+    api.save(tmp_path / "d", state, options=CheckpointOptions(durable=False))
     script = textwrap.dedent(f"""
         import numpy as np
         from shardkit import reader
@@ -732,7 +734,8 @@ def test_round_trip_through_save(tmp_path, policy, use_mmap):
     state = _state()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        save(tmp_path / "c", state, sharding_callback=callback, durable=False,
+        save(tmp_path / "c", state,
+             options=CheckpointOptions(experimental_sharding_callback=callback, durable=False),
              metadata={"step": 5})
     # only the splitting policy warns that HuggingFace loaders cannot read what it split
     assert [type(w.message) for w in caught] == (
@@ -763,7 +766,9 @@ def test_save_then_restore_into_torch_and_numpy(tmp_path):
     src = {"w": torch.randn(64, 32), "bf": torch.randn(16, dtype=torch.bfloat16),
            "n": np.arange(10, dtype=np.int32)}
     with pytest.warns(SplitTensorsWarning, match=r"\(e\.g\. 'w'\)"):
-        save(tmp_path / "c", src, sharding_callback=MaxShardSizePolicy(2048), durable=False)
+        save(tmp_path / "c", src,
+             options=CheckpointOptions(experimental_sharding_callback=MaxShardSizePolicy(2048),
+                                       durable=False))
     dst = {"w": torch.zeros(64, 32), "bf": torch.zeros(16, dtype=torch.bfloat16),
            "n": np.zeros(10, np.int32)}
     assert restore_into(tmp_path / "c", dst, verify=True).restored_keys == ["w", "bf", "n"]
@@ -790,7 +795,7 @@ def test_pread_mode_reads_runs_of_adjacent_entries(tmp_path, monkeypatch):
     """mmap=False: a run of adjacent entries is filled by one vectored read, not one read per
     tensor; entries skipped by the request split the runs."""
     flat = {f"t{i:04d}": _sample(np.float32, (i % 7 + 1,)) for i in range(3000)}
-    api.save(tmp_path / "c", flat, durable=False, threads=1)
+    api.save(tmp_path / "c", flat, options=CheckpointOptions(durable=False, threads=1))
     calls = []
     real = files._gather.read_arrays
     monkeypatch.setattr(files._gather, "read_arrays",
@@ -810,7 +815,7 @@ def test_pread_mode_reads_runs_of_adjacent_entries(tmp_path, monkeypatch):
 
 def test_pread_mode_notices_a_shard_cut_short_after_opening(tmp_path):
     flat = {f"t{i}": _sample(np.int16, (50,)) for i in range(20)}
-    api.save(tmp_path / "c", flat, durable=False, threads=1)
+    api.save(tmp_path / "c", flat, options=CheckpointOptions(durable=False, threads=1))
     (shard,) = (tmp_path / "c").glob("*.safetensors")
     with rd.CheckpointReader(tmp_path / "c", mmap=False) as r:
         _same(r["t0"], flat["t0"])  # the shard is open (its size checked) from here on
@@ -841,7 +846,7 @@ def test_pread_mode_large_tensors_read_in_parallel_pieces(tmp_path, monkeypatch)
     monkeypatch.setattr(files, "PARALLEL_MIN_BUFFER", 1024)
     flat = {"big": _sample(np.float32, (300, 41)), "bf": _sample(ml_dtypes.bfloat16, (9000,)),
             "small": _sample(np.int8, (5,))}
-    api.save(tmp_path / "c", flat, durable=False, threads=1)
+    api.save(tmp_path / "c", flat, options=CheckpointOptions(durable=False, threads=1))
     threads = set()
     real = files._gather.read_arrays
     monkeypatch.setattr(files._gather, "read_arrays", lambda fd, bufs, at: threads.add(
@@ -906,7 +911,7 @@ def _file_bytes(path) -> dict[str, bytes]:
 def test_loaded_arrays_are_writable_and_writing_never_changes_the_file(tmp_path):
     flat = {"a": _sample(np.float32, (64, 3)), "b": _sample(np.int16, (7,)),
             "s": _sample(np.int64, ())}
-    api.save(tmp_path / "c", flat, durable=False)
+    api.save(tmp_path / "c", flat, options=CheckpointOptions(durable=False))
     before = _file_bytes(tmp_path / "c")
     for use_mmap in (True, False):
         got = rd.load(tmp_path / "c", mmap=use_mmap)
@@ -950,7 +955,8 @@ def test_torch_add_in_place_on_a_loaded_array(tmp_path):
 @pytest.mark.parametrize("index", [(), ...], ids=["empty-tuple", "ellipsis"])
 def test_zero_d_get_slice_returns_the_stored_value(tmp_path, use_mmap, compression, index):
     flat = {"s": np.float64(-3.25), "i": np.int8(-7), "v": _sample(np.float32, (40,))}
-    api.save(tmp_path / "c", flat, durable=False, compression=compression)
+    api.save(tmp_path / "c", flat,
+             options=CheckpointOptions(durable=False, compression=compression))
     with rd.CheckpointReader(tmp_path / "c", mmap=use_mmap) as r:
         for _ in range(3):  # uninitialised memory would differ from call to call
             for k in ("s", "i"):
@@ -961,7 +967,7 @@ def test_zero_d_get_slice_returns_the_stored_value(tmp_path, use_mmap, compressi
 
 
 def _overwrite(path, flat) -> None:
-    api.save(path, flat, durable=False, overwrite=True)
+    api.save(path, flat, options=CheckpointOptions(durable=False), overwrite=True)
 
 
 def _gen(n: int, shards: int = 1) -> dict[str, np.ndarray]:
@@ -975,7 +981,7 @@ def two_shard_policy():
 
 def test_reader_reads_the_checkpoint_it_opened_after_an_overwrite(tmp_path, use_mmap):
     path = tmp_path / "c"
-    api.save(path, _gen(1), durable=False)
+    api.save(path, _gen(1), options=CheckpointOptions(durable=False))
     with rd.CheckpointReader(path, mmap=use_mmap) as r:
         np.testing.assert_array_equal(r["a"], _gen(1)["a"])
         _overwrite(path, _gen(2))
@@ -987,12 +993,15 @@ def test_reader_reads_the_checkpoint_it_opened_after_an_overwrite(tmp_path, use_
 
 def test_reader_never_reads_a_shard_of_the_new_checkpoint(tmp_path, use_mmap, two_shard_policy):
     path = tmp_path / "c"
-    api.save(path, _gen(1, 4), durable=False, sharding_callback=two_shard_policy)
+    api.save(path, _gen(1, 4),
+             options=CheckpointOptions(durable=False,
+                                       experimental_sharding_callback=two_shard_policy))
     with rd.CheckpointReader(path, mmap=use_mmap) as r:
         assert len(r.index.shards) == 4
         np.testing.assert_array_equal(r["a"], _gen(1, 4)["a"])
-        api.save(path, _gen(2, 4), durable=False, overwrite=True,
-                 sharding_callback=two_shard_policy)
+        api.save(path, _gen(2, 4), overwrite=True,
+                 options=CheckpointOptions(durable=False,
+                                           experimental_sharding_callback=two_shard_policy))
         with pytest.raises(rd.CheckpointReplacedError) as e:
             r["d"]
         msg = str(e.value)
@@ -1003,15 +1012,18 @@ def test_reader_never_reads_a_shard_of_the_new_checkpoint(tmp_path, use_mmap, tw
 def test_load_retries_from_scratch_when_the_checkpoint_is_replaced(tmp_path, monkeypatch,
                                                                    two_shard_policy):
     path = tmp_path / "c"
-    api.save(path, _gen(1, 4), durable=False, sharding_callback=two_shard_policy)
+    api.save(path, _gen(1, 4),
+             options=CheckpointOptions(durable=False,
+                                       experimental_sharding_callback=two_shard_policy))
     real = ShardSet.source
     replaced = []
 
     def source(self, i):
         if i == 2 and len(replaced) < 2:  # overwritten between reading shards 0-1 and 2
             replaced.append(i)
-            api.save(path, _gen(len(replaced) + 1, 4), durable=False, overwrite=True,
-                     sharding_callback=two_shard_policy)
+            api.save(path, _gen(len(replaced) + 1, 4), overwrite=True,
+                     options=CheckpointOptions(durable=False,
+                                               experimental_sharding_callback=two_shard_policy))
         return real(self, i)
 
     monkeypatch.setattr(ShardSet, "source", source)
@@ -1029,7 +1041,7 @@ def test_load_retries_when_the_old_directory_is_half_deleted_at_open(tmp_path, m
     at a missing checkpoint."""
     from shardkit.shards import files
     path = tmp_path / "c"
-    api.save(path, _gen(1), durable=False)
+    api.save(path, _gen(1), options=CheckpointOptions(durable=False))
     real = files.CheckpointDirectory.read_manifest
     calls = []
 
@@ -1038,7 +1050,7 @@ def test_load_retries_when_the_old_directory_is_half_deleted_at_open(tmp_path, m
             calls.append(name)
             aside = tmp_path / "old"
             os.rename(path, aside)  # the handle now names the old directory, still present
-            api.save(path, _gen(2), durable=False)
+            api.save(path, _gen(2), options=CheckpointOptions(durable=False))
             (aside / MANIFEST_FILE).unlink()
         return real(self, name, limit)
 
@@ -1052,15 +1064,18 @@ def test_load_retries_when_the_old_directory_is_half_deleted_at_open(tmp_path, m
 def test_load_gives_up_after_a_bounded_number_of_replacements(tmp_path, monkeypatch,
                                                               two_shard_policy):
     path = tmp_path / "c"
-    api.save(path, _gen(1, 4), durable=False, sharding_callback=two_shard_policy)
+    api.save(path, _gen(1, 4),
+             options=CheckpointOptions(durable=False,
+                                       experimental_sharding_callback=two_shard_policy))
     real = ShardSet.source
     count = [0]
 
     def source(self, i):
         if i == 2:
             count[0] += 1
-            api.save(path, _gen(count[0] + 1, 4), durable=False, overwrite=True,
-                     sharding_callback=two_shard_policy)
+            api.save(path, _gen(count[0] + 1, 4), overwrite=True,
+                     options=CheckpointOptions(durable=False,
+                                               experimental_sharding_callback=two_shard_policy))
         return real(self, i)
 
     monkeypatch.setattr(ShardSet, "source", source)
@@ -1071,14 +1086,17 @@ def test_load_gives_up_after_a_bounded_number_of_replacements(tmp_path, monkeypa
 
 def test_racing_loads_never_mix_generations(tmp_path, two_shard_policy):
     path = tmp_path / "c"
-    api.save(path, _gen(0, 4), durable=False, sharding_callback=two_shard_policy)
+    api.save(path, _gen(0, 4),
+             options=CheckpointOptions(durable=False,
+                                       experimental_sharding_callback=two_shard_policy))
     stop = threading.Event()
 
     def overwrite():
         n = 1
         while not stop.is_set():
-            api.save(path, _gen(n, 4), durable=False, overwrite=True,
-                     sharding_callback=two_shard_policy)
+            api.save(path, _gen(n, 4), overwrite=True,
+                     options=CheckpointOptions(durable=False,
+                                               experimental_sharding_callback=two_shard_policy))
             n += 1
 
     t = threading.Thread(target=overwrite)
@@ -1135,7 +1153,8 @@ def test_1100_shards_under_a_256_descriptor_limit(tmp_path, compression):
 def test_pread_reader_holds_a_bounded_number_of_descriptors(tmp_path):
     flat = {f"t{i:03d}": np.full(16, i, np.int32) for i in range(200)}
     policy = api.DefaultShardingPolicy(threads=1, max_shard_size=64)
-    api.save(tmp_path / "c", flat, durable=False, sharding_callback=policy)
+    api.save(tmp_path / "c", flat,
+             options=CheckpointOptions(durable=False, experimental_sharding_callback=policy))
     before = len(os.listdir("/proc/self/fd"))
     with rd.CheckpointReader(tmp_path / "c", mmap=False) as r:
         for k, v in flat.items():
@@ -1156,7 +1175,8 @@ def test_tensors_of_33_to_64_dimensions_round_trip_in_every_read_mode(tmp_path, 
 
     a = np.arange(12, dtype=np.float32).reshape((2,) + (1,) * (nd - 3) + (2, 3))
     small = np.arange(2, dtype=np.int8).reshape((1,) * (nd - 1) + (2,))
-    shardkit.save(tmp_path / "c", {"a": a, "s": small}, compression=compression)
+    shardkit.save(tmp_path / "c", {"a": a, "s": small},
+                  options=shardkit.CheckpointOptions(compression=compression))
     loaded = shardkit.load(tmp_path / "c", mmap=mmap, verify=True)
     assert loaded["a"].shape == a.shape and np.array_equal(loaded["a"], a)
     assert np.array_equal(loaded["s"], small)

@@ -30,7 +30,7 @@ def earlier(tmp_path):
     """An earlier checkpoint at ``tmp_path / "c"``; checks afterwards that it is intact and
     that nothing else is left in ``tmp_path``."""
     state = _state(1000, 1)
-    shardkit.save(tmp_path / "c", state, durable=False)
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(durable=False))
     before = {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()}
     yield tmp_path / "c"
     assert {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()} == before

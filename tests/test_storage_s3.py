@@ -93,9 +93,12 @@ def test_round_trip_is_byte_for_byte_a_local_save(bucket, tmp_path, compression,
     url = f"{bucket}/run/ckpt"
     monkeypatch.setattr(fmt, "new_generation", lambda: "5" * 32)  # the same id in both saves
     policy = shardkit.DefaultShardingPolicy(threads=2, max_shard_size=400_000)  # 2 shards
-    info = shardkit.save(url, state, compression=compression, sharding_callback=policy)
-    local = shardkit.save(tmp_path / "c", state, compression=compression,
-                          sharding_callback=policy)
+    info = shardkit.save(url, state,
+                         options=shardkit.CheckpointOptions(compression=compression,
+                                                            experimental_sharding_callback=policy))
+    local = shardkit.save(tmp_path / "c", state,
+                          options=shardkit.CheckpointOptions(compression=compression,
+                                                             experimental_sharding_callback=policy))
     assert info.generation == local.generation and len(local.files) == 3
     objects = _objects(url)
     markers = {n: json.loads(objects.pop(n)) for n in list(objects) if is_marker(n)}
@@ -144,8 +147,8 @@ def test_string_tensors_are_byte_for_byte_a_local_save(bucket, tmp_path, monkeyp
              "names": np.array([["alpha", "\u03b2"], ["", "gamma"]], object)}
     monkeypatch.setattr(fmt, "new_generation", lambda: "6" * 32)
     url = f"{bucket}/strings"
-    info = shardkit.save(url, state, compression="zstd")
-    shardkit.save(tmp_path / "c", state, compression="zstd")
+    info = shardkit.save(url, state, options=shardkit.CheckpointOptions(compression="zstd"))
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(compression="zstd"))
     expected = {(n if n == fmt.MANIFEST_FILE else f"{SHARDS_PREFIX}{info.generation}/{n}"): d
                 for n, d in _local_files(tmp_path / "c").items()}
     objects = _objects(url)
@@ -559,7 +562,7 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
 def test_memory_url_round_trip():
     url = f"memory://shardkit-test/{os.getpid()}"
     state = _state(7, 1000)
-    shardkit.save(url, state, compression="zstd")
+    shardkit.save(url, state, options=shardkit.CheckpointOptions(compression="zstd"))
     flat = shardkit.load(url)
     assert int(flat["step"]) == 7 and flat["model/w"].tobytes() == state["model"]["w"].tobytes()
     shardkit.save(url, state, overwrite=True)

@@ -70,7 +70,7 @@ def flat(state):
 @pytest.fixture
 def saved(tmp_path):
     path = tmp_path / "c"
-    shardkit.save(path, string_state(), durable=False)
+    shardkit.save(path, string_state(), options=shardkit.CheckpointOptions(durable=False))
     return path
 
 
@@ -115,7 +115,8 @@ def test_manifest_section_version_and_plain_safetensors_shards(saved, tmp_path):
     shard = next(p for p in saved.iterdir() if p.suffix == ".safetensors")
     assert set(load_file(shard)) == {"w", "step"}
     # without string tensors nothing changes: format 2.2, no section, no string file
-    shardkit.save(tmp_path / "plain", {"w": np.ones(2)}, durable=False)
+    shardkit.save(tmp_path / "plain", {"w": np.ones(2)},
+                  options=shardkit.CheckpointOptions(durable=False))
     doc = json.loads((tmp_path / "plain" / MANIFEST_FILE).read_text())
     assert doc["format_version"] == "2.2" and "strings" not in doc["shardkit"]
     assert not (tmp_path / "plain" / "strings.skstr").exists()
@@ -125,19 +126,21 @@ def test_was_refused_before(tmp_path):
     """The issue's failure: ``dtype <U10 cannot be stored``."""
     a = np.array(["0123456789"])
     assert a.dtype == np.dtype("<U10")
-    shardkit.save(tmp_path / "c", {"a": a}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": a}, options=shardkit.CheckpointOptions(durable=False))
     assert same(shardkit.load(tmp_path / "c")["a"], a)
 
 
 def test_strings_only_compressed_and_with_callbacks(tmp_path):
     texts = {"t": _objects([b"a", b"bb"]), "u": np.array(["x"])}
-    shardkit.save(tmp_path / "only", texts, durable=False)
+    shardkit.save(tmp_path / "only", texts, options=shardkit.CheckpointOptions(durable=False))
     assert all(same(shardkit.load(tmp_path / "only")[k], v) for k, v in texts.items())
     state = {**texts, "w": np.arange(4.0)}
-    shardkit.save(tmp_path / "z", state, compression="zstd", durable=False)
+    shardkit.save(tmp_path / "z", state,
+                  options=shardkit.CheckpointOptions(compression="zstd", durable=False))
     assert all(same(shardkit.load(tmp_path / "z")[k], v) for k, v in state.items())
-    shardkit.save(tmp_path / "task", state, sharding_callback=shardkit.ShardByTaskPolicy(),
-                  durable=False)
+    shardkit.save(tmp_path / "task", state,
+                  options=shardkit.CheckpointOptions(
+                      experimental_sharding_callback=shardkit.ShardByTaskPolicy(), durable=False))
     with shardkit.open(tmp_path / "task") as r:
         assert all(same(r[k], v) for k, v in state.items()) and r.verify() == 3
 
@@ -149,15 +152,17 @@ def test_strings_only_compressed_and_with_callbacks(tmp_path):
 ])
 def test_object_arrays_of_other_things_are_refused(tmp_path, bad, what):
     with pytest.raises(UnsupportedDTypeError, match=rf"'bad': an object array .*holds {what}"):
-        shardkit.save(tmp_path / "c", {"ok": np.ones(2), "bad": bad}, durable=False)
+        shardkit.save(tmp_path / "c", {"ok": np.ones(2), "bad": bad},
+                      options=shardkit.CheckpointOptions(durable=False))
     assert not (tmp_path / "c").exists()
 
 
 def test_unencodable_str_is_refused_and_earlier_checkpoint_kept(tmp_path):
-    shardkit.save(tmp_path / "c", {"a": np.array(["kept"])}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": np.array(["kept"])},
+                  options=shardkit.CheckpointOptions(durable=False))
     with pytest.raises(UnsupportedDTypeError, match=r"'a'.*not valid Unicode"):
         shardkit.save(tmp_path / "c", {"a": _objects(["\ud800"])}, overwrite=True,
-                      durable=False)
+                      options=shardkit.CheckpointOptions(durable=False))
     assert same(shardkit.load(tmp_path / "c")["a"], np.array(["kept"]))
     assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temp directory left
 
@@ -165,7 +170,7 @@ def test_unencodable_str_is_refused_and_earlier_checkpoint_kept(tmp_path):
 def test_key_rules_apply_across_tensors_and_strings(tmp_path):
     with pytest.raises(InvalidKeyError, match="a/b"):
         shardkit.save(tmp_path / "c", {"a/b": np.ones(1), "a": {"b": np.array(["x"])}},
-                      durable=False)
+                      options=shardkit.CheckpointOptions(durable=False))
 
 
 def test_frameworks_without_strings_refuse_them(saved):
@@ -297,7 +302,8 @@ def test_corrupt_string_file(saved, tmp_path):
     with pytest.raises(CheckpointFormatError, match="string file has"):
         shardkit.load(saved)
     # another checkpoint's string file: generation mismatch
-    shardkit.save(tmp_path / "other", string_state(), durable=False)
+    shardkit.save(tmp_path / "other", string_state(),
+                  options=shardkit.CheckpointOptions(durable=False))
     shutil.copy(tmp_path / "other" / "strings.skstr", f)
     with pytest.raises(GenerationMismatchError, match="another checkpoint"):
         shardkit.load(saved)
@@ -331,8 +337,8 @@ def test_block_descriptor_must_match_the_manifest(saved):
 
 
 def test_elements_longer_than_their_width_are_corrupt(tmp_path):
-    shardkit.save(tmp_path / "c", {"s": np.array([b"ab"], "S2")}, checksum=False,
-                  durable=False)
+    shardkit.save(tmp_path / "c", {"s": np.array([b"ab"], "S2")},
+                  options=shardkit.CheckpointOptions(checksum=False, durable=False))
     p = tmp_path / "c" / MANIFEST_FILE
     doc = json.loads(p.read_text())
     doc["shardkit"]["strings"]["kind"] = ["S1"]
@@ -378,7 +384,7 @@ def test_a_kind_wider_than_numpy_allows_is_a_shardkit_error(tmp_path, capsys):
     from shardkit.tools.cli import main as cli_main
 
     shardkit.save(tmp_path / "c", {"s": np.array(["ab"], "U2"), "w": np.ones(2)},
-                  checksum=False, durable=False)
+                  options=shardkit.CheckpointOptions(checksum=False, durable=False))
     p = tmp_path / "c" / MANIFEST_FILE
     doc = json.loads(p.read_text())
     doc["shardkit"]["strings"]["kind"] = ["U999999999"]

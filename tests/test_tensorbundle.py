@@ -310,7 +310,8 @@ def test_split_tensors_become_tensorflow_slices(tf, tmp_path):
     slices, each under its encoded key; TensorFlow reassembles them."""
     w = np.arange(80, dtype=np.float32).reshape(8, 10)
     info = shardkit.save(tmp_path / "ck", {"w": w, "s": np.int32(3)}, format="tensorflow",
-                         sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=96))
+                         options=shardkit.CheckpointOptions(
+                             experimental_sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=96)))
     count = len(info.files) - 1
     assert count > 3 and info.files[0].endswith(f"ck.data-00000-of-{count:05d}")
     reader = tf.train.load_checkpoint(str(tmp_path / "ck"))
@@ -324,11 +325,13 @@ def test_save_refuses_what_a_bundle_cannot_hold_and_keeps_old_checkpoints(tf, tm
     prefix = tmp_path / "ck"
     with pytest.raises(InvalidArgumentError, match="format must be"):
         shardkit.save(prefix, {"a": np.ones(2)}, format="tf")
-    for kwargs in ({"compression": "zstd"}, {"metadata": {"a": 1}}, {"progress": True}):
+    for kwargs in ({"options": shardkit.CheckpointOptions(compression="zstd")},
+                   {"metadata": {"a": 1}}, {"progress": True}):
         with pytest.raises(InvalidArgumentError, match="format='tensorflow'"):
             shardkit.save(prefix, {"a": np.ones(2)}, format="tensorflow", **kwargs)
     shardkit.save(prefix, {"a": np.ones(2)}, format="tensorflow",
-                  sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=8))
+                  options=shardkit.CheckpointOptions(
+                      experimental_sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=8)))
     with pytest.raises(CheckpointExistsError, match="overwrite=True"):
         shardkit.save(prefix, {"a": np.zeros(2)}, format="tensorflow")
     with pytest.raises(UnsupportedDTypeError):  # fails while planning: the old one stays
@@ -600,7 +603,8 @@ def test_slice_entries_of_no_listed_tensor_are_refused(tmp_path, tf):
     prefix = tmp_path / "ck"
     state = {"a": np.arange(6, dtype=np.float32), "b": np.arange(4, dtype=np.int64)}
     shardkit.save(prefix, state, format="tensorflow",
-                  sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=24))
+                  options=shardkit.CheckpointOptions(
+                      experimental_sharding_callback=shardkit.MaxShardSizePolicy(max_shard_size=24)))
     index = tmp_path / "ck.index"
     items = table.read_table(index.read_bytes(), str(index))
     assert sum(k[:1] == b"\x00" for k, _ in items) == 3  # "b" in three slices

@@ -32,7 +32,8 @@ def bundle(tmp_path):
     state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int64),
              "c": np.array(2.5, np.float64), "d": np.zeros((0, 3), np.int8),
              "s": np.array([b"x", b"yz"], object)}
-    shardkit.save(tmp_path / "ck", state, format="tensorflow", durable=False)
+    shardkit.save(tmp_path / "ck", state, format="tensorflow",
+                  options=shardkit.CheckpointOptions(durable=False))
     return tmp_path / "ck", state
 
 
@@ -183,7 +184,8 @@ def test_misaligned_entries_are_copied_aligned_ones_are_views(tf, tmp_path):
         assert r["b"].tolist() == list(range(5)) and r["a"].tolist() == [0, 1, 2]
     got = shardkit.load(tmp_path / "ck")
     assert got["b"].tolist() == list(range(5)) and got["b"].ctypes.data % 8 == 0
-    shardkit.save(tmp_path / "ok", state, format="tensorflow", durable=False)
+    shardkit.save(tmp_path / "ok", state, format="tensorflow",
+                  options=shardkit.CheckpointOptions(durable=False))
     with shardkit.open(tmp_path / "ok") as r:
         assert r.index.aligned == [True]  # shardkit's writer aligns every entry
         assert r["b"].tolist() == list(range(5))
@@ -239,7 +241,8 @@ def test_keys_decode_as_utf8_strictly_newlines_and_all(tmp_path):
              "é/ü": np.zeros(1, np.int8)}
     for keys in (["plain", "é/ü"], list(state)):
         prefix = tmp_path / f"ck{len(keys)}"
-        shardkit.save(prefix, {k: state[k] for k in keys}, format="tensorflow", durable=False)
+        shardkit.save(prefix, {k: state[k] for k in keys}, format="tensorflow",
+                      options=shardkit.CheckpointOptions(durable=False))
         got = shardkit.load(prefix)
         assert sorted(got) == sorted(keys)
         assert all(np.array_equal(got[k], state[k]) for k in keys)

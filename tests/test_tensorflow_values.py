@@ -19,6 +19,7 @@ from shardkit.errors import (
     InvalidArgumentError,
     RestoreMismatchError,
 )
+from shardkit.sharding.tensors import shardable_tensors
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("tensorflow is not installed (optional)", allow_module_level=True)
@@ -59,7 +60,7 @@ def test_every_dtype_bit_exact_as_variables_and_tensors(tf, tmp_path):
     values = _all_dtypes(tf)
     state = {"var": {k: tf.Variable(v) for k, v in values.items()},
              "const": {k: tf.constant(v) for k, v in values.items()}}
-    shardkit.save(tmp_path / "c", state, durable=False)
+    shardkit.save(tmp_path / "c", state, options=shardkit.CheckpointOptions(durable=False))
     got = shardkit.load(tmp_path / "c")
     for kind in ("var", "const"):
         for k, v in values.items():
@@ -86,10 +87,10 @@ def test_tf_values_were_refused_and_a_device_string_gives_the_task(tf, tmp_path)
     """The issue's first failure: tf.Variables were not accepted as state."""
     with tf.device("/CPU:0"):
         v = tf.Variable([1.0, 2.0])
-    shardkit.save(tmp_path / "c", {"v": v}, durable=False)
+    shardkit.save(tmp_path / "c", {"v": v}, options=shardkit.CheckpointOptions(durable=False))
     with shardkit.open(tmp_path / "c") as r:
         assert r.info("v").device == v.device == "/job:localhost/replica:0/task:0/device:CPU:0"
-    tensors = shardkit.shardable_tensors({"v": v})
+    tensors = shardable_tensors({"v": v})
     assert tensors[0].device.task == 0 and tensors[0].device.device_type == "CPU"
 
 
@@ -149,7 +150,8 @@ def _module(tf, scale=1.0):
 def test_module_keys_and_object_graph_are_tensorflows(tf, tmp_path):
     root = _module(tf)
     prefix = tf.train.Checkpoint(model=root).write(str(tmp_path / "tf" / "ckpt"))
-    shardkit.save(tmp_path / "sk", {"model": root}, durable=False)
+    shardkit.save(tmp_path / "sk", {"model": root},
+                  options=shardkit.CheckpointOptions(durable=False))
     tf_keys = sorted(name for name, _ in tf.train.list_variables(prefix))
     with shardkit.open(tmp_path / "sk") as r:
         assert sorted(r.keys()) == tf_keys
@@ -161,14 +163,15 @@ def test_module_keys_and_object_graph_are_tensorflows(tf, tmp_path):
     proto = trackable_object_graph_pb2.TrackableObjectGraph.FromString(graph)
     assert len(proto.nodes) > 3
     # the module as the whole state: keys as tf.train.Checkpoint(root=module) writes them
-    shardkit.save(tmp_path / "root", root, durable=False)
+    shardkit.save(tmp_path / "root", root, options=shardkit.CheckpointOptions(durable=False))
     prefix = tf.train.Checkpoint(root).write(str(tmp_path / "tf2" / "ckpt"))
     with shardkit.open(tmp_path / "root") as r:
         assert sorted(r.keys()) == sorted(n for n, _ in tf.train.list_variables(prefix))
 
 
 def test_module_restored_in_place(tf, tmp_path):
-    shardkit.save(tmp_path / "c", {"model": _module(tf), "extra": np.arange(3)}, durable=False)
+    shardkit.save(tmp_path / "c", {"model": _module(tf), "extra": np.arange(3)},
+                  options=shardkit.CheckpointOptions(durable=False))
     fresh = _module(tf, scale=0.0)
     w = fresh.child.w
     status = shardkit.restore_into(tmp_path / "c", {"model": fresh, "extra": np.zeros(3, int)})
@@ -208,7 +211,8 @@ def trained(keras):
 
 def test_keras_model_trained_saved_restored_same_predictions(tf, keras, trained, tmp_path):
     model, opt, x = trained
-    shardkit.save(tmp_path / "c", {"model": model, "optimizer": opt}, durable=False)
+    shardkit.save(tmp_path / "c", {"model": model, "optimizer": opt},
+                  options=shardkit.CheckpointOptions(durable=False))
     prefix = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "tf" / "x"))
     with shardkit.open(tmp_path / "c") as r:
         assert sorted(r.keys()) == sorted(n for n, _ in tf.train.list_variables(prefix))
@@ -246,7 +250,8 @@ def test_checkpoint_and_manager_track_tensorflow_objects(tf, keras, trained, tmp
 
 
 def test_load_as_tensorflow_checks_the_device(tf, tmp_path):
-    shardkit.save(tmp_path / "c", {"a": np.arange(3)}, durable=False)
+    shardkit.save(tmp_path / "c", {"a": np.arange(3)},
+                  options=shardkit.CheckpointOptions(durable=False))
     got = shardkit.load(tmp_path / "c", framework="tensorflow", device="/CPU:0")
     assert got["a"].device.endswith("CPU:0") and got["a"].numpy().tolist() == [0, 1, 2]
     with pytest.raises(InvalidArgumentError, match="TensorFlow device string"):

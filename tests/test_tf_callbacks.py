@@ -19,6 +19,7 @@ from tfhelpers import module
 
 import shardkit
 from shardkit.errors import InvalidArgumentTypeError, ShardingValidationError
+from shardkit.sharding.tensors import shardable_tensors
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("tensorflow is not installed (optional)", allow_module_level=True)
@@ -37,7 +38,9 @@ def policies(tf):
 def _save_split(path, state, callback):
     with warnings.catch_warnings():  # TensorFlow's policies store slices: expected here
         warnings.simplefilter("ignore", shardkit.SplitTensorsWarning)
-        shardkit.save(path, state, sharding_callback=callback, durable=False)
+        shardkit.save(path, state,
+                      options=shardkit.CheckpointOptions(experimental_sharding_callback=callback,
+                                                         durable=False))
 
 
 def _layout(path):
@@ -49,7 +52,7 @@ def _layout(path):
                 continue
             full = r[key]
             for s in r.info(key).slices:
-                box = shardkit.parse_slice_spec(s.spec, full.shape) if s.spec else None
+                box = shardkit.SliceSpec.parse(s.spec, full.shape) if s.spec else None
                 values = full if box is None else full[box.to_index()]
                 out.append((s.shard, key, s.spec, values.tolist()))
     return sorted(out, key=lambda x: x[0])
@@ -168,7 +171,7 @@ def test_shard_by_task_policy_groups_by_task(tf, policies):
     from shardkit.sharding.callback import shard_tensors
 
     state = {f"v{i}": np.array(float(i), np.float32) for i in range(3)}
-    tensors = shardkit.shardable_tensors(
+    tensors = shardable_tensors(
         state, device=lambda key: f"/job:worker/replica:0/task:{key[1]}/device:CPU:0")
     shards = shard_tensors(policies.ShardByTaskPolicy(), tensors)
     assert [(task, list(shard)) for task, shard in shards] == [
@@ -193,8 +196,9 @@ def test_callback_receives_tensorflow_types(tf, tmp_path):
             return [{t.checkpoint_key: {t.slice_spec: t.tensor} for t in shardable_tensors}]
 
     w = tf.Variable(tf.ones((2, 3), tf.bfloat16))
-    shardkit.save(tmp_path / "c", {"w": w, "n": np.arange(3)}, sharding_callback=Inspecting(),
-                  durable=False)
+    shardkit.save(tmp_path / "c", {"w": w, "n": np.arange(3)},
+                  options=shardkit.CheckpointOptions(experimental_sharding_callback=Inspecting(),
+                                                     durable=False))
     assert [t.checkpoint_key for t in got] == ["w", "n"]
     t = got[0]
     assert isinstance(t, sharding_util.ShardableTensor)
@@ -218,7 +222,8 @@ def test_any_object_honouring_the_contract(tmp_path):
             return [{t.checkpoint_key: {t.slice_spec: t.tensor} for t in tensors}]
 
     shardkit.save(tmp_path / "c", {"a": np.ones(2), "b": np.zeros(3)},
-                  sharding_callback=Duck(), durable=False)
+                  options=shardkit.CheckpointOptions(experimental_sharding_callback=Duck(),
+                                                     durable=False))
     assert set(shardkit.load(tmp_path / "c")) == {"a", "b"}
     for bad in (lambda ts: [], object(), Duck):
         with pytest.raises(InvalidArgumentTypeError, match="description property and __call__"):
@@ -284,10 +289,12 @@ def _rule_cases(tf):
 def test_validation_uses_tensorflows_wording(tf, tmp_path, phrase):
     cb = _tf_callback(tf, "rule breaker", _rule_cases(tf)[phrase])
     state = {"v0": tf.Variable([[0.0, 1.0]]), "v1": tf.Variable(1.0)}
-    shardkit.save(tmp_path / "old", {"kept": np.ones(1)}, durable=False)
+    shardkit.save(tmp_path / "old", {"kept": np.ones(1)},
+                  options=shardkit.CheckpointOptions(durable=False))
     with pytest.raises(ShardingValidationError, match=phrase) as e:
-        shardkit.save(tmp_path / "old", state, sharding_callback=cb, overwrite=True,
-                      durable=False)
+        shardkit.save(tmp_path / "old", state,
+                      options=shardkit.CheckpointOptions(experimental_sharding_callback=cb,
+                                                         durable=False), overwrite=True)
     assert isinstance(e.value, RuntimeError) and "rule breaker" in str(e.value)
     assert set(shardkit.load(tmp_path / "old")) == {"kept"}  # the earlier checkpoint stays
 
@@ -297,7 +304,7 @@ def test_tensors_with_different_tasks_in_one_shard(tf):
     tasks at once (shardkit itself calls it per task) that puts them in one shard."""
     from shardkit.sharding.tf_sharding import run_tensorflow_callback
 
-    tensors = shardkit.shardable_tensors(
+    tensors = shardable_tensors(
         {"v0": np.zeros(()), "v1": np.ones(())},
         device=lambda key: f"/job:worker/replica:0/task:{key[1]}/device:CPU:0")
     cb = _tf_callback(tf, "different tasks callback", lambda ts: [

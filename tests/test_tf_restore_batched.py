@@ -35,7 +35,8 @@ def test_many_variables_saved_and_restored_in_place_bit_exact(tf, tmp_path, monk
     monkeypatch.setattr(tfw, "TF_THREADS", threads)
 
     values = _values(2 * tfw.READ_BATCH + 50)
-    shardkit.save(tmp_path / "c", {k: tf.Variable(v) for k, v in values.items()}, durable=False)
+    shardkit.save(tmp_path / "c", {k: tf.Variable(v) for k, v in values.items()},
+                  options=shardkit.CheckpointOptions(durable=False))
     stored = shardkit.load(tmp_path / "c")
     assert all(bits(stored[k]) == bits(v) for k, v in values.items())
     fresh = {k: tf.Variable(np.zeros_like(v)) for k, v in values.items()}
@@ -52,7 +53,7 @@ def test_other_variable_types_and_a_single_assign(tf, keras, tmp_path):
     from shardkit.frameworks import tensorflow as tfw
 
     values = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(3)}
-    shardkit.save(tmp_path / "c", values, durable=False)
+    shardkit.save(tmp_path / "c", values, options=shardkit.CheckpointOptions(durable=False))
     kv = keras.Variable(np.zeros((2, 3), np.float32))
     plain = tf.Variable(np.zeros(3, np.int64))
     shardkit.restore_into(tmp_path / "c", {"a": kv, "b": plain})
@@ -66,7 +67,7 @@ def test_other_variable_types_and_a_single_assign(tf, keras, tmp_path):
 
 def test_a_mismatch_is_found_before_any_variable_changes(tf, tmp_path):
     values = _values(40)
-    shardkit.save(tmp_path / "c", values, durable=False)
+    shardkit.save(tmp_path / "c", values, options=shardkit.CheckpointOptions(durable=False))
     fresh = {k: tf.Variable(np.zeros_like(v)) for k, v in values.items()}
     last = sorted(fresh)[-1]
     fresh[last] = tf.Variable(np.zeros((7,), values[last].dtype))  # the wrong shape

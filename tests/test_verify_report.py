@@ -20,6 +20,7 @@ from shardkit.errors import (
 )
 from shardkit.format import MANIFEST_FILE
 from shardkit.io import save as api
+from shardkit.io.options import CheckpointOptions
 from shardkit.io.reader import CheckpointReader
 from shardkit.shards import skz
 from shardkit.tools.cli import main
@@ -29,7 +30,7 @@ LINE = re.compile(r"^CORRUPT: (?P<file>[^:]+): (?P<key>'[^']*'|-): (?P<what>.+),
 
 
 def save(path: Path, state: dict[str, np.ndarray], **kw) -> Path:
-    api.save(path, state, durable=False, **kw)
+    api.save(path, state, options=CheckpointOptions(durable=False, **kw))
     return path
 
 
@@ -157,7 +158,7 @@ def test_a_missing_shard_and_a_corrupt_one_are_both_listed(tmp_path, capsys):
 
     state = {"a": np.arange(100, dtype=np.float32), "b": np.arange(100, dtype=np.int64)}
     with pytest.warns(SplitTensorsWarning, match="stored 2 tensors as slices"):
-        ckpt = save(tmp_path / "c", state, sharding_callback=MaxShardSizePolicy(400))
+        ckpt = save(tmp_path / "c", state, experimental_sharding_callback=MaxShardSizePolicy(400))
     shards = shard_files(ckpt, ".safetensors")
     assert len(shards) >= 3
     shards[0].unlink()

@@ -155,7 +155,7 @@ def test_every_dtype_and_odd_shape_round_trips(tmp_path, rng):
     for key, value in flat.items():
         group, leaf = key.split("/")
         state.setdefault(group, {})[leaf] = value
-    info = api.save(tmp_path / "ckpt", state, durable=False)
+    info = api.save(tmp_path / "ckpt", state, options=CheckpointOptions(durable=False))
     assert info.files == ("model-00001-of-00001.safetensors", MANIFEST_FILE)
     assert info.bytes == sum((tmp_path / "ckpt" / f).stat().st_size for f in info.files)
     assert info.seconds > 0
@@ -165,7 +165,8 @@ def test_every_dtype_and_odd_shape_round_trips(tmp_path, rng):
 def test_index_records_order_devices_metadata_and_callback(tmp_path, rng):
     flat = {"z": _random(rng, np.dtype(np.float32), (4,)),
             "a": _random(rng, np.dtype(np.int8), (3,))}
-    api.save(tmp_path / "ckpt", flat, metadata={"step": 7, "tags": ["x"]}, durable=False)
+    api.save(tmp_path / "ckpt", flat, metadata={"step": 7, "tags": ["x"]},
+             options=CheckpointOptions(durable=False))
     index = index_document(tmp_path / "ckpt")
     assert index["format"] == "shardkit" and index["format_version"] == "2.2"
     assert re.fullmatch(r"[0-9a-f]{32}", index["shardkit"]["generation"])
@@ -184,7 +185,7 @@ def test_index_records_order_devices_metadata_and_callback(tmp_path, rng):
 
 def test_checksum_false_stores_null(tmp_path, rng):
     api.save(tmp_path / "ckpt", {"x": _random(rng, np.dtype(np.float64), (10,))},
-             checksum=False, durable=False)
+             options=CheckpointOptions(checksum=False, durable=False))
     index = index_document(tmp_path / "ckpt")
     assert index["shardkit"]["slices"]["xxh3"] == [None]
     assert tensor_view(index)["x"]["slices"][0]["xxh3"] is None
@@ -222,7 +223,9 @@ def test_split_tensors_round_trip(tmp_path, rng):
     }
     with pytest.warns(SplitTensorsWarning, match=r"ckpt: the sharding callback stored 2 tensors "
                       r"as slices \(e\.g\. 'w'\); HuggingFace loaders .* cannot read"):
-        api.save(tmp_path / "ckpt", flat, sharding_callback=_SplitRows(4), durable=False)
+        api.save(tmp_path / "ckpt", flat,
+                 options=CheckpointOptions(experimental_sharding_callback=_SplitRows(4),
+                                           durable=False))
     index = _check_checkpoint(tmp_path / "ckpt", flat)
     w = tensor_view(index)["w"]
     assert [s["spec"] for s in w["slices"]] == ["10 3 0,4:0,3", "10 3 4,4:0,3", "10 3 8,2:0,3"]
@@ -257,7 +260,9 @@ def test_every_builtin_policy_round_trips(tmp_path, rng):
         path = tmp_path / f"ckpt{i}"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            api.save(path, flat, sharding_callback=policy, durable=False)
+            api.save(path, flat,
+                     options=CheckpointOptions(experimental_sharding_callback=policy,
+                                               durable=False))
         index = _check_checkpoint(path, flat)
         assert index["shardkit"]["callback"] == policy.description
         # the save warns, once, exactly when a tensor is missing from weight_map (split)
@@ -279,7 +284,7 @@ def test_many_small_tensors_leave_in_one_kernel_call(tmp_path, rng, monkeypatch)
     monkeypatch.setattr(writer._gather, "write_arrays",
                         lambda fd, arrays, o, d=None: calls.append(len(arrays))
                         or real_write_arrays(fd, arrays, o, d))
-    api.save(tmp_path / "ckpt", flat, durable=False, threads=1)
+    api.save(tmp_path / "ckpt", flat, options=CheckpointOptions(durable=False, threads=1))
     # the shard header (its pieces), the 3000 entries, then the manifest (its pieces)
     header = len(fmt.header_parts(["a"], ["F32"], [(1,)], [0], [4]))
     assert calls[:2] == [header, 3000] and len(calls) == 3
@@ -292,15 +297,17 @@ def test_output_does_not_depend_on_threads_buffers_or_regions(tmp_path, rng, mon
             for i in range(60)}
     flat["nc"] = _random(rng, np.dtype(np.float64), (50, 40))[:, ::3]
     monkeypatch.setattr(fmt, "new_generation", lambda: "5" * 32)  # the same id for every save
-    api.save(tmp_path / "ref", flat, durable=False, threads=1,
-             sharding_callback=_OneShard())
+    api.save(tmp_path / "ref", flat,
+             options=CheckpointOptions(durable=False, threads=1,
+                                       experimental_sharding_callback=_OneShard()))
     # Small groups and regions: many kernel calls, one shard cut into regions.
     monkeypatch.setattr(native, "WRITE_GROUP", 4096)
     monkeypatch.setattr(native, "MIN_REGION", 8000)
     for checksum in (True, False):
         path = tmp_path / f"t{threads}{checksum}"
-        api.save(path, flat, durable=True, threads=threads, checksum=checksum,
-                 sharding_callback=_OneShard())
+        api.save(path, flat,
+                 options=CheckpointOptions(durable=True, threads=threads, checksum=checksum,
+                                           experimental_sharding_callback=_OneShard()))
         name = "model-00001-of-00001.safetensors"
         assert (path / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
         ref_index = (tmp_path / "ref" / MANIFEST_FILE).read_text()
@@ -318,7 +325,9 @@ def test_durable_save_starts_writeback_group_by_group(tmp_path, rng, monkeypatch
     real = writer._gather.start_writeback
     monkeypatch.setattr(writer._gather, "start_writeback",
                         lambda fd, offset, n: started.append((offset, n)) or real(fd, offset, n))
-    api.save(tmp_path / "c", flat, durable=durable, threads=1, sharding_callback=_OneShard())
+    api.save(tmp_path / "c", flat,
+             options=CheckpointOptions(durable=durable, threads=1,
+                                       experimental_sharding_callback=_OneShard()))
     _check_checkpoint(tmp_path / "c", flat)
     if not durable:  # nothing will be fsynced: the OS writes back when it likes
         assert started == []
@@ -360,7 +369,9 @@ def test_few_large_tensors_several_shards(tmp_path, rng):
     monkey = pytest.MonkeyPatch()
     monkey.setattr(api, "SINGLE_SHARD_BELOW", 0)
     try:
-        api.save(tmp_path / "ckpt", flat, sharding_callback=policy, durable=False, threads=2)
+        api.save(tmp_path / "ckpt", flat,
+                 options=CheckpointOptions(experimental_sharding_callback=policy, durable=False,
+                                           threads=2))
     finally:
         monkey.undo()
     index = _check_checkpoint(tmp_path / "ckpt", flat)
@@ -398,14 +409,16 @@ class _Dropper(ShardingCallback):
 
 def test_rule_breaking_callback_writes_nothing(tmp_path, rng, monkeypatch):
     first = {"a": _random(rng, np.dtype(np.float32), (4,))}
-    api.save(tmp_path / "ckpt", first, durable=False)
+    api.save(tmp_path / "ckpt", first, options=CheckpointOptions(durable=False))
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
     monkeypatch.setattr(os, "open", _forbidden_open(os.open, tmp_path))
     state = {"a": first["a"] + 1, "b": first["a"]}
     with pytest.raises(ShardingValidationError, match="drops the last tensor"):
-        api.save(tmp_path / "ckpt", state, sharding_callback=_Dropper(), overwrite=True)
+        api.save(tmp_path / "ckpt", state, overwrite=True,
+                 options=CheckpointOptions(experimental_sharding_callback=_Dropper()))
     with pytest.raises(ShardingValidationError, match="drops the last tensor"):
-        api.save(tmp_path / "new", state, sharding_callback=_Dropper())
+        api.save(tmp_path / "new", state,
+                 options=CheckpointOptions(experimental_sharding_callback=_Dropper()))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
 
@@ -420,10 +433,11 @@ def _forbidden_open(real_open, root: Path):
 
 
 def test_existing_path_without_overwrite(tmp_path, rng):
-    api.save(tmp_path / "ckpt", {"a": np.zeros(2)}, durable=False)
+    api.save(tmp_path / "ckpt", {"a": np.zeros(2)}, options=CheckpointOptions(durable=False))
     with pytest.raises(CheckpointExistsError, match="already exists; pass overwrite=True"):
-        api.save(tmp_path / "ckpt", {"a": np.ones(2)}, durable=False)
-    info = api.save(tmp_path / "ckpt", {"a": np.ones(2)}, durable=False, overwrite=True)
+        api.save(tmp_path / "ckpt", {"a": np.ones(2)}, options=CheckpointOptions(durable=False))
+    info = api.save(tmp_path / "ckpt", {"a": np.ones(2)},
+                    options=CheckpointOptions(durable=False), overwrite=True)
     assert _same(load(info.path)["a"], np.ones(2))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
@@ -431,7 +445,7 @@ def test_existing_path_without_overwrite(tmp_path, rng):
 @pytest.mark.parametrize("fail_after", [0, 1, 5])
 def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch, fail_after):
     earlier = {"w": _random(rng, np.dtype(np.float32), (1000,))}
-    api.save(tmp_path / "ckpt", earlier, durable=False)
+    api.save(tmp_path / "ckpt", earlier, options=CheckpointOptions(durable=False))
     monkeypatch.setattr(native, "WRITE_GROUP", 4096)
     real_pwritev, real_write_arrays = os.pwritev, writer._gather.write_arrays
     count = [0]
@@ -448,7 +462,7 @@ def test_disk_full_mid_save_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch,
     monkeypatch.setattr(writer._gather, "write_arrays", failing(real_write_arrays))
     big = {f"w{i}": _random(rng, np.dtype(np.float32), (40000,)) for i in range(8)}
     with pytest.raises(OSError, match=r"writing shard file: No space left on device") as err:
-        api.save(tmp_path / "ckpt", big, overwrite=True, threads=2)
+        api.save(tmp_path / "ckpt", big, overwrite=True, options=CheckpointOptions(threads=2))
     assert err.value.errno == errno.ENOSPC
     assert re.search(r"model-0000\d-of-0000\d\.safetensors$", err.value.filename)
     monkeypatch.undo()
@@ -460,7 +474,7 @@ def test_disk_too_small_fails_before_writing(tmp_path, rng, monkeypatch):
     """Reserving a shard's size reports a full disk before any data is written; the error
     names the shard file and the earlier checkpoint stays."""
     earlier = {"w": _random(rng, np.dtype(np.float32), (1000,))}
-    api.save(tmp_path / "ckpt", earlier, durable=False)
+    api.save(tmp_path / "ckpt", earlier, options=CheckpointOptions(durable=False))
     written = []
 
     def full(fd, size):
@@ -483,7 +497,7 @@ def test_shard_files_have_their_exact_size(tmp_path, rng):
     """Preallocation reserves exactly the bytes the shard holds: sizes match the index."""
     flat = {f"t{i}": _random(rng, np.dtype(np.float16), (int(rng.integers(0, 999)),))
             for i in range(300)}
-    api.save(tmp_path / "ckpt", flat, durable=False, threads=3)
+    api.save(tmp_path / "ckpt", flat, options=CheckpointOptions(durable=False, threads=3))
     index = _check_checkpoint(tmp_path / "ckpt", flat)
     for shard in index["shardkit"]["shards"]:
         assert (tmp_path / "ckpt" / shard["file"]).stat().st_size == shard["bytes"]
@@ -526,7 +540,7 @@ def test_a_real_write_failure_keeps_earlier_checkpoint(tmp_path, fallocate):
 
 def test_progress_bar(tmp_path, rng, capsys):
     api.save(tmp_path / "ckpt", {"a": _random(rng, np.dtype(np.float32), (1000,))},
-             progress=True, durable=False)
+             progress=True, options=CheckpointOptions(durable=False))
     err = capsys.readouterr().err
     assert "saving" in err and "100%" in err
 
@@ -543,18 +557,35 @@ def test_options_and_conflicts(tmp_path, rng):
     assert seen == [info.path, "x"]
     index = json.loads((tmp_path / "ckpt" / MANIFEST_FILE).read_text())
     assert index["shardkit"]["callback"] == "split rows by 2"
-    # Keywords at their defaults defer to options; a differing keyword that disagrees is an error.
-    api.save(tmp_path / "ok", {"m": np.zeros(2)}, durable=False, options=CheckpointOptions(
-        durable=False))
-    with pytest.raises(ValueError, match=r"save\(\.\.\., durable=False\) conflicts with "
-                       r"options\.durable=True"):
+    # The keywords that moved into CheckpointOptions still work, with a DeprecationWarning
+    # naming the spelling to use; one at its default defers to options; one that disagrees is
+    # an error.
+    moved = r"the save\(\) keywords durable are deprecated: pass options=CheckpointOptions\("
+    with pytest.warns(DeprecationWarning, match=moved + r"durable=False\)"):
+        api.save(tmp_path / "ok", {"m": np.zeros(2)}, durable=False,
+                 options=CheckpointOptions(durable=False))
+    with pytest.warns(DeprecationWarning, match=moved + r"durable=True\)"):
+        api.save(tmp_path / "ok2", {"m": np.zeros(2)}, durable=True,
+                 options=CheckpointOptions(durable=False))
+    with pytest.warns(DeprecationWarning, match="sharding_callback, threads are deprecated"):
+        info = api.save(tmp_path / "kw", {"m": np.zeros((3, 2))},
+                        sharding_callback=_OneShard(), threads=1)
+    assert load(info.path)["m"].shape == (3, 2)
+    assert json.loads((tmp_path / "kw" / MANIFEST_FILE).read_text())["shardkit"]["callback"] \
+        == _OneShard().description
+    conflict = r"save\(\.\.\., durable=False\) conflicts with options\.durable=True"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=conflict):
         api.save(tmp_path / "bad", {"m": np.zeros(2)}, durable=False, options=CheckpointOptions())
-    with pytest.raises(ValueError, match=r"threads=2\) conflicts with options\.threads=1"):
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            ValueError, match=r"threads=2\) conflicts with options\.threads=1"):
         api.save(tmp_path / "bad", {"m": np.zeros(2)}, threads=2,
                  options=CheckpointOptions(threads=1))
-    with pytest.raises(ValueError, match=r"sharding_callback=.*conflicts"):
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            ValueError, match=r"sharding_callback=.*conflicts"):
         api.save(tmp_path / "bad", {"m": np.zeros(2)}, sharding_callback=_OneShard(),
                  options=CheckpointOptions(experimental_sharding_callback=_SplitRows(1)))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'thread'"):
+        api.save(tmp_path / "bad", {"m": np.zeros(2)}, thread=2)
     with pytest.raises(ValueError, match="functional save\\(\\) is synchronous"):
         api.save(tmp_path / "bad", {"m": np.zeros(2)}, options=CheckpointOptions(
             enable_async=True))
@@ -617,7 +648,7 @@ def test_state_must_be_a_mapping(tmp_path):
 def test_torch_tensors_are_saved_without_conversion_by_the_caller(tmp_path):
     torch = pytest.importorskip("torch", reason="torch is optional")
     state = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.ones(3)}
-    api.save(tmp_path / "ckpt", state, durable=False)
+    api.save(tmp_path / "ckpt", state, options=CheckpointOptions(durable=False))
     out = load(tmp_path / "ckpt")
     assert out["w"].dtype == ml_dtypes.bfloat16
     assert out["w"].astype(np.float32).tolist() == [[0, 1, 2], [3, 4, 5]]
@@ -625,11 +656,11 @@ def test_torch_tensors_are_saved_without_conversion_by_the_caller(tmp_path):
 
 
 def test_empty_state_and_zero_size_only(tmp_path):
-    info = api.save(tmp_path / "none", {}, durable=False)
+    info = api.save(tmp_path / "none", {}, options=CheckpointOptions(durable=False))
     assert info.files == (MANIFEST_FILE,)
     assert load(tmp_path / "none") == {}
     flat = {"a": np.zeros((0, 2)), "b": np.zeros((3, 0), dtype=np.int8)}
-    api.save(tmp_path / "zero", flat, durable=False)
+    api.save(tmp_path / "zero", flat, options=CheckpointOptions(durable=False))
     _check_checkpoint(tmp_path / "zero", flat)
 
 
@@ -662,14 +693,15 @@ def test_tasks_get_their_own_shards_numbered_globally(tmp_path, rng):
 
 def test_fsync_failure_keeps_earlier_checkpoint(tmp_path, rng, monkeypatch):
     earlier = {"w": _random(rng, np.dtype(np.float32), (100,))}
-    api.save(tmp_path / "ckpt", earlier, durable=False)
+    api.save(tmp_path / "ckpt", earlier, options=CheckpointOptions(durable=False))
 
     def fsync(fd):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(OSError, match=r"syncing shard file: Input/output error") as err:
-        api.save(tmp_path / "ckpt", {"w": earlier["w"] + 1}, overwrite=True, durable=True)
+        api.save(tmp_path / "ckpt", {"w": earlier["w"] + 1}, overwrite=True,
+                 options=CheckpointOptions(durable=True))
     assert err.value.errno == errno.EIO
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
@@ -705,16 +737,19 @@ def test_zstd_shards_round_trip(tmp_path, rng):
 
 def test_compression_keywords_and_options_agree(tmp_path, rng):
     flat = {"w": np.zeros((64, 64), np.float32)}
-    info = api.save(tmp_path / "kw", flat, compression="zstd", level=5, shuffle=False,
-                    chunk_size="64KiB", durable=False)
+    info = api.save(tmp_path / "kw", flat,
+                    options=CheckpointOptions(compression="zstd", level=5, shuffle=False,
+                                              chunk_size="64KiB", durable=False))
     assert info.files[0].endswith(".skz")
     assert _same(load(tmp_path / "kw", verify=True)["w"], flat["w"])
     opts = CheckpointOptions(compression="zstd", level=5, durable=False)
-    api.save(tmp_path / "same", flat, compression="zstd", options=opts, durable=False)
-    with pytest.raises(ValueError, match=r"level=7\) conflicts with options\.level=5"):
+    with pytest.warns(DeprecationWarning, match="keywords compression, durable are deprecated"):
+        api.save(tmp_path / "same", flat, compression="zstd", options=opts, durable=False)
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            ValueError, match=r"level=7\) conflicts with options\.level=5"):
         api.save(tmp_path / "bad", flat, level=7, options=opts)
     with pytest.raises(ValueError, match="level=3 needs compression"):
-        api.save(tmp_path / "bad", flat, level=3)
+        api.save(tmp_path / "bad", flat, options=CheckpointOptions(level=3))
     assert sorted(os.listdir(tmp_path)) == ["kw", "same"]
 
 
@@ -748,12 +783,14 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
     real = api._default_shards
     monkeypatch.setattr(api, "_default_shards", lambda *a: seen.append(1) or real(*a))
     monkeypatch.setattr(fmt, "new_generation", lambda: "5" * 32)  # the same id for both saves
-    api.save(tmp_path / "fast", flat, sharding_callback=policy, durable=False)
+    api.save(tmp_path / "fast", flat,
+             options=CheckpointOptions(experimental_sharding_callback=policy, durable=False))
     assert seen  # the column path ran
     general = api.shardable_tensors
     monkeypatch.setattr(api, "shardable_tensors",
                         lambda state, strings=None: general(state, device, strings))
-    api.save(tmp_path / "slow", flat, sharding_callback=Wrapped(), durable=False)
+    api.save(tmp_path / "slow", flat,
+             options=CheckpointOptions(experimental_sharding_callback=Wrapped(), durable=False))
     fast, slow = sorted((tmp_path / "fast").iterdir()), sorted((tmp_path / "slow").iterdir())
     assert [f.name for f in fast] == [f.name for f in slow] and len(fast) > 2
     for a, b in zip(fast, slow):
@@ -768,7 +805,7 @@ def test_runs_with_non_contiguous_arrays_are_gathered(tmp_path, rng):
     flat = {f"t{i}": _random(rng, np.dtype(np.float32), (i % 7 + 1, 3)) for i in range(200)}
     flat["f"] = np.asfortranarray(_random(rng, np.dtype(np.int16), (5, 4)))
     flat["s"] = _random(rng, np.dtype(np.float64), (40, 6))[::2, 1::2]
-    api.save(tmp_path / "c", flat, durable=False)
+    api.save(tmp_path / "c", flat, options=CheckpointOptions(durable=False))
     loaded = load(tmp_path / "c", verify=True)
     assert all(_same(loaded[k], v) for k, v in flat.items())
 
@@ -795,8 +832,9 @@ def test_writer_keeps_only_a_few_shard_files_open(tmp_path, monkeypatch, compres
 
     monkeypatch.setattr(os, "open", counting_open)
     monkeypatch.setattr(os, "close", counting_close)
-    api.save(tmp_path / "c", flat, durable=True, sharding_callback=policy, threads=2,
-             compression=compression)
+    api.save(tmp_path / "c", flat,
+             options=CheckpointOptions(durable=True, experimental_sharding_callback=policy,
+                                       threads=2, compression=compression))
     monkeypatch.undo()
     assert not shard_fds
     assert 1 <= most[0] <= 2, most[0]
@@ -814,7 +852,8 @@ def test_metadata_nested_deeper_than_the_format_allows_is_refused_at_save(tmp_pa
         return value
 
     # user_metadata is level 3 of the manifest (the top object is 1): 62 levels fit in 64
-    api.save(tmp_path / "ok", {"a": np.zeros(2)}, metadata={"d": deep(61)}, durable=False)
+    api.save(tmp_path / "ok", {"a": np.zeros(2)}, metadata={"d": deep(61)},
+             options=CheckpointOptions(durable=False))
     assert load(tmp_path / "ok") and json.loads(
         (tmp_path / "ok" / MANIFEST_FILE).read_text())["shardkit"]["user_metadata"]["d"] == deep(61)
     for levels in (62, 5000):

@@ -8,17 +8,9 @@ shardkit's own checkpoints. Adapters open files only through the `CheckpointDire
 given (`shardkit.shards.files`: the checkpoint's directory handle, regular files, no symlinks unless
 asked) and name every file they open with `format.check_shard_file_name` first.
 
-`detect` picks the adapter (docs/FORMAT.md, "Foreign layouts the reader opens"):
-
-- a path that is a ``.safetensors`` file: `SAFETENSORS`, the file read through its parent
-  directory's handle (`shards.files.locate`);
-- a directory whose manifest (``model.safetensors.index.json``, else ``index.json``) has
-  shardkit's section: `SHARDKIT`; ``index.json`` is always shardkit's;
-- ``model.safetensors.index.json`` without it: `HUGGINGFACE` (``metadata`` + ``weight_map``);
-- no manifest but a ``model.safetensors`` (an unsharded ``save_pretrained``): `SAFETENSORS`;
-- a TensorFlow ``<prefix>.index`` file (or the prefix: `shards.files.locate`), or a directory with
-  TensorFlow's ``checkpoint`` state file (its ``model_checkpoint_path``, the latest):
-  `TENSORBUNDLE` (`shardkit.adapters.tensorbundle`).
+`detect` picks the adapter (`SHARDKIT`, `HUGGINGFACE`, `SAFETENSORS`, `TENSORBUNDLE`) in the
+order of docs/FORMAT.md section 11; a file or a TensorFlow prefix is found through its parent
+directory's handle (`shards.files.locate`).
 """
 
 from __future__ import annotations

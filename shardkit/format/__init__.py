@@ -1,18 +1,7 @@
-"""Checkpoint format v2: pure encode/decode of shard headers and the manifest, with every limit.
-
-A raw shard is a safetensors file: ``u64`` little-endian header length N, N bytes of UTF-8 JSON
-padded with spaces so that ``8 + N`` is a multiple of 8, then the data region. Entries are laid out
-by descending item size (stable), contiguous, so each starts aligned to its item size.
-``docs/FORMAT.md`` is the full specification. Nothing here writes files; decoders read only the
-bytes they were given (``read_safetensors_header`` reads the header from an open file).
-
-The modules, each importing only those before it: `common` (constants and limits, naming,
-generations, `shown`), `strictjson` (JSON parsed with repeated keys and nesting checked),
-`header` (the shard header), `string_section` (the manifest's ``shardkit.strings``
-section), `index` (`CheckpointIndex` and its per-shard, per-slice and per-tensor objects),
-`index_encoding` (the manifest's bytes and its ``weight_map``), `index_decoding` (the
-manifest decoded with every check). Every name is
-importable from this package, as it was from the single module it replaces.
+"""Checkpoint format v2 (docs/FORMAT.md): pure encode / decode of shard headers and the
+manifest, with every limit. Nothing here writes files; decoders read only the bytes they are
+given or ask for. Every name of its modules (docs/ARCHITECTURE.md lists them) is importable
+from this package, as it was from the single module it replaces.
 """
 
 from __future__ import annotations
@@ -73,10 +62,8 @@ from .header import (  # noqa: F401
     _Columns,
     _decode_entries_fast,
     _decode_entry_checked,
-    _decode_safetensors_header,
     _first,
     _header_text,
-    _is_int,
     _layout_columns,
     _match_header,
     _new_entry_layouts,
@@ -119,7 +106,6 @@ from .index_decoding import (  # noqa: F401
     _check_ids,
     _check_weight_map,
     _column,
-    _decode_index,
     _decode_shards,
     _document_within_depth,
     _encodes_to,

@@ -205,8 +205,7 @@ def _header_text(
 ) -> list[bytes]:
     """The pieces of the space-padded JSON header, which joined are byte-identical to
     ``json.dumps(header, separators=(",", ":"), ensure_ascii=False)``; the entries are encoded
-    by the native kernel (~0.07 us each). UnicodeEncodeError for a name that is not valid
-    UTF-8 text."""
+    by the native kernel. UnicodeEncodeError for a name that is not valid UTF-8 text."""
     head = f'{{"{METADATA_KEY}":{json.dumps(meta, separators=(",", ":"), ensure_ascii=False)}'
     text = [head.encode("utf-8"),
             _table.encode_header_entries(names, dtype_names, shapes,
@@ -239,13 +238,10 @@ class _Slow(Exception):
     """Internal: input the fast path does not handle; the fully checked path decides."""
 
 
-def _is_int(x: Any) -> bool:
-    return type(x) is int
-
-
 _INT_ONLY: Final = frozenset({int})
 
 
+@gc_paused()  # one GC pass at the end instead of many during the decode
 def decode_safetensors_header(
     buf: bytes | bytearray | memoryview, file_size: int, path: str
 ) -> tuple[dict[str, EntryLayout], dict[str, str], int]:
@@ -255,13 +251,6 @@ def decode_safetensors_header(
     prefix, JSON, every entry's dtype / shape / data_offsets, that entries tile the data region
     ``[0, file_size - data_start)`` exactly (no overlap, no hole, nothing out of range).
     """
-    with gc_paused():  # one GC pass at the end instead of many during the decode
-        return _decode_safetensors_header(buf, file_size, path)
-
-
-def _decode_safetensors_header(
-    buf: bytes | bytearray | memoryview, file_size: int, path: str
-) -> tuple[dict[str, EntryLayout], dict[str, str], int]:
     n = header_length(buf, file_size, path)
     if len(buf) < 8 + n:
         raise TruncatedShardError(f"{path}: got {len(buf)} bytes, the header needs {8 + n}")
@@ -361,7 +350,7 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
             f"{where} has unknown dtype {shown(dtype)}; known: {', '.join(SAFETENSORS_NAMES)}"
         )
     shape = e["shape"]
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise CorruptHeaderError(
             f"{where}: shape must be a list of non-negative integers, found {shown(shape)}"
         )
@@ -369,7 +358,7 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
     if problem:
         raise CorruptHeaderError(f"{where}{problem}")
     offs = e["data_offsets"]
-    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+    if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
         raise CorruptHeaderError(
             f"{where}: data_offsets must be 2 integers, found {shown(offs)}")
     begin, end = offs
@@ -380,9 +369,7 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
     if end - begin != expected:
         raise EntryLayoutError(
             f"{where}: data_offsets [{shown(begin)}, {shown(end)}] span {shown(end - begin)} "
-            f"bytes, but dtype {dtype} "
-            f"and shape {shape} need {expected}"
-        )
+            f"bytes, but dtype {dtype} and shape {shape} need {expected}")
     return EntryLayout(name, dtype, tuple(shape), begin, end, i)
 
 
@@ -404,16 +391,12 @@ def _check_tiling(entries: Mapping[str, EntryLayout], region: int, path: str) ->
         if e.end > region:
             raise EntryLayoutError(
                 f"{path}: entry {shown(e.name)} data_offsets [{e.begin}, {e.end}] run past the "
-                f"end of "
-                f"the data region ({region} bytes)"
-            )
+                f"end of the data region ({region} bytes)")
         if e.begin < pos:
             assert prev is not None
             raise EntryLayoutError(
                 f"{path}: entries {shown(prev.name)} [{prev.begin}, {prev.end}] and "
-                f"{shown(e.name)} "
-                f"[{e.begin}, {e.end}] overlap"
-            )
+                f"{shown(e.name)} [{e.begin}, {e.end}] overlap")
         if e.begin > pos:
             after = f"after entry {shown(prev.name)}" if prev is not None else "at the start"
             raise EntryLayoutError(

@@ -110,8 +110,7 @@ class CheckpointIndex:
         (the order of a writer that lays out one item size per shard)."""
         keys = list(tensors)
         infos = list(tensors.values())
-        rows = [(shard, row, s) for row, t in enumerate(infos) for s in t.slices
-                for shard in (s.shard,)]
+        rows = [(s.shard, row, s) for row, t in enumerate(infos) for s in t.slices]
         rows.sort(key=_first)  # stable: tensor order within a shard
         for _, row, s in rows:
             if s.entry != entry_name(keys[row], s.spec):

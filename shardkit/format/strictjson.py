@@ -62,7 +62,7 @@ _DOC_CONTAINERS: Final = frozenset({dict, list})
 def _loads_pairs(text: str) -> Any:
     """json.loads, but every JSON object becomes a tuple of its (key, value) pairs.
 
-    Duplicate keys must be detected, and a Python object_pairs_hook costs ~1 us per object. With
+    Duplicate keys must be detected, and a Python object_pairs_hook costs a call per object. With
     the C-level `tuple` as hook, objects stay distinguishable from arrays (lists) and the decoders
     below turn them into dicts (`pairs_to_dict`, `pairs_to_plain`), checking for duplicates as
     they go; the hot per-tensor / per-entry objects are matched against their fixed key sequence

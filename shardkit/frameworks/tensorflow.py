@@ -68,9 +68,8 @@ def _device(value: Any) -> DeviceSpec:
 def _host_array(value: Any) -> np.ndarray:
     """The value of a tensor or variable as a host array: for an eager CPU tensor a view of
     its buffer (``Tensor._numpy``; ``numpy()`` would copy), for a resource variable one read
-    (``ReadVariableOp``, about 4x cheaper than ``Variable.numpy()``: 50,000 small variables
-    are read in about 0.5 s instead of 2.4 s). The view is never written to: TensorFlow's
-    copy-on-write keeps it valid when the variable is assigned later."""
+    (``ReadVariableOp``, cheaper than ``Variable.numpy()``). The view is never written to:
+    TensorFlow's copy-on-write keeps it valid when the variable is assigned later."""
     if isinstance(value, resource_variable_ops.BaseResourceVariable):
         value = gen_resource_variable_ops.read_variable_op(value.handle, value.dtype)
     elif isinstance(value, tf.Variable):
@@ -82,7 +81,7 @@ def _host_array(value: Any) -> np.ndarray:
 
 _PLAIN_VARIABLE_TYPES = frozenset({resource_variable_ops.ResourceVariable})
 """Variable types (exact) whose ``_dtype`` and ``_handle.device`` are what the ``dtype`` and
-``device`` properties return (the properties cost about 2 us a variable, 0.1 s for 50,000)."""
+``device`` properties return (reading the properties costs more, per variable)."""
 
 READ_BATCH = 1000  # variables read by one _ReadVariablesOp (TensorFlow caches its kernel per
 # count and dtypes, so equal batches of one dtype reuse one kernel)
@@ -93,11 +92,10 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
     """`to_host` of many tensors and variables (`keys` name them in errors); None for a
     tf.string value when `strings` (the caller stores it apart), else it is refused. Resource
     variables are read in batches, by device and dtype, with TensorFlow's ``_ReadVariablesOp``
-    (one op for up to READ_BATCH variables: 50,000 small variables in 0.3-0.4 s against
-    1.2-1.9 s for one ReadVariableOp each, measured on a loaded 2-core machine); should that
+    (one op for up to READ_BATCH variables, instead of one ReadVariableOp each); should that
     op fail, each is read alone. TensorFlow builds the op's kernel once per set of variable
-    shapes (about 100 us a variable, the first save in a process; single reads of fresh
-    variables cost about 65 us each then too)."""
+    shapes, so the first save in a process pays for it (as single reads of fresh variables
+    do)."""
     out: list[Any] = [None] * len(values)
     groups: dict[tuple[str, Any], list[int]] = {}
     base = resource_variable_ops.BaseResourceVariable
@@ -141,9 +139,8 @@ def host_arrays(values: list[Any], keys: list[str], strings: bool = False
 _POOL: list[WorkerPool] = []  # made on first use
 TF_THREADS = min(4, len(usable_cores()))
 """Threads issuing batches of TensorFlow ops (reads, assigns): TensorFlow's executor runs
-each op without the GIL, so on a 2-core machine two batches at a time take about 40% less
-time than one after the other (50,000 small variables). Sized from the cores the process may
-use (as a collective save's writers are), not from how busy they were recently."""
+each op without the GIL, so batches on two cores overlap. Sized from the cores the process
+may use (as a collective save's writers are), not from how busy they were recently."""
 
 
 def _in_parallel(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
@@ -417,10 +414,10 @@ class Assign:
 
 def assign_all(pairs: list[tuple[Any, np.ndarray]]) -> None:
     """Run each ``(assign, host array)``: `Assign`s of plain resource variables as one eager
-    ``AssignVariableOp`` each, issued straight to TensorFlow's executor (about 35 us a
-    variable, against 700 us for ``Variable.assign``, whose Python checks restore has done
-    already: same shape, same dtype); the rest (Keras and other variable types, other
-    callables) through their own ``assign``. The variables stay the same objects."""
+    ``AssignVariableOp`` each, issued straight to TensorFlow's executor (skipping
+    ``Variable.assign``'s Python checks, which restore has done already: same shape, same
+    dtype); the rest (Keras and other variable types, other callables) through their own
+    ``assign``. The variables stay the same objects."""
     plain = _PLAIN_VARIABLE_TYPES
     by_device: dict[str, list[tuple[Any, np.ndarray]]] = {}
     for fn, host in pairs:

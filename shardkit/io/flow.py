@@ -1,19 +1,14 @@
 """The save flow, one for a process alone and for many: plan, write, commit.
 
 A save runs over a `Coordinator` (a process alone: the `LocalCoordinator`, world size 1).
-`Steps.step` runs each step on every rank and is the one relay of errors: if any rank failed,
-rank 0 aborts the staging and every rank raises the same error (a process alone its own, as
-raised; many ranks a DistributedSaveError naming the failing rank and its cause).
+`Steps.step` runs each step on every rank and is the one relay of errors (rank 0 aborts the
+staging, every rank raises the same error):
 
-1. ``plan`` (all-gather): rank 0 checks the target; each rank sends where it saves and what it
-   holds (`RankSave.hold`); every rank computes the same plan from that (`assign`).
-2. ``shards`` (all-gather): each rank's callback on what it writes, validated (`shard`); then
-   rank 0 stages the save (where the files go, the generation).
+1. ``plan`` (all-gather): rank 0 checks the target; every rank computes the same plan from
+   what each holds (`RankSave.hold`, `assign`).
+2. ``shards`` (all-gather): each rank's callback, validated (`shard`); rank 0 stages the save.
 3. ``index`` (gather on rank 0): each rank writes its shards and sends what it wrote (`part`).
 4. ``commit`` (broadcast): rank 0 merges the parts (`merge`) and commits.
-
-The output format: shardkit's through the `Storage` (`StorageOutput`) or TensorFlow's
-TensorBundle (`adapters.tensorbundle.writer.BundleOutput`).
 """
 
 from __future__ import annotations

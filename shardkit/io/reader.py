@@ -1,20 +1,12 @@
-"""CheckpointReader: lazy, zero-copy reading of a shardkit checkpoint directory.
+"""CheckpointReader: lazy, zero-copy reading of a checkpoint.
 
 A whole tensor of a raw shard comes back as a numpy view of a private (copy-on-write) map of the
-shard (`shardkit._kernels._mmap`): writable, writing never reaches the file, and the map is
-unmapped only when its last view goes, so arrays stay valid after ``close()``. With
-``mmap=False`` every read is a set of large ``os.preadv`` calls on a thread pool into owned,
-writable arrays, through a bounded set of open descriptors (`MAX_OPEN_FILES`).
-
-One reader reads one checkpoint: it opens the checkpoint directory once and every file
-(the manifest, shards) relative to that handle, safely (`shardkit.shards.files`: regular files only,
-symlinks only with ``follow_symlinks=True``). A shard that vanished because the checkpoint was
-replaced raises CheckpointReplacedError; `load` then starts again, a few times.
-
-The reader is a facade over `shardkit.io.reading`: `ShardSet` (the index, the shard sources
-opened and checked on first use, the pool), `whole` (whole tensors, in bulk), `boxes`
-(`get_slice`, restores' boxes) and `verify`. A shard's codec selects its `ShardSource`
-implementation: ``"raw"`` in `shardkit.shards.raw`, others registered with `register_codec`.
+shard: writable, writing never reaches the file, and the map is unmapped only when its last view
+goes, so arrays stay valid after ``close()``. With ``mmap=False`` reads are large ``preadv``
+calls on a thread pool into owned arrays, through a bounded set of descriptors
+(`MAX_OPEN_FILES`). One reader reads one checkpoint (`shardkit.shards.files`); a shard that
+vanished because the checkpoint was replaced raises CheckpointReplacedError, and `load` starts
+again, a few times. The reader is a facade over `shardkit.io.reading`.
 """
 
 from __future__ import annotations
@@ -79,20 +71,11 @@ class KeyInfo:
 class CheckpointReader:
     """Read a checkpoint lazily; use as a context manager.
 
-    `path` is a shardkit checkpoint directory, a HuggingFace one (``model.safetensors.index.json``
-    + shards, or just ``model.safetensors``) or a ``.safetensors`` file: `shardkit.adapters`
-    detects the layout (`format`) and its adapter builds the entry table; everything below is
-    the same for all. Foreign layouts store no checksums (`verify` checks their structure).
-
-    ``reader[key]`` / `get` return the whole tensor (a view of the private map when it is one
-    raw entry and `mmap` is on; otherwise a new array). `get_slice` reads a numpy basic index of
-    the full tensor, touching only the bytes it needs. `verify` checks every checksum. Every
-    array returned is writable and stays valid after the reader is closed; writing to it never
+    `shardkit.adapters` detects the layout (`format`: shardkit's, HuggingFace's, a
+    ``.safetensors`` file, a TensorBundle) and builds the entry table; the rest is the same for
+    all. The reader reads the checkpoint that was at `path` when it was opened, and no other.
+    Every array returned is writable and stays valid after `close`; writing to it never
     changes the checkpoint.
-
-    The reader reads the checkpoint that was at `path` when it was opened, and no other (see the
-    module docstring). Shard files and the manifest must be regular files, and symlinks are
-    refused unless `follow_symlinks`.
 
     Args:
         path: the checkpoint (directory, file or URL).
@@ -100,7 +83,6 @@ class CheckpointReader:
         verify: check every checksum on open.
         follow_symlinks: accept symlinked files.
         prefix: show only the sub-tree under this key prefix, keys relative to it.
-
     Raises:
         CheckpointNotFoundError: nothing is at `path`.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
@@ -145,14 +127,15 @@ class CheckpointReader:
         return self.index.user_metadata
 
     def keys(self) -> list[str]:
-        """Checkpoint keys in the order they were saved (string tensors last); with a `prefix`,
-        the keys under it, the prefix stripped."""
+        """The checkpoint's keys.
+
+        Returns:
+            The keys in saved order (string tensors last); with a `prefix`, the keys under it,
+            the prefix stripped.
+        """
         if self._under is not None:
             n = len(self._prefix)
             return [k[n:] for k in self._under]
-        return self._stored_keys()
-
-    def _stored_keys(self) -> list[str]:
         return self._shards.stored_keys()
 
     def __iter__(self) -> Iterator[str]:
@@ -200,6 +183,10 @@ class CheckpointReader:
         A string tensor reports dtype name ``"STRING"``, the numpy dtype of its kind (object for
         bytes / str), the bytes of its block and one placement, in the string file.
 
+        Args:
+            key: the tensor's key.
+        Returns:
+            Its `KeyInfo`.
         Raises:
             KeyNotFoundError: `key` is not stored.
         """
@@ -223,19 +210,14 @@ class CheckpointReader:
     def get(self, key: str, *, framework: str, device: Any = ...) -> Any: ...
 
     def get(self, key: str, *, framework: str = "numpy", device: Any = None) -> Any:
-        """The whole tensor `key` (ml_dtypes arrays for bfloat16 / float8).
-
-        ``reader[key]`` is always a numpy array.
+        """The whole tensor `key` (ml_dtypes arrays for bfloat16 / float8); ``reader[key]`` too.
 
         Args:
             key: the tensor's key (under `prefix`, when the reader has one).
-            framework: "numpy", "torch" or "jax" (`shardkit.frameworks`): torch shares the
-                array's memory on the CPU, jax copies.
+            framework: as for `load` (``reader[key]`` is always numpy).
             device: the framework's device.
-
         Returns:
             The tensor.
-
         Raises:
             KeyNotFoundError: `key` is not stored.
             CheckpointFormatError: a shard it reads is malformed.
@@ -259,30 +241,26 @@ class CheckpointReader:
         """`get` of each key, in bulk: whole tensors of a raw mapped shard become views in one
         pass per shard; whole tensors stored in compressed shards are read in one batch, so
         that every chunk is decoded once and the chunks are decoded in parallel. `rows`: the
-        keys' `_rows_of`, when the caller has them."""
+        keys' `ShardSet.rows_of`, when the caller has them."""
+        strings = self._strings
         self._shards.begin_read()
         try:
             with gc_paused():  # one GC pass at the end, not one per ~700 new arrays
-                return self._get_many_unlocked(keys, rows)
+                if strings is not None and keys is None:  # every tensor, then every string one
+                    every = whole.get_tensors(self._shards, None)
+                    every.update((k, self._get_string(k)) for k in strings.keys)
+                    return every
+                if strings is not None and keys is not None:  # strings apart, in the order asked
+                    wanted = list(dict.fromkeys(keys))
+                    stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
+                    texts = {k: self._get_string(k) for k in wanted if k in stored}
+                    if texts:
+                        rest = whole.get_tensors(self._shards,
+                                                 [k for k in wanted if k not in texts])
+                        return {k: texts[k] if k in texts else rest[k] for k in wanted}
+                return whole.get_tensors(self._shards, keys, rows)
         finally:
             self._shards.end_read()
-
-    def _get_many_unlocked(self, keys: Sequence[str] | None, rows: np.ndarray | None
-                           ) -> dict[str, np.ndarray]:
-        strings = self._strings
-        if strings is not None and keys is None:  # every tensor, then every string tensor
-            every = whole.get_tensors(self._shards, None)
-            every.update((k, self._get_string(k)) for k in strings.keys)
-            return every
-        if strings is not None:  # the string tensors apart, then in the order asked
-            wanted = list(dict.fromkeys(self._stored_keys() if keys is None else keys))
-            stored = set(strings.keys).intersection(wanted)  # not 50,000 calls of `in`
-            texts = {k: self._get_string(k) for k in wanted if k in stored}
-            if texts:
-                rest = whole.get_tensors(self._shards, None if keys is None else
-                                         [k for k in wanted if k not in texts])
-                return {k: texts[k] if k in texts else rest[k] for k in wanted}
-        return whole.get_tensors(self._shards, keys, rows)
 
     def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
         """Decode whole tensors stored in compressed shards straight into their target arrays
@@ -302,21 +280,15 @@ class CheckpointReader:
 
     def get_slice(self, key: str, index: Any, *, framework: str = "numpy",
                   device: Any = None) -> Any:
-        """``full_tensor[index]``, reading only the needed bytes of the stored slices that
-        intersect it.
-
-        The result is a (writable) view of the private map when it comes from one raw entry and
-        `mmap` is on, else a new array.
+        """``full_tensor[index]``, reading only the bytes it needs of the slices it intersects.
 
         Args:
             key: the tensor's key.
             index: a numpy basic index (ints, slices with steps, ``...``, None).
-            framework: as for `get`.
-            device: as for `get`.
-
+            framework, device: as for `get`.
         Returns:
-            The part of the tensor.
-
+            The part of the tensor: a writable view of the private map when it is one raw
+            entry's and `mmap` is on, else a new array.
         Raises:
             KeyNotFoundError: `key` is not stored.
             InvalidArgumentError: `index` is not a basic index of the tensor's shape.
@@ -362,22 +334,15 @@ class CheckpointReader:
         """Check the stored entries of `keys` against the index: shard files and sizes,
         headers, entry dtypes and shapes, and the xxh3-64 checksums.
 
-        Everything is checked before anything is raised: on any problem this raises one error,
-        of the class of the first problem found, whose message lists every problem, one per
-        line, and whose ``problems`` attribute holds them (`Problem`). `verify_report` returns
-        them instead.
+        Everything is checked before anything is raised (`verify_report` returns the problems).
 
         Args:
-            keys: the keys to check (default: all, and then every frame of every compressed
-                shard, even bytes no entry is read from).
-
+            keys: the keys to check (default: all, and every frame of every compressed shard).
         Returns:
-            The number of entries whose checksum was compared (entries saved without a
-            checksum are skipped).
-
+            The number of entries whose checksum was compared.
         Raises:
-            ChecksumError, MissingShardError, CorruptIndexError, ...: the first problem's
-                class (a `CheckpointFormatError`).
+            CheckpointFormatError: of the first problem's class (`ChecksumError`,
+                `MissingShardError`, ...), every problem a line, the list in ``problems``.
             KeyNotFoundError: a key is not stored.
         """
         report = self.verify_report(keys)
@@ -386,17 +351,15 @@ class CheckpointReader:
         return report.checked
 
     def verify_report(self, keys: Sequence[str] | None = None) -> VerifyReport:
-        """What `verify` checks, returned instead of raised: every distinct problem once, in
-        shard order, each blaming the file that is inconsistent (the manifest when it records
-        a size, an entry, a dtype or a shape its shard does not have). Memory stays bounded:
-        compressed shards are verified chunk by chunk (see `SkzShard.verify_entries`).
+        """What `verify` checks, returned instead of raised.
+
+        Each distinct problem is listed once, in shard order, blaming the file that is
+        inconsistent (the manifest when it records what its shard does not have).
 
         Args:
             keys: the keys to check, under `prefix` when the reader has one (default: all).
-
         Returns:
             The `VerifyReport`.
-
         Raises:
             KeyNotFoundError: a key is not stored.
         """
@@ -436,14 +399,8 @@ class CheckpointReader:
         assert strings is not None
         row = strings.row(key)
         return KeyInfo(key, kind_dtype(strings.kinds[row], f"{self.path}: {key!r}"), STRING_DTYPE,
-                       strings.shapes[row],
-                       strings.devices[row], strings.nbytes(row),
+                       strings.shapes[row], strings.devices[row], strings.nbytes(row),
                        (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
-
-    def _rows_of(self, keys: Sequence[str]) -> np.ndarray:
-        """The index row of each of `keys` (-1 for a string tensor); KeyNotFoundError (with a
-        hint) for the first key that is neither."""
-        return self._shards.rows_of(keys)
 
     def _tensor(self, key: str) -> TensorInfo:
         return self._shards.tensor(key)
@@ -453,12 +410,12 @@ class CheckpointReader:
         return self._shards.keys_under(prefix)
 
     def _open_shards(self, keys: Sequence[str] | None, rows: np.ndarray | None = None) -> None:
-        """Open (and map) every shard holding `keys` (default: all; `rows`: their `_rows_of`)
-        now rather than on first read, so a concurrent overwrite has only this short window to
-        delete them."""
+        """Open (and map) every shard holding `keys` (default: all; `rows`: their
+        `ShardSet.rows_of`) now rather than on first read, so a concurrent overwrite has only
+        this short window to delete them."""
         strings = self._strings
         if keys is not None and rows is None:
-            rows = self._rows_of(keys)
+            rows = self._shards.rows_of(keys)
         if strings is not None and strings.keys and (
                 rows is None or bool((rows < 0).any())):
             self._get_string(strings.keys[0])  # reads (and keeps) the string file now
@@ -468,8 +425,20 @@ class CheckpointReader:
 def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
                     follow_symlinks: bool = False, prefix: str | None = None
                     ) -> CheckpointReader:
-    """Open a checkpoint for lazy reading (a CheckpointReader; close it or use ``with``);
-    `prefix` shows the sub-tree under it, keys relative to it (as `load`'s)."""
+    """Open a checkpoint for lazy reading; close the reader or use it in a ``with`` block.
+
+    Args:
+        path: the checkpoint (directory, file or URL).
+        mmap: map raw shards (else read them into owned arrays).
+        follow_symlinks: accept symlinked files.
+        prefix: show the sub-tree under this key prefix, keys relative to it (as `load`'s).
+    Returns:
+        The `CheckpointReader`.
+    Raises:
+        CheckpointNotFoundError: nothing is at `path`.
+        CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
+        KeyNotFoundError: no key is under `prefix`.
+    """
     return CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks, prefix=prefix)
 
 
@@ -494,29 +463,32 @@ def load(
     device: Any = None,
     prefix: str | None = None,
 ) -> dict[str, Any]:
-    """Read `keys` (default: all, in saved order) into a flat dict key -> array.
+    """Read tensors of a checkpoint into a flat dict.
 
-    With `mmap` whole raw tensors are views of private (copy-on-write) maps of the shards: they
-    stay valid after this returns, and writing to them never changes the files. `verify`
-    checks the checksums of the loaded entries first. A single str `keys` is one key. When
-    the checkpoint is replaced while it is being read, the load starts again (up to
-    LOAD_ATTEMPTS times), so the result is always all of one checkpoint.
+    A checkpoint replaced while it is read is read again (up to LOAD_ATTEMPTS times), so the
+    result is always all of one checkpoint.
 
-    `framework` returns each value as a tensor of that framework instead of a numpy array
-    (`shardkit.frameworks.FRAMEWORKS`: "numpy", the default, "torch" or "jax"),
-    on `device` (torch: a str or torch.device, "cpu" by default; jax: a jax Device, Sharding or
-    platform string, jax's default device by default). torch tensors on the CPU share the
-    loaded memory (writable, copy-on-write: in-place ops never reach the files); jax arrays
-    are immutable copies. Framework and device are checked before anything is read.
-
-    `prefix` takes a sub-tree: the keys under it, with the prefix stripped (``prefix="model"``
-    or ``"model/"`` returns ``model/0.weight`` as ``0.weight``; a key component boundary, so
-    never ``modelx/...``); `keys` are then relative to it. KeyNotFoundError names the prefix
-    and the nearest stored ones when no key is under it.
-
+    Args:
+        path: the checkpoint (directory, file or URL).
+        keys: the keys to read (default: all, in saved order); a single str is one key.
+        verify: check the checksums of the loaded entries first.
+        mmap: whole raw tensors as views of private copy-on-write maps (writing to them never
+            changes the files); else read into owned arrays.
+        follow_symlinks: accept symlinked files.
+        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`).
+        device: the framework's device (torch: a str or torch.device; jax: a Device, Sharding
+            or platform string).
+        prefix: take the sub-tree under this key prefix, stripped (``"model"`` returns
+            ``model/0.weight`` as ``0.weight``, never ``modelx/...``); `keys` relative to it.
+    Returns:
+        A dict from key to numpy array (or the framework's tensor), in the order read.
     Raises:
-        KeyNotFoundError: a key (or the prefix) is not in the checkpoint.
+        CheckpointNotFoundError: nothing is at `path`.
+        KeyNotFoundError: a key is not stored, or none is under the prefix.
+        InvalidArgumentError: an unknown framework, a bad device, or an empty prefix.
+        MissingDependencyError: the framework is not installed.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
+        ShardIOError: the operating system failed a read.
     """
     conv = converter(framework, device)  # checked before anything is read
     if isinstance(keys, str):
@@ -534,7 +506,7 @@ def load(
                 if reader._strings is None and wanted == reader.index.keys:
                     wanted = None  # every key, in saved order: the full read (one C compare)
                 # rows: fail on a missing key before reading anything
-                rows = None if wanted is None else reader._rows_of(wanted)
+                rows = None if wanted is None else reader._shards.rows_of(wanted)
                 if reader._strings is not None:
                     stored = reader._strings.keys
                     for key in stored if wanted is None else set(stored).intersection(wanted):

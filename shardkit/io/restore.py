@@ -28,17 +28,27 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
                  verify: bool = False, partial: bool = False,
                  follow_symlinks: bool = False, prefix: str | None = None
                  ) -> CheckpointLoadStatus:
-    """Copy the stored value of every leaf of `state` (numpy arrays, torch tensors) into it, in
-    place, and return the `CheckpointLoadStatus` (`restored_keys`...).
+    """Copy the stored value of every leaf of `state` into it, in place.
 
-    Everything is checked before anything is copied: every leaf's key must be in the checkpoint
-    and every checkpoint key in `state` (else IncompleteRestoreError naming both sides, unless
-    ``partial=True``: then the leaves the checkpoint has are restored, the others left as they
-    are, and the status lists what did not match), and each leaf's shape and dtype must be the
-    stored ones (RestoreMismatchError). `follow_symlinks`: read shard files and the manifest that
-    are symlinks (refused by default). `prefix` restores a sub-tree: `state`'s keys are relative
-    to it and only the checkpoint's keys under it count (as `load`'s ``prefix=``); the status
-    lists keys relative to it."""
+    Everything (keys one to one, shapes, dtypes) is checked before anything is copied.
+
+    Args:
+        path: the checkpoint (directory, file or URL).
+        state: nested mappings of numpy arrays, torch tensors (DTensors too), TensorFlow
+            variables and objects.
+        verify: check the checksums of the entries read.
+        partial: restore the leaves the checkpoint has and leave the others as they are.
+        follow_symlinks: accept symlinked files.
+        prefix: restore the sub-tree under this key prefix (as `load`'s): `state`'s keys and
+            the status's are relative to it.
+    Returns:
+        The `CheckpointLoadStatus`: what was restored, missing and unexpected.
+    Raises:
+        IncompleteRestoreError: keys do not match one to one and `partial` is False.
+        RestoreMismatchError: a leaf's shape or dtype differs, or it cannot be written in place.
+        InvalidArgumentTypeError: `partial` is not a bool.
+        CheckpointNotFoundError, KeyNotFoundError, CheckpointFormatError: as `load`.
+    """
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
     targets = expand_objects(state, targets=True)  # TensorFlow objects: their variables
@@ -129,14 +139,8 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             if key in assigned:
                 continue
             if key not in done:
-                stored = reader.get(key)
-                if callable(writeback) and not target.flags.writeable:
-                    writeback(stored)  # a TensorFlow variable: assigned from the stored array
-                    continue
-                if target.dtype.byteorder == ">":
-                    np.copyto(target, stored, casting="equiv")
-                else:
-                    np.copyto(target, stored, casting="no")
+                np.copyto(target, reader.get(key),
+                          casting="equiv" if target.dtype.byteorder == ">" else "no")
             if writeback is not None:
                 copy_into(writeback, target)
     restored = {key for key, *_ in plans} | {key for key, _, _ in texts}
@@ -225,7 +229,13 @@ class CheckpointLoadStatus:
     unexpected_keys: list[str]
 
     def assert_consumed(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError unless every value on both sides was matched."""
+        """Check that every value on both sides was matched.
+
+        Returns:
+            This status.
+        Raises:
+            IncompleteRestoreError: a value is missing or unexpected, or nothing was restored.
+        """
         problems = []
         if self.missing_keys:
             problems.append(_listing("objects' values missing from the checkpoint",
@@ -241,8 +251,13 @@ class CheckpointLoadStatus:
         return self
 
     def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError unless every value of the target was restored (values
-        of the checkpoint left over are allowed)."""
+        """Check that every value of the target was restored (checkpoint values may be left).
+
+        Returns:
+            This status.
+        Raises:
+            IncompleteRestoreError: a value of the target was not restored.
+        """
         if self.missing_keys:
             raise IncompleteRestoreError(
                 f"restore from {self.path}: "
@@ -251,13 +266,23 @@ class CheckpointLoadStatus:
         return self
 
     def assert_nontrivial_match(self) -> CheckpointLoadStatus:
-        """Raise IncompleteRestoreError if nothing at all was restored."""
+        """Check that something was restored.
+
+        Returns:
+            This status.
+        Raises:
+            IncompleteRestoreError: nothing at all was restored.
+        """
         if not self.restored_keys:
             raise IncompleteRestoreError(f"restore from {self.path} matched no value at all")
         return self
 
     def expect_partial(self) -> CheckpointLoadStatus:
-        """Accept a partial restore (TensorFlow's spelling); returns the status."""
+        """Accept a partial restore (TensorFlow's spelling).
+
+        Returns:
+            This status.
+        """
         return self
 
 

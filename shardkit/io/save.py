@@ -77,9 +77,9 @@ class DefaultShardingPolicy(ShardingCallback):
     A state under 64 MiB goes into one shard (a second file costs more than it saves). A larger
     state is cut, in the order given and between whole tensors, into ``max(threads,
     ceil(total / max_shard_size))`` shards of near-equal size: the writer writes separate files
-    in parallel (about twice one file's speed on two cores), and shards stay under HuggingFace's
-    5 GB default. Tensors are never split, so every tensor stays readable by any safetensors or
-    HuggingFace tool through ``weight_map``; a tensor larger than the cap gets its own shard.
+    in parallel, and shards stay under HuggingFace's 5 GB default. Tensors are never split, so
+    every tensor stays readable by any safetensors or HuggingFace tool through ``weight_map``;
+    a tensor larger than the cap gets its own shard.
     """
 
     def __init__(self, threads: int | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
@@ -146,7 +146,6 @@ class DefaultShardingPolicy(ShardingCallback):
             done += size
         return [(a, b) for a, b in zip(starts, [*starts[1:], len(sizes)]) if b > a]
 
-
     @staticmethod
     def _equal_share_bounds(sizes: np.ndarray, total: int, count: int) -> list[tuple[int, int]]:
         """The loop of `_bounds` without the cap, vectorised: shard k starts at the first
@@ -176,84 +175,65 @@ def save(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
     *,
-    sharding_callback: ShardingCallback | None = None,
-    threads: int | None = None,
-    durable: bool = True,
-    checksum: bool = True,
+    options: CheckpointOptions | None = None,
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     progress: bool = False,
-    compression: str | None = None,
-    level: int | None = None,
-    shuffle: bool = True,
-    chunk_size: int | str = "4MiB",
-    options: CheckpointOptions | None = None,
     format: str = "shardkit",
     process_group: Any = None,
     timeout: float | None = None,
+    **deprecated: Any,
 ) -> SaveInfo:
     """Save `state` (nested dicts / lists of arrays) as a sharded checkpoint directory at `path`.
 
-    - `sharding_callback`: decides the shards; None uses `DefaultShardingPolicy`. It runs once
-      per device task, and its shards are validated before any byte is written
-      (ShardingValidationError otherwise).
-    - `threads`: writer threads (default: one per core, at most 8).
-    - `durable`: fsync files and directories before returning (survives power loss).
-    - `checksum`: store an xxh3-64 checksum of every tensor slice, checked by ``verify``.
-    - `metadata`: a JSON-serialisable dict stored in the manifest as ``user_metadata``.
-    - `overwrite`: replace an existing checkpoint at `path` atomically; without it an existing
-      path raises CheckpointExistsError. A path that is not a shardkit checkpoint is never
-      replaced.
-    - `progress`: show a tqdm progress bar in bytes.
-    - `compression`: None for raw safetensors shards (the default: restore is a memory map),
-      ``"zstd"`` for compressed ``.skz`` shards, with `level`, `shuffle` and `chunk_size` (see
-      `CheckpointOptions`).
-    - `options`: a `CheckpointOptions`, TensorFlow's spelling of the same settings. A keyword
-      left at its default takes the value from `options`; a keyword set to another value that
-      disagrees with `options` is an error.
-    - `process_group`: save collectively with the other ranks of this torch.distributed process
-      group (or `shardkit.distributed.Coordinator`). A state holding DTensors is saved
-      collectively over their mesh's group without it. Every rank calls `save` with the same
-      path; each writes its own shards (see docs/TRAINING.md). Otherwise the save is this
-      process's alone, as ``if rank == 0: save(...)`` wants.
-    - `timeout`: seconds a collective save waits for the other ranks at each step before
-      raising DistributedTimeoutError (default 300).
+    The state is flattened to ``/``-joined keys (shardkit.values.keys: non-empty, unique, valid
+    UTF-8, not ``__metadata__``; dict keys str or int), the sharding callback of `options` runs
+    once per device task and its shards are validated before any byte is written, and the
+    shards are published with one atomic rename. With a callback that keeps tensors whole (the
+    default, ShardByTaskPolicy, AllInOnePolicy) and no compression, the directory is a
+    HuggingFace sharded safetensors checkpoint as it stands; when the callback splits tensors,
+    the save warns once with `SplitTensorsWarning` (HuggingFace loaders cannot read them).
 
-    Keys (shardkit.values.keys): nested keys are joined with ``/``; a flattened key must be
-    non-empty, not ``__metadata__``, valid UTF-8 and unique, and dict keys must be str or int.
-    A state that breaks a rule raises InvalidKeyError (InvalidKeyTypeError for a key's type) naming
-    where in `state` the key came from, before anything is written. Bad arguments raise
-    InvalidArgumentError / InvalidArgumentTypeError (ValueError / TypeError subclasses).
+    Args:
+        path: the checkpoint directory, or a URL (``s3://bucket/prefix``); with
+            ``format="tensorflow"``, TensorFlow's file prefix.
+        state: nested dicts, lists and tuples of arrays (numpy, torch, JAX, TensorFlow) and
+            numbers, or a TensorFlow object (docs/API.md lists what it may hold).
+        options: how to write: the sharding callback, compression, durability, threads,
+            checksums (`CheckpointOptions`; None: the defaults, `DefaultShardingPolicy`).
+        metadata: a JSON-serialisable dict stored in the manifest as ``user_metadata``.
+        overwrite: replace an existing checkpoint at `path` atomically; a path that is not a
+            shardkit checkpoint is never replaced.
+        progress: show a tqdm progress bar in bytes.
+        format: ``"shardkit"``, or ``"tensorflow"`` for TensorFlow's TensorBundle
+            (``<path>.index`` and ``<path>.data-0000i-of-0000n``, read by
+            ``tf.train.load_checkpoint``); it refuses compression, metadata and progress.
+        process_group: save collectively with the ranks of this torch.distributed group (or a
+            `shardkit.distributed.Coordinator`); every rank calls `save` with the same path and
+            writes its own shards (docs/TRAINING.md). A state of DTensors is saved over their
+            mesh's group without it.
+        timeout: seconds a collective save waits for the other ranks at each step (default
+            300).
+        **deprecated: the keywords `CheckpointOptions` now holds (sharding_callback, threads,
+            durable, checksum, compression, level, shuffle, chunk_size) still work for one
+            release, with a DeprecationWarning.
+    Returns:
+        A `SaveInfo`: the path, the files written, their bytes, the time taken, the generation.
+    Raises:
+        CheckpointExistsError: `path` exists and `overwrite` is False.
+        ShardingValidationError: the callback's shards break a rule.
+        InvalidKeyError: a key breaks a rule (InvalidKeyTypeError for a key's type).
+        InvalidArgumentError: a bad argument (InvalidArgumentTypeError for its type).
+        UnsupportedDTypeError: a value no checkpoint can hold.
+        DistributedError: a collective save failed on some rank (DistributedTimeoutError when
+            a rank did not answer in time).
+        OSError: the disk failed or is full.
 
-    - `format`: ``"shardkit"`` (the default: the directory described above) or
-      ``"tensorflow"``: TensorFlow's TensorBundle checkpoint, `path` then being a prefix as
-      TensorFlow's (``<path>.index`` and one ``<path>.data-0000i-of-0000n`` per shard the
-      callback made; see `shardkit.adapters.tensorbundle`), which ``tf.train.load_checkpoint``
-      and ``tf.train.Checkpoint.restore`` read. Its entries always carry TensorFlow's crc32c;
-      `compression`, `metadata` and `progress` are refused with it.
-
-    Returns a `SaveInfo`. A failure at any point leaves any earlier checkpoint at `path` intact
-    and no temp directory behind.
-
-    With a callback that keeps tensors whole (the default, ShardByTaskPolicy, AllInOnePolicy)
-    and no compression, the checkpoint is a HuggingFace sharded safetensors checkpoint as it
-    stands (``model.safetensors.index.json`` and ``model-00001-of-0000N.safetensors``). When the
-    callback splits tensors (MaxShardSizePolicy, BinPackPolicy and BalancedPolicy may), the save
-    succeeds and then warns once with `SplitTensorsWarning`: HuggingFace loaders cannot read
-    the split tensors.
+    A failure at any point leaves any earlier checkpoint at `path` intact and no temporary
+    directory behind.
     """
     started = time.perf_counter()
-    opts = _resolve_options(
-        options,
-        experimental_sharding_callback=sharding_callback,
-        threads=threads,
-        durable=durable,
-        checksum=checksum,
-        compression=compression,
-        level=level,
-        shuffle=shuffle,
-        chunk_size=chunk_size,
-    )
+    opts = _resolve_options(options, deprecated)
     if opts.enable_async:
         raise InvalidArgumentError(
             "enable_async=True: the functional save() is synchronous; run it in your own "
@@ -400,33 +380,39 @@ def _default_shards(
     return shards, saved
 
 
-_KEYWORD_DEFAULTS = {
-    f.name: f.default
-    for f in fields(CheckpointOptions)
-    if f.name in ("experimental_sharding_callback", "threads", "durable", "checksum",
-                  "compression", "level", "shuffle", "chunk_size")
+_OPTION_KEYWORDS = {  # the save() keywords that moved into CheckpointOptions -> its field
+    "sharding_callback": "experimental_sharding_callback", "threads": "threads",
+    "durable": "durable", "checksum": "checksum", "compression": "compression",
+    "level": "level", "shuffle": "shuffle", "chunk_size": "chunk_size",
 }
-_KEYWORD_NAMES = {"experimental_sharding_callback": "sharding_callback"}
 
 
-def _resolve_options(options: CheckpointOptions | None, **given: Any) -> CheckpointOptions:
-    """The options of a save: `options` if given, else built from the keywords.
-
-    A keyword left at its default defers to `options`; one set to another value must agree.
-    """
-    if options is None:
-        return CheckpointOptions(**given)
-    if not isinstance(options, CheckpointOptions):
+def _resolve_options(options: CheckpointOptions | None, given: dict[str, Any]
+                     ) -> CheckpointOptions:
+    """The options of a save: `options`, and any deprecated keyword (warned) that agrees."""
+    unknown = sorted(set(given) - set(_OPTION_KEYWORDS))
+    if unknown:
+        raise InvalidArgumentTypeError(f"save() got an unexpected keyword argument {unknown[0]!r}")
+    if options is not None and not isinstance(options, CheckpointOptions):
         raise InvalidArgumentTypeError(
             f"options must be a CheckpointOptions, got {type(options).__name__}")
-    for field_name, value in given.items():
-        default = _KEYWORD_DEFAULTS[field_name]
-        in_options = getattr(options, field_name)
-        if value is not default and value != default and value != in_options:
+    if not given:
+        return options if options is not None else CheckpointOptions()
+    spelled = ", ".join(f"{_OPTION_KEYWORDS[k]}={v!r}" for k, v in given.items())
+    warnings.warn(f"the save() keywords {', '.join(given)} are deprecated: pass "
+                  f"options=CheckpointOptions({spelled}) (the keywords go in the next release)",
+                  DeprecationWarning, stacklevel=3)
+    chosen = {_OPTION_KEYWORDS[k]: v for k, v in given.items()}
+    if options is None:
+        return CheckpointOptions(**chosen)
+    defaults = {f.name: f.default for f in fields(CheckpointOptions)}
+    for name, value in chosen.items():  # a keyword at its default defers to options
+        if value is not defaults[name] and value != defaults[name] \
+                and value != getattr(options, name):
             raise InvalidArgumentError(
-                f"save(..., {_KEYWORD_NAMES.get(field_name, field_name)}={value!r}) conflicts "
-                f"with options.{field_name}={in_options!r}; set it in one place only"
-            )
+                f"save(..., {next(k for k, f in _OPTION_KEYWORDS.items() if f == name)}="
+                f"{value!r}) conflicts with options.{name}={getattr(options, name)!r}; set it "
+                "in one place only")
     return options
 
 

@@ -1,10 +1,9 @@
 """Asynchronous saves: host snapshots in a reused buffer pool, then a write in the background.
 
-An async save copies every tensor into a host buffer before it returns, so the training loop may
-update its weights at once while a background thread writes the copy. The buffers are kept between
-saves (keyed by checkpoint key) because touching fresh memory costs several times a copy into warm
-memory. Tensors on a CUDA device are copied into page-locked (pinned) buffers, which the GPU can
-write to directly; one device synchronisation then makes the whole snapshot valid.
+An async save copies every tensor into a host buffer before it returns, so the training loop
+may update its weights at once while a background thread writes the copy. The buffers are kept
+between saves (keyed by checkpoint key): fresh memory costs more to touch than warm. CUDA
+tensors are copied into pinned buffers; one device synchronisation makes the snapshot valid.
 
 `AsyncWriter` then runs the write in a background thread, one at a time; the `SaveHandle` it
 returns tells "staged" from "durable", and a write's error is handed to the next caller. Pending
@@ -151,24 +150,45 @@ class SaveHandle(str):
 
     @property
     def path(self) -> str:
+        """The checkpoint's path, as a plain str."""
         return str(self)
 
     def staged(self) -> bool:
-        """True: the snapshot is taken before `save` returns, so the state may change now."""
+        """Whether the state has been copied, so that the caller may change it.
+
+        Returns:
+            True: the snapshot is taken before `save` returns.
+        """
         return True
 
     def wait_staged(self, timeout: float | None = None) -> bool:
-        """Wait until the state has been copied (already so when `save` returns)."""
+        """Wait until the state has been copied (already so when `save` returns).
+
+        Args:
+            timeout: seconds to wait at most (None: no limit).
+        Returns:
+            True.
+        """
         return True
 
     def done(self) -> bool:
-        """True once the write has finished: committed, or failed."""
+        """Whether the write has finished.
+
+        Returns:
+            True once the checkpoint is committed, or the write failed.
+        """
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the checkpoint is durable and return its path; raise the write's error.
+        """Block until the checkpoint is durable (`result` is the same).
 
-        Raises TimeoutError if it is still being written after `timeout` seconds.
+        Args:
+            timeout: seconds to wait at most (None: no limit).
+        Returns:
+            The checkpoint's path.
+        Raises:
+            TimeoutError: it is still being written after `timeout` seconds.
+            ShardkitError: the write's own error (any the save raises), raised here.
         """
         try:
             self._future.result(timeout)
@@ -182,7 +202,15 @@ class SaveHandle(str):
     result = wait
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The write's error (None if it succeeded), after waiting up to `timeout` seconds."""
+        """The write's error, once it has finished.
+
+        Args:
+            timeout: seconds to wait at most (None: no limit).
+        Returns:
+            The error the write raised, or None if it succeeded.
+        Raises:
+            TimeoutError: it is still being written after `timeout` seconds.
+        """
         try:
             error = self._future.exception(timeout)
         except FutureTimeout:

@@ -108,20 +108,15 @@ def write_shards(
     strings: StringColumns | None = None,
 ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
     """Write `shards` (validated callback output) as shard files into `directory` (a
-    `Storage`, or a path or URL given to `storage.open_storage`: a save's `Staging.store`).
+    `Storage`, or a path or URL for `storage.open_storage`: a save's `Staging.store`); returns
+    their index and its manifest bytes in pieces (`format.index_chunks`), which the caller
+    publishes (`Staging.commit`).
 
-    Raw safetensors shards, or zstd shards (``.skz``, shardkit.shards.skz) when
-    `opts.compression` is ``"zstd"`` (with its `level`, `shuffle` and `chunk_size`). Returns the
-    checkpoint index describing them and its manifest bytes in pieces (`format.index_chunks`);
-    writing that file and publishing the directory is the caller's job (`Staging.commit`).
-    `saved` gives the order, dtypes, full shapes and devices of the saved tensors. With
-    `opts.durable`, each shard file is fsynced once complete; with `opts.checksum`, each entry
-    hashed. `generation`: the checkpoint's unique id, recorded in the index and in every shard
-    header (default: a fresh `format.new_generation`). `first_shard` / `shard_count`: the
-    number of the first of these shards among `shard_count` in the whole checkpoint, for file
-    names (a rank of a collective save writes some of them; default: these are all).
-    `strings`: string tensors, written to their own file (`shardkit.strings`; the manifest then
-    records format 2.3).
+    `opts` gives the codec and its settings, `durable` and `checksum`; `saved` the order,
+    dtypes, full shapes and devices of the saved tensors. `generation` is recorded in the index
+    and every shard header (default: a fresh one). `first_shard` / `shard_count` number these
+    shards among the whole checkpoint's (a rank of a collective save writes some of them).
+    `strings`: string tensors, written to their own file (the manifest then records 2.3).
     """
     compression, durable, checksum = opts.compression, opts.durable, opts.checksum
     store = directory if isinstance(directory, Storage) else open_storage(directory)

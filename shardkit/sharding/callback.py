@@ -127,12 +127,18 @@ def _same_data(value: Any, original: np.ndarray, region: tuple[slice, ...] | Non
 def validate_shards(
     shards: Sequence[Shard], shardable_tensors: Sequence[ShardableTensor], description: str
 ) -> None:
-    """Check a callback's shards against its input; raise ShardingValidationError on any breach.
+    """Check a callback's shards against its input.
 
     Rules: no tensor removed, none added, no (key, slice) twice, no shape or dtype change, no task
     change, all tensors of one shard from one task; a tensor split into slices must be tiled
-    exactly by them, and every slice must hold the original's data. Linear time: hash lookups per
-    entry, a sort per split tensor.
+    exactly by them, and every slice must hold the original's data.
+
+    Args:
+        shards: what the callback returned.
+        shardable_tensors: what it was given.
+        description: the callback's description, for the error message.
+    Raises:
+        ShardingValidationError: a rule is broken; names the rule, key, slice and values.
     """
     with gc_paused():
         if not _all_whole_as_given(shards, shardable_tensors):
@@ -363,8 +369,14 @@ def shard_tensors(
 ) -> list[TaskShard]:
     """Run `callback` once per device task and validate its shards before anything is written.
 
-    Returns ``(task, shard)`` pairs in task order of first appearance, then callback order, with
-    values unwrapped to arrays and empty shards dropped.
+    Args:
+        callback: a `ShardingCallback` (or TensorFlow's, or any object with its contract).
+        shardable_tensors: the tensors to shard, of one or more tasks.
+    Returns:
+        ``(task, shard)`` pairs in task order of first appearance, then callback order, with
+        values unwrapped to arrays and empty shards dropped.
+    Raises:
+        ShardingValidationError: the callback has no str description or broke the contract.
     """
     groups: dict[int, list[ShardableTensor]] = {}
     for t in shardable_tensors:

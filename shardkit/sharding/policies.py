@@ -5,12 +5,10 @@ shards ``{checkpoint_key: {slice_spec: array}}``. A policy that splits a tensor 
 of it (``tensor[region]``) under TensorFlow slice specs that name the region within the full,
 original tensor, also when the input is itself already a slice. No policy returns an empty shard.
 
-HuggingFace loaders read only tensors stored whole (spec ``""``, listed in the manifest's
-``weight_map``). ``DefaultShardingPolicy`` (shardkit.io.save), ``ShardByTaskPolicy`` and
-``AllInOnePolicy`` keep every tensor whole. ``BinPackPolicy`` and ``BalancedPolicy`` split
-tensors larger than their target; ``MaxShardSizePolicy`` gives every tensor TensorFlow's explicit
-spec (``"4 6 0,4:0,6"``), so none is whole in HuggingFace's sense. ``save`` warns
-(``SplitTensorsWarning``) when a policy stored any tensor as slices.
+HuggingFace loaders read only tensors stored whole (spec ``""``): ``DefaultShardingPolicy``,
+``ShardByTaskPolicy`` and ``AllInOnePolicy`` keep them so, ``BinPackPolicy`` and
+``BalancedPolicy`` split those over their target, ``MaxShardSizePolicy`` gives every tensor an
+explicit spec; ``save`` warns (``SplitTensorsWarning``) when any tensor is stored as slices.
 
 The planning cores run in the compiled kernels (``shardkit._kernels._packing``); this module only
 gathers sizes and shapes into int64 arrays and builds the shard dicts from the plan.
@@ -49,10 +47,16 @@ _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 
 
 def parse_size(size: int | str, name: str = "size") -> int:
-    """A positive byte count from an int or a string such as ``"256MB"``, ``"1GiB"``, ``"1.5GB"``.
+    """A positive byte count from an int or a size string.
 
-    Units (case-insensitive): B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024).
-    Raises PolicyError for anything else, and for zero, negative or fractional byte counts.
+    Args:
+        size: bytes, or a string such as ``"256MB"``, ``"1GiB"``, ``"1.5GB"``; units
+            (case-insensitive) B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (of 1024).
+        name: the argument's name in error messages.
+    Returns:
+        The number of bytes.
+    Raises:
+        PolicyError: anything else, or a zero, negative, fractional or over-int64 count.
     """
     if isinstance(size, (bool, np.bool_)):
         raise PolicyError(f"{name} must be a byte count or a size string, got bool {size!r}")
@@ -89,7 +93,11 @@ class _Policy(ShardingCallback):
     name: ClassVar[str]
 
     def get_config(self) -> dict[str, Any]:
-        """The constructor arguments, JSON-safe: ``type(p)(**p.get_config())`` rebuilds `p`."""
+        """The constructor arguments, JSON-safe.
+
+        Returns:
+            The keyword arguments: ``type(p)(**p.get_config())`` rebuilds `p`.
+        """
         return {}
 
     def __repr__(self) -> str:
@@ -174,11 +182,9 @@ class MaxShardSizePolicy(_SizedPolicy):
     most `max_shard_size` bytes, except one per oversized piece that cannot be split (a scalar, or
     a single element when the item size itself exceeds the maximum), which is alone in its shard.
 
-    Where TensorFlow never returns (no single-axis slab of the rest of a tensor fits even an empty
-    shard, e.g. a 3x3 float32 tensor with a maximum of 8 bytes; it appends empty shards forever),
-    this policy cuts a slab of thickness 1 off the first axis longer than 1 and fills it first,
-    cutting it further the same way if needed, then continues with the rest. So it returns for
-    every input, and the maximum still holds.
+    Where TensorFlow never returns (no single-axis slab of the rest fits even an empty shard:
+    it appends empty shards forever), this policy cuts a slab of thickness 1 off the first axis
+    longer than 1, further cut the same way if needed, so it returns and the maximum holds.
     """
 
     name = "max-shard-size"
@@ -306,10 +312,8 @@ class BalancedPolicy(_PlanningPolicy):
     (Graham's LPT rule; ties to the lowest shard). Within a shard entries keep input order.
 
     Guarantee: ``min(num_shards, pieces)`` shards, none empty, and the heaviest holds at most
-    ``total / num_shards + largest piece`` bytes (when the last piece was added to it, it was the
-    lightest, so at most the mean). The largest piece is at most `target` unless it is a single
-    element or scalar, so the heaviest shard holds at most ``mean + max(target, item size)``:
-    about twice the mean in the worst case, and close to the mean when pieces are small.
+    ``total / num_shards + largest piece`` bytes (it was the lightest when it got its last
+    piece), so at most ``mean + max(target, item size)``: twice the mean at worst.
     """
 
     name = "balanced"
@@ -364,8 +368,16 @@ def policy_names() -> list[str]:
 
 
 def get_policy(name: str, **config: Any) -> ShardingCallback:
-    """Build a built-in policy from its short name, e.g. ``get_policy("bin-pack",
-    max_shard_size="1GiB")``. PolicyError for an unknown name or arguments it does not take."""
+    """Build a built-in policy from its short name.
+
+    Args:
+        name: one of `policy_names()`, e.g. ``"bin-pack"``.
+        **config: the policy's constructor arguments, e.g. ``max_shard_size="1GiB"``.
+    Returns:
+        The policy.
+    Raises:
+        PolicyError: an unknown name, or arguments the policy does not take.
+    """
     cls = POLICIES.get(name)
     if cls is None:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")

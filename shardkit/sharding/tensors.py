@@ -58,6 +58,7 @@ class ShardableTensor:
 
     @property
     def tensor_save_spec(self) -> TensorSaveSpec:
+        """The same tensor as TensorFlow's callbacks read it (`TensorSaveSpec`)."""
         return TensorSaveSpec(self.tensor, self.name, self.slice_spec, self.dtype, self.device)
 
     @property
@@ -67,6 +68,7 @@ class ShardableTensor:
 
     @property
     def nbytes(self) -> int:
+        """The bytes of `tensor`."""
         return self.tensor.nbytes
 
 
@@ -75,13 +77,20 @@ DeviceArg = str | DeviceSpec | Callable[[str], "str | DeviceSpec"] | None
 
 def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None,
                       strings: Any = None) -> list[ShardableTensor]:
-    """Flatten `state` (nested dicts / lists of arrays) into ShardableTensors, one per leaf.
+    """Flatten `state` into ShardableTensors, one per leaf, keys joined with ``/``.
 
-    Keys are joined with ``/``. `device` overrides the device of every tensor: a device string,
-    a DeviceSpec, or a callable from checkpoint key to either. By default a tensor keeps the
-    device it lives on (task 0, CPU for numpy). `strings`: a `strings.StringColumns` that
-    takes the string tensors (numpy bytes / str / object arrays, tf.string) out of the
-    result; without it they are refused.
+    Args:
+        state: nested dicts / lists of arrays.
+        device: overrides every tensor's device: a device string, a DeviceSpec, or a callable
+            from checkpoint key to either (default: where it lives; task 0, CPU for numpy).
+        strings: a `values.strings.StringColumns` that takes the string tensors (numpy bytes /
+            str / object arrays, tf.string) out of the result; without it they are refused.
+    Returns:
+        The ShardableTensors, in the state's order.
+    Raises:
+        InvalidKeyError: a key breaks a rule (InvalidKeyTypeError: not a str or int).
+        UnsupportedDTypeError: a value that cannot be a tensor.
+        InvalidArgumentTypeError, DeviceSpecError: a `device` that is not a device.
     """
     with gc_paused():
         c = host_columns(state, device, strings)
@@ -180,7 +189,7 @@ def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:
 
 
 def fast_constructor(cls: type) -> Callable[..., Any]:
-    """Build a frozen-slots-dataclass instance without its __init__ (2x faster, same result).
+    """Build a frozen-slots-dataclass instance without its __init__ (same result, less work).
 
     Frozen dataclasses set each field through object.__setattr__; calling the slot descriptors
     directly skips that lookup. The source is generated so the loop over fields is unrolled.
@@ -195,7 +204,7 @@ def fast_constructor(cls: type) -> Callable[..., Any]:
 
 def columns_constructor(cls: type) -> Callable[..., list[Any]]:
     """Build many frozen-slots-dataclass instances from columns (one iterable per field, in
-    field order, all of the same length); about 2x faster again than `fast_constructor`.
+    field order, all of the same length); less work again than `fast_constructor`.
 
     Every loop is a C-level ``map`` over the slot descriptors' setters, no Python frame per item.
     """

@@ -40,16 +40,13 @@ class ShardSource:
     `shards.skz.SkzShard`, which has the same members) and wherever its bytes are (a
     `shards.files.ByteSource`: a local file or a store's object).
 
-    `entries` maps entry name -> EntryLayout (offsets relative to the logical data region).
-    `read_into` copies bytes ``[begin, end)`` of an entry (relative to the entry's start) into
-    the writable byte buffer `dest`; `read_tasks` does so for many (entry, begin, end, dest)
-    requests, as independent tasks for the read pool (a codec decodes each chunk once). Both
-    are safe from several threads at once; ranges always hold whole items of the dtype.
-    `view` returns a zero-copy buffer of those bytes (writable: a private map), or None if
-    the source cannot. `whole_arrays` gives whole entries by their offsets, or None when the
-    source reads them only through `read_tasks`. `verify_entries` hashes entries for verify
-    (and checks a codec's frames). `matches_index`: the header was recognised as the index's
-    (not checked again).
+    `entries` maps entry name -> EntryLayout (offsets relative to the data region); `read_into`
+    copies bytes ``[begin, end)`` of an entry into the writable buffer `dest`, `read_tasks` many
+    such requests as tasks for the read pool (a codec decodes each chunk once), both thread-safe,
+    ranges of whole items. `view` is a zero-copy (private, writable) buffer or None;
+    `whole_arrays` whole entries by offset, or None when only `read_tasks` reads them;
+    `verify_entries` hashes entries (and checks a codec's frames); `matches_index`: the header
+    was recognised as the index's (not checked again).
     """
 
     path: str
@@ -177,26 +174,19 @@ class RawShard(ShardSource):
             check_shard_size(path, size, info)
             if header is not None:
                 self._entries, self.metadata, self.data_start = header
+            elif expected is None:
+                self._entries, self.metadata, self.data_start = read_safetensors_header(
+                    self._file.read, size, path)
             else:
-                self._read_header(size, expected)
+                self._entries, self.metadata, self.data_start, self.begins = (
+                    read_expected_safetensors_header(self._file.read, size, path, *expected,
+                                                     generation=info.generation))
             check_generation(self.metadata, info.generation, path)
             if mmap:  # the file holds at least the 8-byte prefix, so the map is never empty
                 self._map = self._file.take_map()
         except BaseException:
             self._file.close()
             raise
-
-    def _read_header(self, size: int,
-                     expected: tuple[list[str], list[str], list[tuple[int, ...]]] | None) -> None:
-        if expected is None:
-            self._entries, self.metadata, self.data_start = read_safetensors_header(
-                self._file.read, size, self.path
-            )
-        else:
-            self._entries, self.metadata, self.data_start, self.begins = (
-                read_expected_safetensors_header(self._file.read, size, self.path, *expected,
-                                                 generation=self.info.generation)
-            )
 
     @property
     def matches_index(self) -> bool:  # type: ignore[override]

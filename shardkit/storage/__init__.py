@@ -1,15 +1,10 @@
 """Where checkpoints live: the local file system, or any fsspec URL (``s3://bucket/prefix``).
 
-`open_storage` is the one place a path becomes a `Storage` (`is_url`, a ``scheme://`` prefix,
-is the one test that tells them apart): a local path a `LocalStorage`, which keeps the native
-code path unchanged (`storage.native`'s write kernel, `storage.commit`, `shards.files`); a URL
-an `FsspecStorage`, with the object layout and manifest-last commit of docs/FORMAT.md ("Object
-storage"). The writer, the reader and the manager ask the storage and do not know which one
-they have. fsspec and s3fs are imported only for URLs.
-
-Options for a store (s3fs's ``client_kwargs={"endpoint_url": ...}``, ``key``, ``secret``,
-``anon``...) are registered per URL prefix with `set_storage_options`; without any, the file
-system's defaults apply (for S3: the AWS environment variables and config files).
+`open_storage` is the one place a path becomes a `Storage`: a `LocalStorage` for a path, an
+`FsspecStorage` for a URL (`is_url`: a ``scheme://`` prefix); the writer, the reader and the
+manager do not know which one they have. fsspec and s3fs are imported only for URLs. A store's
+options (s3fs's ``client_kwargs``, ``key``...) are registered per URL prefix with
+`set_storage_options`; without any, the file system's defaults apply.
 """
 
 from __future__ import annotations
@@ -41,12 +36,15 @@ def is_url(path: Any) -> bool:
 
 
 def set_storage_options(prefix: str, **storage_options: Any) -> None:
-    """Use `storage_options` (fsspec keyword arguments) for every URL under `prefix`, matched
-    by scheme, bucket and whole path components (`prefix_matches`: ``s3://bucket`` covers
-    ``s3://bucket/x``, never ``s3://bucket-other``); the longest matching prefix wins. With no
-    options, forget the prefix. Example::
+    """Use fsspec keyword arguments for every URL under a prefix; the longest prefix wins.
 
-        shardkit.set_storage_options("s3://bucket", client_kwargs={"endpoint_url": url})
+    Args:
+        prefix: a URL prefix, matched by scheme, bucket and whole path components
+            (`prefix_matches`: ``s3://bucket`` covers ``s3://bucket/x``, never
+            ``s3://bucket-other``).
+        **storage_options: e.g. ``client_kwargs={"endpoint_url": url}``; none forgets `prefix`.
+    Raises:
+        Nothing: options are checked by the file system when a URL under `prefix` is opened.
     """
     with _options_lock:
         if storage_options:

@@ -1,20 +1,10 @@
 """The storage seam: one small interface for where a checkpoint's bytes live.
 
 A `Storage` is rooted at one checkpoint location (a directory, or a prefix of an object store)
-and names everything under it by a relative name with ``/`` separators. It has two levels:
-
-- bytes: write a file or object from a sequence of buffers (multipart with bounded memory where
-  the store has it), read byte ranges (several at once, adjacent ones coalesced), list, delete
-  and publish the manifest (conditionally where the store supports it);
-- checkpoints, what the writer, the reader and the manager ask for: `stage` a save (where its
-  files go, its generation, the atomic `commit`), `write_shards` (the writer's planned
-  `ShardFile`s written from the arrays' memory), `write_strings`, `open_checkpoint` (the
-  reader's directory: the manifest and a byte source per shard), and the manager's `children`,
-  `commit_time`, `remove_checkpoint`.
-
-`shardkit.storage.local` (the native path: write kernel, rename / exchange, directory handle,
-mmap) and `shardkit.storage.fsspec` (ranged GETs, multipart uploads, manifest-last commit)
-implement it; `shardkit.storage.open_storage` is the one place that picks one.
+and names everything under it by a relative name with ``/`` separators. Its two levels: bytes
+(write from buffers, ranged reads, list, delete, publish the manifest) and checkpoints, what
+the writer, the reader and the manager ask for (`stage`, `write_shards`, `write_strings`,
+`open_checkpoint`, `children`, `commit_time`, `remove_checkpoint`).
 """
 
 from __future__ import annotations

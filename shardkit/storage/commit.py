@@ -1,18 +1,11 @@
-"""Atomic publication of a checkpoint directory.
+"""Atomic publication of a checkpoint directory (docs/FORMAT.md section 8).
 
 A save writes everything into a hidden sibling temp directory ``.<name>.shardkit-tmp-<random>``,
-the manifest (``model.safetensors.index.json``) last, and publishes it with one rename; with
-``durable=True`` every file, the temp directory and, after the rename, the parent directory are
-fsynced. A reader therefore sees the old complete checkpoint, the new complete one, or nothing;
-never a partial one.
-
-Replacing an existing checkpoint (``overwrite=True``) keeps that promise: on Linux the two
-directories are swapped in one ``renameat2(RENAME_EXCHANGE)`` and the old one (now under the temp
-name) is deleted afterwards. Where the exchange is unsupported, the fallback renames the old
-checkpoint aside to ``.<name>.shardkit-old-<random>``, renames the new one in, and deletes the old.
-A crash between those two renames leaves the path missing but both checkpoints complete on disk;
-`recover` (called by every save, and by the reader of a missing local path) renames the old one
-back. Stale-temp clean-up never deletes the only copy of a checkpoint (docs/FORMAT.md section 8).
+the manifest last, and publishes it with one rename (an existing checkpoint: one
+``renameat2(RENAME_EXCHANGE)``, else the fallback that renames the old one aside, which
+`recover` renames back when a crash cut it short). A reader sees the old complete checkpoint,
+the new complete one, or nothing. Stale-temp clean-up never deletes the only copy of a
+checkpoint.
 
 Concurrency: every temp directory is locked with ``flock`` on its own directory fd for as long as
 its save runs. Stale-directory cleanup only removes directories whose lock it can take without
@@ -403,20 +396,13 @@ def _publish_fallback(tmp: Path, target: Path) -> Path:
     return old
 
 
-class _Unsupported(Exception):
-    pass
-
-
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     """``renameat2(src, dst, flags)``; True if it renamed (or exchanged).
 
     False if `dst` exists (NOREPLACE) or if the call or flag is unsupported (EXCHANGE). Without
     renameat2, NOREPLACE degrades to a plain rename when `dst` is absent.
     """
-    try:
-        rc, err = _call_renameat2(os.fsencode(src), os.fsencode(dst), flags)
-    except _Unsupported:
-        rc, err = -1, errno.ENOSYS
+    rc, err = _call_renameat2(os.fsencode(src), os.fsencode(dst), flags)
     if rc == 0:
         return True
     if err == errno.EEXIST or (flags == _RENAME_NOREPLACE and err == errno.ENOTEMPTY):
@@ -467,6 +453,6 @@ _renameat2_fn = _load_renameat2()
 
 def _call_renameat2(src: bytes, dst: bytes, flags: int) -> tuple[int, int]:
     if _renameat2_fn is None:
-        raise _Unsupported
+        return -1, errno.ENOSYS
     rc = _renameat2_fn(_AT_FDCWD, src, _AT_FDCWD, dst, flags)
     return (0, 0) if rc == 0 else (-1, ctypes.get_errno())

@@ -12,18 +12,24 @@ is retried on transient errors (`base.with_retries`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 from .._threads import WorkerPool
 from ..errors import MissingDependencyError, StorageError
+from ..format import MANIFEST_FILE
 from ..optional import missing, require
 from .base import MAX_COALESCED, Fetched, ShardFile, Storage, Stored, coalesce, with_retries
+from .housekeeping import list_checkpoints, remove_checkpoint
+from .layout import object_name
+from .remote import RemoteDirectory
+from .save import RemoteStaging, upload_shards, upload_strings
 
 _T = TypeVar("_T")
 
@@ -42,16 +48,12 @@ def _upload_pool() -> WorkerPool:
         return _pool
 
 
-def _import_fsspec() -> Any:
-    return require("fsspec", "reading or writing a URL")
-
-
 class FsspecStorage(Storage):
     """A checkpoint at an fsspec URL (``s3://bucket/prefix``, ``memory://x``, ``file:///x``);
     `storage_options` go to the file system (e.g. s3fs's ``client_kwargs``, ``key``)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        fsspec = _import_fsspec()
+        fsspec = require("fsspec", "reading or writing a URL")
         self.url = url.rstrip("/")
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
@@ -83,23 +85,17 @@ class FsspecStorage(Storage):
     # -- checkpoints (the object layout and manifest-last commit: storage.save, storage.remote)
 
     def shard_name(self, file: str, generation: str | None) -> str:
-        from .layout import object_name
-
         return object_name(file, generation)
 
     def check_target(self, overwrite: bool) -> None:
         pass  # the manifest is read once, when the save is staged
 
     def stage(self, *, overwrite: bool, durable: bool) -> Any:
-        from .save import RemoteStaging
-
         return RemoteStaging(self, overwrite=overwrite)
 
     def write_shards(self, files: list[ShardFile], *, generation: str, compressed: bool,
                      threads: int, durable: bool, checksum: bool, bar: Any,
                      zstd_options: dict[str, Any], meanwhile: Callable[[], _T]) -> _T:
-        from .save import upload_shards
-
         upload_shards(self, files, generation, compressed=compressed, threads=threads,
                       checksum=checksum, zstd_options=zstd_options)
         if bar is not None:
@@ -108,31 +104,21 @@ class FsspecStorage(Storage):
 
     def write_strings(self, strings: Any, generation: str, checksum: bool,
                       durable: bool) -> Any:
-        from .save import upload_strings
-
         return upload_strings(self, strings, generation, checksum)
 
     def open_checkpoint(self, *, follow_symlinks: bool, pool: Any) -> Any:
-        from .remote import RemoteDirectory
-
         return RemoteDirectory(self)
 
     def children(self) -> list[tuple[str, str]]:
-        from .housekeeping import list_checkpoints
-
         return [(name, f"{self.url}/{name}") for name, _ in list_checkpoints(self)]
 
     def commit_time(self) -> float:
-        from ..format import MANIFEST_FILE
-
         try:
             return self.list(MANIFEST_FILE)[0].mtime
         except IndexError:
             return time.time()
 
     def remove_checkpoint(self) -> None:
-        from .housekeeping import remove_checkpoint
-
         remove_checkpoint(self)
 
     # -- writing
@@ -206,27 +192,17 @@ class FsspecStorage(Storage):
         except BaseException:
             for f in inflight:
                 f.cancel()
-            for f in inflight:
-                if not f.cancelled():
-                    try:
-                        f.result()
-                    except Exception:
-                        pass
+            wait(inflight)  # the parts already on their way land before the abort
             if upload_id is not None:
-                try:
+                with contextlib.suppress(Exception):
                     self._s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-                except Exception:
-                    pass
             raise
         self.fs.invalidate_cache(self._path(name))
         return total
 
     def upload_file(self, name: str, local_path: str) -> None:
         with open(local_path, "rb") as f:
-            def chunks() -> Iterable[bytes]:
-                while block := f.read(PART_SIZE):
-                    yield block
-            self.write_file(name, chunks())
+            self.write_file(name, iter(lambda: f.read(PART_SIZE), b""))
 
     def publish(self, name: str, data: bytes, *, if_absent: bool = False,
                 if_tag: str | None = None) -> bool:
@@ -320,14 +296,11 @@ class FsspecStorage(Storage):
         path = self._path(name)
         try:
             size = self.size(name)
-        except FileNotFoundError:
-            return None
-        if size > limit:
-            raise StorageError(27, f"{self.join(name)}: {size} bytes, over the {limit}-byte "
-                                   "limit")
-        try:
+            if size > limit:
+                raise StorageError(27, f"{self.join(name)}: {size} bytes, over the "
+                                       f"{limit}-byte limit")
             data = self._retry(lambda: self.fs.cat_file(path), "reading", name)
-        except FileNotFoundError:
+        except FileNotFoundError:  # none, or deleted since it was looked up
             return None
         return Fetched(data, None)
 
@@ -359,10 +332,8 @@ class FsspecStorage(Storage):
             self._retry(lambda: self.fs.rm(paths), "deleting", names[0])
         else:
             for name, path in zip(names, paths):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     self._retry(lambda path=path: self.fs.rm_file(path), "deleting", name)
-                except FileNotFoundError:
-                    pass
         self.fs.invalidate_cache(self.root)
 
     def unfinished_uploads(self) -> Sequence[tuple[str, str, float]]:

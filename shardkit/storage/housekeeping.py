@@ -1,15 +1,9 @@
-"""What shardkit deletes at a URL: only its own objects (docs/FORMAT.md, "Object storage").
+"""What shardkit deletes at a URL: only its own objects (docs/FORMAT.md section 13).
 
-An object is shardkit's when a shardkit manifest names it (its shard files and string file,
-under ``shards-<generation>/``) or when a staging marker does: before a save uploads anything,
-each of its uploads (`save.upload_shards`, `save.upload_strings`; one per rank of a collective
-save) writes ``shards-<generation>/.shardkit-staging-<id>.json``, the names it is about to
-create. A save that crashed leaves its markers, so its objects (and its unfinished multipart
-uploads, matched by key) are found again; anything else under the prefix, even under a
-``shards-*/`` name, belongs to someone else and is never deleted or aborted.
-
-The markers of a committed save stay beside it: when a later save supersedes it, they name its
-objects just as a crashed save's do.
+An object is shardkit's when a shardkit manifest names it or a staging marker does: before a
+save uploads anything, each of its uploads writes a marker listing the names it is about to
+create, so a crashed or superseded save's objects (and its unfinished multipart uploads) are
+found again; anything else under the prefix is never deleted or aborted.
 """
 
 from __future__ import annotations

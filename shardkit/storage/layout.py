@@ -1,17 +1,5 @@
-"""The object layout of a checkpoint in a store (docs/FORMAT.md, "Object storage").
-
-    <prefix>/model.safetensors.index.json            the manifest, written last
-    <prefix>/shards-<generation>/<shard file>         the shards of that save
-    <prefix>/shards-<generation>/.shardkit-staging-<id>.json
-                                                      a staging marker: the objects one
-                                                      upload of that save creates
-
-The manifest is byte for byte what a local save writes; its shard files are looked up under
-the directory of its own generation, so objects of other saves (older ones, crashed ones, one
-in progress) are never read. Housekeeping (`shardkit gc`, retention, the clean-up after a
-commit) deletes only the objects a shardkit manifest or a staging marker names
-(`storage.housekeeping`), never another tool's objects under the same prefix.
-"""
+"""The object layout of a checkpoint in a store (docs/FORMAT.md section 13): the manifest at
+the prefix, each save's shards and staging markers under ``shards-<generation>/``."""
 
 from __future__ import annotations
 

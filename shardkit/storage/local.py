@@ -1,16 +1,11 @@
-"""The local file system behind the storage interface: today's native path, unchanged.
+"""The local file system behind the storage interface: the native path.
 
-A save stages a locked temp directory next to the checkpoint and publishes it with one rename
-or exchange (`shardkit.storage.commit`: its generation and overwrite rules); the planned shard files
-are written by the native write kernel (`shardkit.storage.native`: ``fallocate``, vectored
-writes hashed on the way, ``sync_file_range``, fsync). A reader opens the checkpoint directory
-once and every file relative to that handle (`LocalCheckpoint`, over
-`shards.files.CheckpointDirectory`: regular files only, no symlinks unless asked, a bounded set of
-descriptors), shards mapped copy-on-write or read with ``preadv`` (`shardkit.shards.raw`).
-
-The byte-level methods (`write_file`, `read_range`, `publish`...) serve storage-level tools
-(`shardkit gc`, the interface's tests): `publish` writes a temp file and renames it over the
-name (atomic), ``if_absent`` by a hard link, which fails if the name exists.
+A save stages a locked temp directory and publishes it with one rename or exchange
+(`storage.commit`); the planned shard files are written by the native write kernel
+(`storage.native`). A reader opens the checkpoint directory once and every file relative to
+that handle (`LocalCheckpoint`, over `shards.files.CheckpointDirectory`). At the byte level,
+`publish` writes a temp file and renames it over the name (atomic), ``if_absent`` by a hard
+link, which fails if the name exists.
 """
 
 from __future__ import annotations
@@ -178,17 +173,15 @@ class LocalStorage(Storage):
             commit.recover(self.path)  # an overwrite killed between the fallback's renames
         return LocalCheckpoint(self.path, follow_symlinks, pool)
 
-    def children(self) -> list[tuple[str, str]]:
+    def _listed(self) -> list[tuple[str, str]]:
+        """(name, path) of each entry directly under here; none when there is no directory."""
         try:
-            names = os.listdir(self.url)
+            return [(name, os.path.join(self.url, name)) for name in os.listdir(self.url)]
         except FileNotFoundError:
             return []
-        out = []
-        for name in names:
-            path = os.path.join(self.url, name)
-            if commit.is_checkpoint(path):
-                out.append((name, path))
-        return out
+
+    def children(self) -> list[tuple[str, str]]:
+        return [(name, path) for name, path in self._listed() if commit.is_checkpoint(path)]
 
     def commit_time(self) -> float:
         try:
@@ -198,12 +191,7 @@ class LocalStorage(Storage):
             return time.time()
 
     def interrupted_removals(self) -> list[str]:
-        try:
-            names = os.listdir(self.url)
-        except FileNotFoundError:
-            return []
-        paths = (os.path.join(self.url, name) for name in names)
-        return [p for p in paths if not os.path.islink(p)
+        return [p for _, p in self._listed() if not os.path.islink(p)
                 and os.path.isfile(os.path.join(p, REMOVAL_MARKER)) and find_manifest(p) is None]
 
     def remove_checkpoint(self) -> None:
@@ -315,10 +303,8 @@ class LocalStorage(Storage):
 
     def delete(self, names: Sequence[str]) -> None:
         for n in names:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(n))
-            except FileNotFoundError:
-                pass
 
     def publish(self, name: str, data: bytes, *, if_absent: bool = False,
                 if_tag: str | None = None) -> bool:

@@ -1,24 +1,13 @@
 """The local file system's native write path: shard files written from the arrays' memory.
 
-How the bytes move (docs/ARCHITECTURE.md for where this differs from the plan):
-
-- Every entry is written straight from the caller's memory by the native kernel
-  (`_gather.write_arrays`, GIL released): small entries in vectored writes of up to IOV_MAX
-  buffers and a few MiB, large ones in chunks of that size, so 50,000 tiny tensors cost a few
-  hundred syscalls and no copy. The kernel hashes each buffer with xxh3-64 just before writing
-  it, while it is still in cache. A non-contiguous input is copied to C order first, one
-  tensor at a time (the only copy).
-- A pool of threads writes separate shard files at once; a shard much larger than the others is
-  cut at entry boundaries into regions written by several threads. The first failure stops the
-  other threads, and the caller removes the temp directory, so nothing partial survives.
-- A durable save asks the OS to start writing each group to disk as soon as it is written
-  (`_gather.start_writeback`, ``sync_file_range``), so the disk works while the next groups are
-  copied in and the closing fsync waits for the last group only, not for the whole file.
-
-Memory: for non-contiguous inputs, one tensor copy per thread. Compressed shards
-(``.skz``) are written one after the other by shardkit.shards.skz, which compresses each
-shard's chunks on `threads` threads. `LocalStorage.write_shards` runs this; the object-store
-writer uses `run_zstd` to compress a shard into a local temp file before uploading it.
+Every entry is written straight from the caller's memory by the native kernel
+(`_gather.write_arrays`, GIL released, hashing each buffer with xxh3-64 just before writing
+it); a non-contiguous input is copied to C order first, one tensor at a time (the only copy).
+Threads write separate shard files at once, a shard much larger than the others cut at entry
+boundaries into regions for several threads; the first failure stops the others. A durable
+save starts each group's writeback as soon as it is written (``sync_file_range``), so the
+closing fsync waits for the last group only. Compressed shards are written one after the
+other, each compressed on `threads` threads (`shards.skz`).
 """
 
 from __future__ import annotations
@@ -55,7 +44,6 @@ class _Region:
     with_header: bool
 
 
-
 def _write_strings(directory: Path, strings: StringColumns, generation: str, checksum: bool,
                    durable: bool) -> StringFile:
     path = directory / STRING_FILE
@@ -72,7 +60,6 @@ def _write_strings(directory: Path, strings: StringColumns, generation: str, che
     finally:
         os.close(fd)
     return made
-
 
 
 def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
@@ -110,8 +97,7 @@ def _regions(plans: list[_ShardPlan], threads: int) -> list[_Region]:
 def _create(p: _ShardPlan, preallocate: bool = False) -> None:
     """Create shard file `p` (when its first region is written: a writer keeps only the files
     it is writing open); with `preallocate`, reserve its final size on disk first: a full disk
-    then fails before any byte is written, and the writes skip ext4's delayed allocation
-    (about 15% less time for 200 MB of small tensors)."""
+    then fails before any byte is written, and the writes skip ext4's delayed allocation."""
     try:
         p.fd = os.open(p.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
     except OSError as e:

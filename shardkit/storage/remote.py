@@ -1,15 +1,12 @@
 """Reading a checkpoint from a store: the reader's directory and shard sources for URLs.
 
-`RemoteDirectory` stands in for `shards.files.CheckpointDirectory` (the manifest is one GET, with
-its tag); shard objects are named by the manifest's generation (`layout.object_name`), so a reader
-never sees another save's objects. `RemoteFile` is a shard object as a `shards.files.ByteSource`
-(every read a ranged GET, no map): the raw and `.skz` readers (`shards.raw.RawShard`,
-`shards.skz.SkzShard`) read it as they read a local file. Its `read_tasks` turns a batch of reads
-into pieces of at most PIECE bytes, coalesces adjacent pieces into GETs of at most
-`base.MAX_COALESCED` bytes, and groups those into tasks whose GETs run concurrently, so a
-whole-checkpoint load keeps several requests in flight while a one-row `get_slice` fetches only
-that row. A `.skz` shard fetches each chunk's frame on the thread that decompresses it: fetches and
-decompression overlap across the reader's pool. """
+`RemoteDirectory` stands in for `shards.files.CheckpointDirectory` (the manifest is one GET,
+with its tag); shard objects are named by the manifest's generation (`layout.object_name`), so
+a reader never sees another save's objects. `RemoteFile` is a shard object as a
+`shards.files.ByteSource` (every read a ranged GET, no map), which the raw and `.skz` readers
+read as they read a local file; a `.skz` shard fetches each chunk's frame on the thread that
+decompresses it, so fetches and decompression overlap across the reader's pool.
+"""
 
 from __future__ import annotations
 

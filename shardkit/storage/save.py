@@ -1,25 +1,15 @@
-"""Saving to a store: shard objects first, the manifest last (docs/FORMAT.md, "Object storage").
+"""Saving to a store: shard objects first, the manifest last (docs/FORMAT.md section 13).
 
-`FsspecStorage.stage`, `write_shards` and `write_strings` are these; the save flow itself is
-the same as a local one (`shardkit.io.save`, `writer.write_shards`).
-
-1. The manifest now at the URL is read (one GET, with its tag): an existing checkpoint needs
-   ``overwrite=True``, and only a shardkit checkpoint is ever replaced.
-2. The writer's plan (`writer.plan_shards`: the same shard headers, entry order and names as a
-   local save) is uploaded under ``shards-<generation>/``: a raw shard straight from the arrays'
-   memory as a multipart upload (each entry hashed with xxh3-64 on the way), a ``.skz`` shard
-   compressed into a local temp file by the writer's zstd path and uploaded while the next is
-   compressed; raw shards upload in parallel.
-3. The manifest is published conditionally: ``If-None-Match: *`` when there was none,
-   ``If-Match: <tag>`` of the one read in step 1 otherwise. If another writer got there first
-   the save fails (CheckpointExistsError) and its own objects are deleted.
-4. Only then are the objects of every other generation deleted (older saves, crashed ones):
-   those their staging markers or the replaced manifest name, nothing else
-   (`storage.housekeeping`).
+`FsspecStorage.stage`, `write_shards` and `write_strings` are these; the save flow itself is a
+local one's. The manifest read at staging decides whether the save may replace it; the shards
+of the writer's plan are uploaded under ``shards-<generation>/`` (raw ones from the arrays'
+memory, ``.skz`` ones compressed into a local temp file first); the manifest is published
+conditionally on the tag read; only then are the other generations' objects deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -27,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import format as fmt
-from .._threads import WorkerPool
+from .._threads import ParallelRun, WorkerPool
 from ..errors import CheckpointExistsError, CheckpointFormatError, ShardkitError
 from ..values.strings import STRING_FILE, StringColumns, StringFile
 from .base import ShardFile, Storage
@@ -73,10 +63,8 @@ class RemoteStaging:
 
     def abort(self) -> None:
         if not self.committed:
-            try:
+            with contextlib.suppress(Exception):
                 remove_owned(self.store, None, only=self.generation)
-            except Exception:
-                pass
 
 
 def upload_shards(store: Storage, plans: list[ShardFile], generation: str, *, compressed: bool,
@@ -124,28 +112,15 @@ def _raw_buffers(p: Any, checksum: bool) -> Iterator[Any]:
         yield b
 
 
-def _parallel(jobs: list[Any], threads: int) -> None:
-    if len(jobs) <= 1:
-        for j in jobs:
-            j()
-        return
-    pool = WorkerPool(min(threads, len(jobs)), "shardkit-save")
-    try:
-        futures = [pool.submit(j) for j in jobs]
-        for f in futures:
-            f.result()
-    finally:
-        pool.shutdown(wait=True)
-
-
 def _upload_raw(store: Storage, plans: list[ShardFile], names: list[str], threads: int,
                 checksum: bool) -> None:
-    def job(p: Any, name: str) -> None:
+    def job(planned: tuple[ShardFile, str]) -> None:
+        p, name = planned
         n = store.write_file(name, _raw_buffers(p, checksum))
         if n != p.size:
             raise ShardkitError(f"{store.join(name)}: wrote {n} bytes, planned {p.size}")
 
-    _parallel([lambda p=p, n=n: job(p, n) for p, n in zip(plans, names)], threads)
+    ParallelRun(job, list(zip(plans, names)), threads).wait()
 
 
 def _upload_zstd(store: Storage, plans: list[ShardFile], names: list[str], threads: int,

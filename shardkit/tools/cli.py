@@ -11,14 +11,10 @@ OSError) for failures; `main` turns those into a one-line message and exit code 
     shardkit verify CHECKPOINT
     shardkit convert SRC DST [--to tensorflow|shardkit] [--overwrite] [--no-verify]
     shardkit gc URL [--older-than SECONDS]
-
-CHECKPOINT is anything the reader opens: a shardkit checkpoint, a HuggingFace sharded
-directory (model.safetensors.index.json) or unsharded one (model.safetensors), a
-.safetensors file, a TensorFlow checkpoint (its prefix, its .index file, or a directory
-with TensorFlow's checkpoint state file), or the URL of a shardkit checkpoint in an object
-store (s3://bucket/prefix, any fsspec URL; credentials and endpoint from the store's usual
-environment, e.g. AWS_* variables).
     shardkit --version
+
+CHECKPOINT is anything the reader opens (docs/FORMAT.md section 11), or the URL of a shardkit
+checkpoint (credentials and endpoint from the store's environment, e.g. AWS_* variables).
 """
 
 from __future__ import annotations

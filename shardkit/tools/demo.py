@@ -42,6 +42,7 @@ def run_demo(
           f"{human_size(nbytes)}: building it", file=out, flush=True)
     # The save and restore flow is imported after the first line, so that it shows at once.
     from ..format import MANIFEST_FILE
+    from ..io.options import CheckpointOptions
     from ..io.reader import load
     from ..io.save import DefaultShardingPolicy, save
     from ..sharding.policies import (
@@ -90,8 +91,8 @@ def run_demo(
                 del restored  # unmaps the group's pages before the next group
                 bar.add(nbytes)
         zpath = Path(tmp) / "checkpoint-zstd"
-        zinfo = _timed(times, ZSAVE, lambda: save(zpath, state, compression="zstd",
-                                                  progress=progress))
+        zstd = CheckpointOptions(compression="zstd")
+        zinfo = _timed(times, ZSAVE, lambda: save(zpath, state, options=zstd, progress=progress))
         with _Bar(progress, total, "restoring zstd") as bar:
             for keys, nbytes in groups:
                 zrestored = _timed(times, ZLOAD, partial(load, zpath, keys))

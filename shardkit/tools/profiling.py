@@ -40,22 +40,27 @@ class PolicyProfile:
 
     @property
     def num_shards(self) -> int:
+        """The number of shards."""
         return len(self.shard_bytes)
 
     @property
     def total_bytes(self) -> int:
+        """The data bytes of all shards."""
         return sum(self.shard_bytes)
 
     @property
     def min_bytes(self) -> int:
+        """The smallest shard's data bytes (0 for none)."""
         return min(self.shard_bytes, default=0)
 
     @property
     def median_bytes(self) -> float:
+        """The median shard's data bytes (0.0 for none)."""
         return statistics.median(self.shard_bytes) if self.shard_bytes else 0.0
 
     @property
     def max_bytes(self) -> int:
+        """The largest shard's data bytes (0 for none)."""
         return max(self.shard_bytes, default=0)
 
     @property
@@ -71,11 +76,20 @@ Policies = Sequence[ShardingCallback] | Mapping[str, ShardingCallback]
 def profile(
     state: Mapping[str, Any] | Sequence[ShardableTensor], policies: Policies
 ) -> list[PolicyProfile]:
-    """Run every policy on `state` (a nested state or ready ShardableTensors) and measure it.
+    """Run every policy on `state` and measure it.
 
-    `policies` is a sequence of callbacks (named by their ``name`` attribute or class name) or a
-    mapping name -> callback. The ShardableTensors are built once, outside the timing; each
-    policy's time covers its calls (one per device task) and the validation of its shards.
+    The ShardableTensors are built once, outside the timing; each policy's time covers its
+    calls (one per device task) and the validation of its shards.
+
+    Args:
+        state: a nested state, or ready ShardableTensors.
+        policies: callbacks (named by their ``name`` attribute or class name), or a mapping
+            name -> callback.
+    Returns:
+        One `PolicyProfile` per policy, in order.
+    Raises:
+        ShardingValidationError: a policy broke the callback contract.
+        InvalidKeyError, UnsupportedDTypeError: `state` cannot be saved (as `shardkit.save`).
     """
     if isinstance(state, Mapping):
         tensors = shardable_tensors(state)

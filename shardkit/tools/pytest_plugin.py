@@ -12,13 +12,9 @@ fixture, which needs pytest-benchmark::
     def test_restore_speed(checkpoint_benchmark):
         checkpoint_benchmark.restore({"model": build_model()})
 
-The state is what `shardkit.Checkpoint` takes as keyword arguments (arrays, dicts,
-torch modules and optimizers...). Each round times one save into a fresh directory (or one
-restore in place). For ``enable_async=True`` a round times only what blocks the caller: the
-snapshot; the write itself is waited for between rounds, untimed. The result is recorded in the
-benchmark's ``extra_info``: ``operation``, ``bytes`` (tensor data), ``file_bytes`` (on disk),
-``shards``, ``gb_per_s`` (``bytes`` over the median round) and ``compression_ratio``
-(``bytes / file_bytes``), so ``--benchmark-compare-fail`` can catch a regression.
+The state is what `shardkit.Checkpoint` takes as keyword arguments. Each round times one save
+into a fresh directory (or one restore in place; for ``enable_async=True`` only the snapshot).
+What it records in ``extra_info`` is listed in docs/TRAINING.md.
 """
 
 from __future__ import annotations

@@ -12,11 +12,8 @@ under ``<object name>/<path in its state>``; the structure of every state dict, 
 non-tensor values (optimizer hyperparameters, step counts, tuples, None), is stored as JSON in the
 checkpoint's user metadata under ``"shardkit.checkpoint"``; the save counter is the 0-d int64
 tensor ``save_counter``. Tensors that share memory (tied weights) are stored once and restored
-into every alias. Restoring copies into the existing arrays and tensors in place.
-
-With ``CheckpointOptions(enable_async=True)`` a save copies the state into a pool of host buffers
-(reused from save to save), returns, and writes in a background thread; the next save, restore,
-`Checkpoint.sync` and interpreter exit wait for it, and its error is raised by the next call.
+into every alias. Restoring copies into the existing arrays and tensors in place. An async save
+(``enable_async=True``) is described in docs/TRAINING.md.
 """
 
 from __future__ import annotations
@@ -83,12 +80,10 @@ class Checkpoint:
     writes exactly the path given; both return a `SaveHandle` (the path). `restore` / `read` copy
     the stored values into the existing arrays and tensors in place.
 
-    Optimizers: restoring fills the optimizer's existing state tensors in place and then calls
-    ``load_state_dict`` with them and the stored hyperparameters. State the optimizer has not
-    created yet (no step taken) cannot be filled in place; it is created from the checkpoint and
-    handed to ``load_state_dict``. Any other object with ``state_dict()`` / ``load_state_dict()``
-    is restored the same way. JAX arrays, numpy scalars and Python values are immutable: they are
-    replaced inside their containers (a top-level JAX array: ``ckpt.<name>`` is the new one).
+    Optimizers (and any object with ``state_dict()`` / ``load_state_dict()``): their existing
+    state is filled in place, state not created yet (no step taken) is created from the
+    checkpoint, and both go to ``load_state_dict``. JAX arrays, numpy scalars and Python values
+    are immutable: they are replaced inside their containers (``ckpt.<name>`` for a top-level one).
     """
 
     def __init__(self, **objects: Any) -> None:
@@ -127,7 +122,15 @@ class Checkpoint:
              options: CheckpointOptions | None = None, *, process_group: Any = None,
              timeout: float | None = None) -> SaveHandle:
         """Increment `save_counter` and write ``<file_prefix>-<save_counter>``.
-        `process_group` / `timeout`: as for `write`."""
+
+        Args:
+            file_prefix: the path before ``-<save_counter>``.
+            options, process_group, timeout: as for `write`.
+        Returns:
+            The `SaveHandle` (the checkpoint's path).
+        Raises:
+            ShardkitError: what `write` raises.
+        """
         self._writer.wait()
         self._save_counter += 1
         return self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", options,
@@ -138,11 +141,22 @@ class Checkpoint:
               timeout: float | None = None) -> SaveHandle:
         """Write the checkpoint at exactly `file_prefix` (replacing one already there).
 
-        Collective, as `shardkit.save`, when the objects hold DTensors or `process_group` is
-        given: every rank calls it, each writes its own shards. An async collective save
-        snapshots each rank's local shards and commits from the background over a process
-        group of its own (created at the first such save), never interleaving with the
-        training loop's collectives."""
+        An async collective save commits from the background over a process group of its own,
+        never interleaving with the training loop's collectives.
+
+        Args:
+            file_prefix: the checkpoint's path or URL.
+            options: how to write (`CheckpointOptions`; ``enable_async`` writes in the
+                background after a snapshot).
+            process_group: save collectively, as `shardkit.save`: every rank calls it, each
+                writes its own shards (also without it when the objects hold DTensors).
+            timeout: seconds a collective save waits for the other ranks at each step.
+        Returns:
+            The `SaveHandle` (the checkpoint's path), already durable unless async.
+        Raises:
+            ShardkitError: what `shardkit.save` raises (for an async save: a pending write's
+                error, here or from the handle).
+        """
         return self._write(os.fspath(file_prefix), options, process_group=process_group,
                            timeout=timeout)
 
@@ -206,14 +220,21 @@ class Checkpoint:
     def read(self, save_path: str | os.PathLike[str],
              options: CheckpointOptions | None = None, *,
              partial: bool = False) -> CheckpointLoadStatus:
-        """Restore every tracked object from `save_path`, in place; returns the match status.
+        """Restore every tracked object (and the save counter) from `save_path`, in place.
 
-        Everything is checked before anything is changed: every tracked value must be in the
-        checkpoint and every checkpoint value taken by a tracked object (else
-        IncompleteRestoreError naming the keys on both sides, unless ``partial=True``: then
-        what matches is restored and the status lists the rest), and every value's shape and
-        dtype must be the stored ones (RestoreMismatchError names the key). The save counter is
-        restored too.
+        Everything is checked before anything is changed: keys one to one, shapes and dtypes.
+
+        Args:
+            save_path: the checkpoint's path or URL.
+            options: accepted as TensorFlow's (checked, otherwise unused).
+            partial: restore what matches and leave the rest (the status lists it).
+        Returns:
+            The `CheckpointLoadStatus`.
+        Raises:
+            IncompleteRestoreError: values do not match one to one and `partial` is False.
+            RestoreMismatchError: a shape or dtype differs, or ``load_state_dict`` refused.
+            InvalidArgumentTypeError: `partial` is not a bool.
+            CheckpointNotFoundError, CheckpointFormatError: as `shardkit.load`.
         """
         check_options(options)
         if not isinstance(partial, bool):
@@ -266,8 +287,17 @@ class Checkpoint:
     def restore(self, save_path: str | os.PathLike[str] | None,
                 options: CheckpointOptions | None = None, *,
                 partial: bool = False) -> CheckpointLoadStatus:
-        """`read`, and TensorFlow's ``restore(None)``: restore nothing, raise nothing (the
-        status lists every value as missing)."""
+        """`read`, and TensorFlow's ``restore(None)``.
+
+        Args:
+            save_path: the checkpoint's path or URL; None restores nothing and raises nothing
+                (the status lists every value as missing).
+            options, partial: as for `read`.
+        Returns:
+            The `CheckpointLoadStatus`.
+        Raises:
+            ShardkitError: what `read` raises.
+        """
         if save_path is None:
             self._writer.wait()
             col = StateCollector()
@@ -326,15 +356,10 @@ class CheckpointManager:
     new one is committed (durable, with the default options), and only directories that match
     this manager's naming exactly.
 
-    ``keep_checkpoint_every_n_hours``: of the checkpoints older than the newest `max_to_keep`,
-    the oldest is kept, and every one saved at least that many hours after the previous kept
-    one (by the modification time of its manifest). Those are not in `checkpoints`.
-
-    In a distributed job pass ``process_group=`` (a torch.distributed process group, or a
-    `shardkit.distributed.Coordinator`) on every rank: saves are collective, rank 0 decides
-    the number and deletes old checkpoints, and `checkpoints`, `latest_checkpoint` and
-    `restore_or_initialize` see rank 0's listing (a broadcast: every rank must read them at
-    the same point). `timeout`: seconds each collective waits for the other ranks.
+    ``keep_checkpoint_every_n_hours`` also keeps, among the older ones, one per that many hours
+    (by its manifest's modification time); those are not in `checkpoints`. With
+    ``process_group=`` (on every rank) saves are collective and rank 0 numbers and deletes; the
+    listing is rank 0's, broadcast, so every rank reads it at the same point (docs/API.md).
     """
 
     def __init__(
@@ -406,14 +431,17 @@ class CheckpointManager:
 
     @property
     def checkpoint(self) -> Checkpoint:
+        """The managed `Checkpoint`."""
         return self._checkpoint
 
     @property
     def directory(self) -> str:
+        """The directory (or URL) holding the checkpoints."""
         return self._directory
 
     @property
     def checkpoint_interval(self) -> int | None:
+        """The steps between saves (None: every `save` saves)."""
         return self._interval
 
     @property
@@ -424,8 +452,7 @@ class CheckpointManager:
 
     @property
     def restore_status(self) -> CheckpointLoadStatus | None:
-        """The status of the last `restore_or_initialize` that restored a checkpoint, else
-        None."""
+        """The status of the last `restore_or_initialize` that restored a checkpoint, or None."""
         return self._restore_status
 
     @property
@@ -458,10 +485,19 @@ class CheckpointManager:
              options: CheckpointOptions | None = None) -> SaveHandle | None:
         """Save ``<checkpoint_name>-<number>`` and delete checkpoints beyond `max_to_keep`.
 
-        The number is `checkpoint_number`, else the checkpoint's incremented save counter. With
-        `checkpoint_interval`, returns None without saving unless the step counter advanced by
-        at least that many steps since the last save (``check_interval=False`` forces a save).
         With ``options.enable_async`` the write and the deletions run in the background.
+
+        Args:
+            checkpoint_number: the number (default: the checkpoint's incremented save counter).
+            check_interval: with `checkpoint_interval`, save only if the step counter advanced
+                by at least that many steps since the last save (False forces a save).
+            options: how to write (`CheckpointOptions`).
+        Returns:
+            The `SaveHandle`, or None when the interval skipped the save.
+        Raises:
+            InvalidArgumentError: a negative `checkpoint_number` (InvalidArgumentTypeError: not
+                an int).
+            ShardkitError: what `Checkpoint.write` raises.
         """
         self._checkpoint.sync()
         step = self._step() if self._step_counter is not None else None
@@ -499,12 +535,18 @@ class CheckpointManager:
     wait_until_finished = sync
 
     def restore_or_initialize(self, *, partial: bool = False) -> str | None:
-        """Restore the latest checkpoint and return its path (TensorFlow's return value); else
-        call `init_fn` and return None.
+        """Restore the latest checkpoint, else call `init_fn`.
 
-        The restore is `Checkpoint.restore`: an incomplete match raises IncompleteRestoreError
-        (nothing changed) unless ``partial=True``. Its `CheckpointLoadStatus` is kept as
+        The restore is `Checkpoint.restore`; its `CheckpointLoadStatus` is kept as
         `restore_status`.
+
+        Args:
+            partial: restore what matches and leave the rest.
+        Returns:
+            The restored checkpoint's path (TensorFlow's return value), or None.
+        Raises:
+            IncompleteRestoreError: an incomplete match (nothing changed) and `partial` is False.
+            ShardkitError: what `Checkpoint.restore` raises.
         """
         latest = self.latest_checkpoint
         if latest is None:

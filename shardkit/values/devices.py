@@ -20,10 +20,23 @@ class DeviceSpec:
 
     @classmethod
     def from_string(cls, spec: str) -> DeviceSpec:
-        """Parse ``/job:j/replica:r/task:t/device:TYPE:i`` (any part optional; also ``/cpu:0``)."""
+        """Parse a device string.
+
+        Args:
+            spec: ``/job:j/replica:r/task:t/device:TYPE:i``, any part optional (also ``/cpu:0``).
+        Returns:
+            The parsed spec.
+        Raises:
+            DeviceSpecError: `spec` is not a device string.
+        """
         return _parse(spec)
 
     def to_string(self) -> str:
+        """The device string; `from_string` reads it back.
+
+        Returns:
+            ``/job:.../replica:.../task:.../device:TYPE:i``, unset parts left out.
+        """
         parts = []
         if self.job is not None:
             parts.append(f"/job:{self.job}")

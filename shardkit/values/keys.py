@@ -1,18 +1,10 @@
 """The rules for checkpoint keys, one check shared by the writer and every reader. No I/O.
 
-A checkpoint key is a str that is
-
-- not empty;
-- not ``__metadata__`` (the name a safetensors header reserves for its metadata);
-- valid UTF-8 when encoded (no lone surrogates such as ``"\\ud800"``): keys are stored in UTF-8
-  JSON, in the manifest and in the shard headers;
-- unique in its checkpoint. Nested state is flattened by joining keys with ``/``, so
-  ``{"a/b": x, "a": {"b": y}}`` gives ``a/b`` twice and is refused.
-
-Anything else is allowed: ``/``, ``:``, spaces, any Unicode, empty path components (``a//b``),
-and one key being both a tensor and the prefix of others (``a`` and ``a/b``: readers list keys
-flat, so they tell them apart). `save` checks the flattened keys before it writes anything;
-`decode_index` checks the keys of every index it reads with the same function.
+A checkpoint key is a str that is not empty, not ``__metadata__``, valid UTF-8 when encoded (no
+lone surrogates) and unique in its checkpoint (docs/FORMAT.md section 2): ``{"a/b": x, "a":
+{"b": y}}`` flattens to ``a/b`` twice and is refused. Anything else is allowed (``/``, ``:``,
+any Unicode, ``a//b``, ``a`` beside ``a/b``). `save` checks the flattened keys before it
+writes anything; `decode_index` checks the keys of every index it reads with the same function.
 
 The check costs a few set operations and one UTF-8 encode of the joined keys, whatever the
 number of keys; the per-key search that words an error runs only once one is known to exist.

@@ -26,28 +26,64 @@ class SliceSpec:
     lengths: tuple[int, ...]
 
     @classmethod
+    def parse(cls, spec: str, full_shape: Sequence[int] | None = None) -> SliceSpec:
+        """TensorFlow's spec text as a box (``str(box)`` is the text again).
+
+        Args:
+            spec: ``"4 6 2,2:0,6"`` (rows 2-3 of a 4x6 tensor), or ``""`` for a whole tensor.
+            full_shape: the tensor's shape; needed for ``""``, checked against any other spec.
+        Returns:
+            The SliceSpec.
+        Raises:
+            SliceSpecError: malformed text, a box outside the tensor, or another shape.
+        """
+        return parse_slice_spec(spec, full_shape)
+
+    @classmethod
     def whole(cls, full_shape: Sequence[int]) -> SliceSpec:
+        """The box of a whole tensor.
+
+        Args:
+            full_shape: the tensor's shape.
+        Returns:
+            The box covering all of it.
+        """
         shape = tuple(int(d) for d in full_shape)
         return cls(shape, (0,) * len(shape), shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The box's own shape (`lengths`)."""
         return self.lengths
 
     @property
     def is_whole(self) -> bool:
+        """Whether the box is the whole tensor."""
         return self.lengths == self.full_shape
 
     @property
     def size(self) -> int:
+        """The number of elements in the box."""
         return math.prod(self.lengths)
 
     def to_index(self) -> tuple[slice, ...]:
-        """The numpy index that cuts this slice out of the full tensor."""
+        """The numpy index of this box.
+
+        Returns:
+            One ``slice`` per axis: ``full_tensor[spec.to_index()]`` is the box.
+        """
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths))
 
     def intersect(self, other: SliceSpec) -> SliceSpec | None:
-        """The common box of two slices of the same tensor, or None if they do not overlap."""
+        """The common box of two slices of the same tensor.
+
+        Args:
+            other: a box of a tensor of the same full shape.
+        Returns:
+            The intersection, or None if they do not overlap.
+        Raises:
+            SliceSpecError: the full shapes differ.
+        """
         if self.full_shape != other.full_shape:
             raise SliceSpecError(
                 f"cannot intersect slices of different shapes {list(self.full_shape)} "
@@ -69,7 +105,17 @@ class SliceSpec:
 def format_slice_spec(
     full_shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
 ) -> str:
-    """TensorFlow's spec text: ``"4 6 2,2:0,6"``. A whole tensor still gets explicit ranges."""
+    """TensorFlow's spec text of a box, such as ``"4 6 2,2:0,6"``.
+
+    Args:
+        full_shape: the tensor's shape (empty for a scalar, whose spec is ``""``).
+        offsets: where the box starts, one per axis.
+        lengths: its length along each axis.
+    Returns:
+        The spec text; a whole tensor still gets explicit ranges.
+    Raises:
+        TypeError, ValueError: a value that is not an integer (bounds are not checked).
+    """
     if not full_shape:
         return WHOLE
     dims = " ".join(str(int(d)) for d in full_shape)
@@ -78,7 +124,16 @@ def format_slice_spec(
 
 
 def parse_slice_spec(spec: str, full_shape: Sequence[int] | None = None) -> SliceSpec:
-    """Parse spec text; `""` needs `full_shape`. Checks bounds and, if given, the full shape."""
+    """Parse TensorFlow's spec text into a box, checking its bounds.
+
+    Args:
+        spec: the text, such as ``"4 6 2,2:0,6"``, or ``""`` for a whole tensor.
+        full_shape: the tensor's shape: needed for ``""``, else checked if given.
+    Returns:
+        The box.
+    Raises:
+        SliceSpecError: malformed text, a range out of bounds, or another full shape.
+    """
     if not isinstance(spec, str):
         raise SliceSpecError(f"slice spec must be a str, got {type(spec).__name__}: {spec!r}")
     expected = None if full_shape is None else tuple(int(d) for d in full_shape)
@@ -138,10 +193,15 @@ def _parse(spec: str) -> SliceSpec:
 
 
 def check_tiling(full_shape: Sequence[int], slices: Iterable[SliceSpec]) -> None:
-    """Raise SliceSpecError unless `slices` cover `full_shape` exactly: no overlap, no gap.
+    """Check that `slices` cover a tensor exactly: no overlap, no gap.
 
-    Sweep over axis 0: a slice can only overlap those whose axis-0 range is still open.
+    Args:
+        full_shape: the tensor's shape.
+        slices: boxes of it.
+    Raises:
+        SliceSpecError: a box of another shape, two that overlap, or a gap.
     """
+    # Sweep over axis 0: a slice can only overlap those whose axis-0 range is still open.
     full = tuple(int(d) for d in full_shape)
     items = sorted(slices, key=lambda s: s.offsets)
     total = math.prod(full)

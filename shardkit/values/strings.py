@@ -3,15 +3,10 @@
 Raw shards must stay plain safetensors files, which have no string dtype, so string tensors are
 stored in a file of their own (docs/FORMAT.md, "String tensors"): ``strings.skstr`` beside the
 shards, described by the manifest's ``shardkit.strings`` section (format 2.3), never in
-``weight_map``. In memory a string tensor is one of four *kinds*:
-
-- ``"bytes"``: an object array of ``bytes`` (what ``tf.string`` tensors' ``.numpy()`` gives);
-- ``"str"``: an object array of ``str`` (stored as UTF-8);
-- ``"S<n>"`` / ``"U<n>"``: a numpy fixed-width bytes / unicode array of that width (numpy strips
-  trailing NULs, so the elements are stored without them; ``U`` as UTF-8).
-
-Each comes back with its own kind. Object arrays holding anything else (or a mix of bytes and
-str) are refused with UnsupportedDTypeError.
+``weight_map``. A string tensor is one of four *kinds*, and comes back as it: ``"bytes"`` /
+``"str"`` (object arrays of them; ``tf.string`` gives bytes), ``"S<n>"`` / ``"U<n>"`` (numpy
+fixed-width arrays, stored without numpy's trailing NULs); ``str`` and ``U`` as UTF-8. Object
+arrays holding anything else (or a mix) are refused with UnsupportedDTypeError.
 
 `StringTensors` is the reader-side interface: column-wise keys, kinds, shapes and devices, and
 `read` / `verify` of one row. `StringFile` implements it for shardkit's ``.skstr`` file; another

@@ -1,11 +1,8 @@
 """The TensorBundle adapter: ``<prefix>.index`` + ``<prefix>.data-*`` -> the reader's table.
 
-The ``.index`` table (`table.read_table`) maps ``""`` to the BundleHeaderProto and every other
-key to a BundleEntryProto (`protos`). A whole tensor's entry names its data file (`shard_id`),
-`offset`, `size` and masked `crc32c`; a sliced tensor's entry lists `slices` instead, each
-stored as an entry of its own under TensorFlow's encoded slice key (`names.encode_slice_key`).
-The entries are decoded and checked column-wise by `columns` (`framed_columns`, else
-`entry_columns`). The table built here lists the tensors in key order (TensorFlow's), each
+The ``.index`` table (`table.read_table`; docs/FORMAT.md section 12) holds the header and one
+BundleEntryProto per tensor or slice (`protos`), decoded and checked column-wise by `columns`.
+The table built here lists the tensors in key order (TensorFlow's), each
 slice under shardkit's slice spec text, and keeps where each data file's entries begin
 (`TensorBundleIndex.begins`): TensorBundle data files have no header, the index says where
 every entry is. Checksums are TensorFlow's (`slice_checksum_kind` "crc32c", see
@@ -84,8 +81,7 @@ class TensorBundleIndex(CheckpointIndex):
 
 class HexColumn(Sequence[str]):
     """Per stored slice, its crc32c as the 8 hex digits of `CheckpointIndex.slice_xxh3`,
-    spelled out on first use: a load never looks at them, and 50,000 strings cost about 7 ms
-    of a 70 ms read."""
+    spelled out on first use: a load never looks at them (CHANGELOG.md has the cost)."""
 
     __slots__ = ("_strings", "_values")
 

@@ -1,7 +1,7 @@
 """crc32c (Castagnoli) from the ``google-crc32c`` package (or ``crc32c``), and LevelDB's mask.
 
-google-crc32c takes only ``bytes``: larger buffers are fed in 1 MiB copies, which stay in cache
-(about 10 GB/s here). Imported on first use, so that ``import shardkit`` needs neither.
+google-crc32c takes only ``bytes``: larger buffers are fed in 1 MiB copies, which stay in
+cache. Imported on first use, so that ``import shardkit`` needs neither.
 """
 
 from __future__ import annotations

@@ -41,11 +41,9 @@ def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], b
         index: the ``.index`` table's bytes for a given ``num_shards`` (the same entries).
         overwrite: whether an existing checkpoint at the prefix may be replaced.
         durable: fsync each file and the directory after every step.
-
     Returns:
         The names of the data files published: `n` of them, or, on a file system without hard
         links replacing a checkpoint of the same count, those of the interim count.
-
     Raises:
         CheckpointExistsError: a checkpoint appeared at the prefix meanwhile and `overwrite`
             is False.

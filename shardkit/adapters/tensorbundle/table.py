@@ -1,22 +1,9 @@
 """TensorFlow's table (``tsl/lib/io/table*``, LevelDB's SSTable): the ``.index`` file.
 
-Layout, as ``table_builder.cc`` / ``block_builder.cc`` / ``format.cc`` write it::
-
-    data block 0, trailer | ... | metaindex block, trailer | index block, trailer | footer
-
-- block: entries ``varint32 shared, varint32 unshared, varint32 value_length, key[shared:],
-  value`` (the key shares `shared` leading bytes with the previous key; a restart point every
-  16 entries stores its key whole), then the restart offsets (fixed32 each) and their count
-  (fixed32);
-- trailer: 1 byte compression type (0 none, 1 snappy) and the masked crc32c (fixed32) of the
-  block and that byte;
-- index block: per data block a key >= its last key and < the next block's first key, and the
-  block's handle (varint64 offset, varint64 size) as value; restart interval 1;
-- footer (48 bytes): metaindex handle, index handle, zero padding to 40 bytes, magic
-  ``0xdb4775248b80fb57`` as two fixed32 (low word first).
-
-TensorFlow writes bundles uncompressed; a snappy block is refused (`CorruptIndexError`). Keys
-are compared bytewise. Every structural error raises CorruptIndexError naming the file.
+The layout (blocks with restart points, 5-byte trailers with a masked crc32c, the index block,
+the 48-byte footer), as ``table_builder.cc`` / ``block_builder.cc`` / ``format.cc`` write it, is
+docs/FORMAT.md section 12. TensorFlow writes bundles uncompressed; a snappy block is refused.
+Keys are compared bytewise. Every structural error raises CorruptIndexError naming the file.
 """
 
 from __future__ import annotations

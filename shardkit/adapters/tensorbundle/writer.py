@@ -1,13 +1,9 @@
 """Writing TensorBundle checkpoints: ``<prefix>.index`` + one ``<prefix>.data-*`` per shard.
 
-The shards come from shardkit's planner (the sharding callback, validated); each becomes one
-data file, written by its own writer thread with the native write kernel
-(`_gather.write_arrays`: vectored writes from the arrays' own memory, GIL released). Entries of a
-data file are laid out by descending item size, so that each starts at a multiple of it (a
-TensorFlow reader takes any offset; shardkit maps aligned entries zero-copy). A whole tensor is
-one entry under its key; a tensor the callback split is a full entry listing its slices plus one
-entry per slice under TensorFlow's encoded slice key, as BundleWriter::AddSlice writes it.
-Every entry carries its masked crc32c.
+Each shard of the (validated) callback becomes one data file, written by its own thread with
+the native write kernel (`_gather.write_arrays`), entries by descending item size so that each
+is aligned (shardkit maps them zero-copy). A split tensor is a full entry listing its slices
+plus one entry per slice, as BundleWriter::AddSlice writes it (docs/FORMAT.md section 12).
 
 The save is an output format of the save flow (`BundleOutput`): the files go into a hidden,
 locked temp directory next to the prefix (`BundleOutput.stage`; a crashed save's is cleaned by

@@ -13,7 +13,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -43,16 +43,9 @@ MAX_OPEN_FILES = 64  # shard descriptors a reader keeps open between reads (mmap
 
 
 class ShardSet:
-    """The index and the lazily opened shard sources of the checkpoint at `path`.
-
-    Args:
-        path: the checkpoint (a directory, a file a layout accepts, or a URL).
-        mmap: map raw shards (else read them with ``preadv``).
-        follow_symlinks: accept symlinked files.
-
-    Raises:
-        CheckpointFormatError: the checkpoint's layout or manifest is malformed.
-    """
+    """The index and the lazily opened shard sources of the checkpoint at `path` (a
+    directory, a file a layout accepts, or a URL); CheckpointFormatError when its layout or
+    manifest is malformed."""
 
     def __init__(self, path: str, *, mmap: bool, follow_symlinks: bool) -> None:
         self.path = path
@@ -226,14 +219,12 @@ class ShardSet:
     def _open_source(self, i: int) -> ShardSource:
         info = self.index.shards[i]
         path = self.shard_paths[i]
-        opener = self.opener_for(info.codec, path)
+        opener = self.directory.opener(info.codec, path)  # UnknownCodecError for an unknown one
         file = self.open_file(i)
         try:
             # a layout whose index places the entries (TensorBundle) opens its own
             src = self.layout.open_source(self.index, i, path, info, mmap=self.mmap, file=file)
-            if src is not None:
-                pass
-            elif opener is RawShard:
+            if src is None and opener is RawShard:
                 # a foreign layout's headers are in any order: no writer's header to
                 # recognise, parse it
                 expected = self.expected(i) if self.layout is SHARDKIT else None
@@ -243,7 +234,7 @@ class ShardSet:
                     header = parsed.entries, parsed.metadata, parsed.data_start
                 src = RawShard(path, info, mmap=self.mmap, expected=expected, file=file,
                                header=header)
-            else:
+            elif src is None:
                 src = opener(path, info, mmap=self.mmap, file=file)
         except BaseException:
             file.close()
@@ -274,10 +265,6 @@ class ShardSet:
             shards = np.unique(np.searchsorted(stops, slice_ids, side="right")).tolist()
         for i in shards:
             self.source(i)
-
-    def opener_for(self, codec: str, path: str) -> Callable[..., Any]:
-        """The source class (or opener) of `codec`; UnknownCodecError when none is known."""
-        return self.directory.opener(codec, path)
 
     def open_file(self, i: int) -> Any:
         """Shard file `i`, opened through the checkpoint's directory (locally its handle)."""

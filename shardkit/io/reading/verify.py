@@ -35,6 +35,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether no problem was found."""
         return not self.problems
 
     @property
@@ -45,7 +46,12 @@ class VerifyReport:
         return f"{self.checked} entries checked"
 
     def error(self) -> CheckpointFormatError:
-        """One exception for all the problems: the first one's class, every problem a line."""
+        """One exception for all the problems (call it only when there are some).
+
+        Returns:
+            An error of the first problem's class, every problem a line of its message, the
+            list in its ``problems`` attribute.
+        """
         lines = [str(p) for p in self.problems]
         head = lines[0] if len(lines) == 1 else f"{len(lines)} problems:"
         body = "" if len(lines) == 1 else "\n" + "\n".join(lines)
@@ -90,7 +96,7 @@ def verify_boxes(shards: ShardSet, boxes: Sequence[tuple[str, Sequence[int], Seq
 
 
 def _verify_slices(shards: ShardSet, everything: bool, slices: Sequence[int]) -> VerifyReport:
-    opened: list[ShardSource] = []
+    opened: list[ShardSource] = []  # sources opened for verify alone, closed after
     try:
         return _check_slices(shards, everything, slices, opened)
     finally:
@@ -159,9 +165,7 @@ def _check_slices(shards: ShardSet, everything: bool, slices: Sequence[int],
                 what = (f"checksum of slice {spec!r} (entry {entry.name!r})" if spec
                         else f"checksum of entry {entry.name!r}")
                 problems[Problem(src.path, index.keys[index.slice_tensor[j]], what,
-                                 f"{kinds[j] if kinds is not None else 'xxh3'} "
-                                 f"{recorded} ({manifest})", found,
-                                 ChecksumError)] = None
+                                 f"{kind} {recorded} ({manifest})", found, ChecksumError)] = None
     return VerifyReport(checked, list(problems),
                         any(x is not None for x in index.slice_xxh3))
 
@@ -175,7 +179,7 @@ def _verify_source(shards: ShardSet, i: int, problems: dict[Problem, None],
     path = shards.shard_paths[i]
     manifest, index_path = shards.manifest, shards.manifest_path
     try:
-        opener = shards.opener_for(info.codec, path)
+        opener = shards.directory.opener(info.codec, path)
         file = shards.open_file(i)  # the reader's directory handle, its symlink rule
     except MissingShardError:
         problems[Problem(path, None, "shard file", f"a file ({manifest} lists it)",

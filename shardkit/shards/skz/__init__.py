@@ -1,30 +1,10 @@
 """Compressed (.skz) shards: header, chunk planning, parallel zstd compression and decompression.
 
-A .skz shard holds the same logical data region as a raw shard (same entry table, same offsets),
-cut into fixed-size chunks; each chunk is byte-shuffled piece by piece (each entry's part of the
-chunk by the entry's item size) and stored as one independent zstd frame with its content size
-and checksum, or stored raw when compressing does not shrink it. File layout (little-endian)::
-
-    0        8        magic b"SKZSHRD1"
-    8        8        u64 chunk size C (a multiple of 8)
-    16       8        u64 data size D (bytes of the logical data region)
-    24       8        u64 frame count F = ceil(D / C)
-    32       8        u64 flags; bit 0: chunks are shuffled
-    40       8 + N    a safetensors header (u64 N, JSON entry table padded so 48 + N % 8 == 0)
-    T=48+N   32 * F   frame table, per frame: u64 file offset, u32 stored size, u32 raw size,
-                      u32 kind (0 raw, 1 zstd), u32 reserved (0), u64 xxh3-64 of the stored bytes
-    T+32F    8        u64 xxh3-64 of bytes [0, T + 32F)
-    T+32F+8  ...      the frames back to back, in chunk order; the file ends with the last one
-
-The frame count is known before compressing, so the table has a fixed size: the writer streams
-the frames as they come out of the compressor threads and writes the table last (``pwrite`` at
-its reserved place). Item sizes are powers of two up to 8 and entries start aligned to their item
-size, so a chunk boundary (a multiple of 8) always splits an entry between whole items.
-
-The modules, each importing only those before it: `container` (the layout: constants, header,
-chunk plan), `codec` (zstd options, compressors, buffers, byte planes, `run_tasks`), `writer`
-(`write_zstd_shard`), `reader` (`SkzShard`). The names other modules use are importable from
-this package.
+A .skz shard holds the same logical data region as a raw shard, cut into fixed-size chunks, each
+byte-shuffled piece by piece and stored as one independent zstd frame (or raw, when compressing
+does not shrink it); the layout is docs/FORMAT.md section 6. The modules, each importing only
+those before it: `container`, `codec`, `writer`, `verify`, `reader`; the names other modules use
+are importable from this package.
 """
 
 from __future__ import annotations

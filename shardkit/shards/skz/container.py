@@ -1,6 +1,6 @@
 """The .skz container (docs/FORMAT.md): its constants, the header (preamble, entry table,
 frame table, checksum) encoded, decoded and checked, and the chunk plan both writer and reader
-follow. The layout is `shardkit.shards.skz`'s docstring."""
+follow (docs/FORMAT.md section 6)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ class SkzShard:
                                         self.header.shuffle, path)
             except ValueError as e:  # entries not aligned to their item size (3.3)
                 raise CorruptHeaderError(str(e)) from None
-            self._names = [n for n in self.entries]
+            self._names = list(self.entries)
             if mmap:
                 self._map = self._file.take_map()
         except BaseException:

@@ -27,9 +27,8 @@ def verify_entries(shard: SkzShard, names: Collection[str] | None,
                    ) -> tuple[dict[str, str], list[tuple[int, ChecksumError]]]:
     """One pass, in chunk order, over the chunks of `shard` holding the entries `names` (None:
     every entry; `every_frame`: every chunk, so every frame is checked even where no entry is
-    read): each frame is checked
-    (its xxh3 in the frame table, zstd's content size and checksum) and the logical bytes of
-    the entries are hashed incrementally, chunk piece by chunk piece.
+    read): each frame is checked (its xxh3 in the frame table, zstd's content size and
+    checksum) and the logical bytes of the entries are hashed incrementally, piece by piece.
 
     Returns the xxh3-64 hex digest of each entry of `names` (all entries for None) whose
     frames are intact, and the corrupt frames as (frame number, error); an entry with
@@ -125,10 +124,9 @@ def verify_entries(shard: SkzShard, names: Collection[str] | None,
             close_pieces(i)
             free.append(out)
     finally:
-        for _, _, job in pending:
-            if pool is not None:
-                job.cancel()
         if pool is not None:
+            for _, _, job in pending:
+                job.cancel()
             wait([job for _, _, job in pending])
     return digests, bad
 
