@@ -208,9 +208,8 @@ class Checkpoint:
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         col = StateCollector()
-        objects = {}
-        for name, kind in self._kinds.items():
-            objects[name] = {"kind": kind, "tree": encode_skeleton(self._current(name), name, col)}
+        objects = {name: {"kind": kind, "tree": encode_skeleton(self._current(name), name, col)}
+                   for name, kind in self._kinds.items()}
         col.tensor(SAVE_COUNTER, np.array(self._save_counter, np.int64))
         metadata = {METADATA_KEY: {"version": LAYOUT_VERSION, "objects": objects}}
         return col.tensors, metadata
