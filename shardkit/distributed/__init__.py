@@ -10,6 +10,6 @@ the seam. torch is imported only then: `import shardkit` never imports it.
 
 from __future__ import annotations
 
-from .base import DEFAULT_TIMEOUT, Coordinator, CountingCoordinator
+from .base import DEFAULT_TIMEOUT, Coordinator
 
-__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "CountingCoordinator"]
+__all__ = ["DEFAULT_TIMEOUT", "Coordinator"]

@@ -66,7 +66,7 @@ def held(state: Any, rank: int) -> Held:
     keys, leaves = flatten_columns(state)
     dtensor = dtensor_type()
     device = DeviceSpec("worker", 0, rank, "CPU", 0)
-    out = Held([], [], [], [], [], [], [])
+    rows: list[tuple[Any, ...]] = []  # one per piece, in Held's field order
     boxes: dict[Any, Any] = {}
     for key, value in zip(keys, leaves):
         if (dtensor is not None and isinstance(value, dtensor)) or isinstance(value, LocalShard):
@@ -88,16 +88,13 @@ def held(state: Any, rank: int) -> Held:
             array, dev = to_host(value, key)
             shape = tuple(array.shape)
             spec = WHOLE
-        out.keys.append(key)
-        out.specs.append(spec)
-        out.dtypes.append(safetensors_name(array.dtype))
-        out.shapes.append(shape)
-        out.nbytes.append(int(array.nbytes))
-        out.arrays.append(array)
-        out.devices.append(device if dev is None or (dev.device_type == "CPU" and not
-                           dev.device_index) else
-                           DeviceSpec("worker", 0, rank, dev.device_type, dev.device_index))
-    return out
+        if dev is None or (dev.device_type == "CPU" and not dev.device_index):
+            dev = device
+        else:
+            dev = DeviceSpec("worker", 0, rank, dev.device_type, dev.device_index)
+        rows.append((key, spec, safetensors_name(array.dtype), shape, int(array.nbytes), array,
+                     dev))
+    return Held(*map(list, zip(*rows))) if rows else Held([], [], [], [], [], [], [])
 
 
 # What the plan sends of a rank's pieces: keys, then slice specs, dtype names, global shapes

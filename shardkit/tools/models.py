@@ -13,6 +13,7 @@ import math
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -211,17 +212,11 @@ def _carve(
     """
     per_tensor = dtypes if isinstance(dtypes, list) else [dtypes] * len(specs)
     sizes = [math.prod(shape) * dt.itemsize for (_, shape), dt in zip(specs, per_tensor)]
-    offsets, total = [], 0
-    for nbytes in sizes:
-        offsets.append(total)
-        total += -(-nbytes // _ALIGN) * _ALIGN
-    arena = np.empty(total + _ALIGN, np.uint8)
+    offsets = [0, *accumulate(-(-nbytes // _ALIGN) * _ALIGN for nbytes in sizes)]
+    arena = np.empty(offsets[-1] + _ALIGN, np.uint8)
     base = (-arena.ctypes.data) % _ALIGN
-    flat = {}
-    for (key, shape), dt, offset, nbytes in zip(specs, per_tensor, offsets, sizes):
-        start = base + offset
-        flat[key] = arena[start : start + nbytes].view(dt).reshape(shape)
-    return flat
+    return {key: arena[base + at : base + at + nbytes].view(dt).reshape(shape)
+            for (key, shape), dt, at, nbytes in zip(specs, per_tensor, offsets, sizes)}
 
 
 _CHUNK = 1 << 20  # values drawn per generator call; reused buffer, stays in cache

@@ -106,15 +106,11 @@ def profile(
         start = time.perf_counter()
         task_shards = shard_tensors(callback, tensors)
         seconds = time.perf_counter() - start
-        sizes = []
+        sizes = [sum(a.nbytes for slices in shard.values() for a in slices.values())
+                 for _, shard in task_shards]
         returned: Counter[str] = Counter()
         for _, shard in task_shards:
-            nbytes = 0
-            for key, slices in shard.items():
-                returned[key] += len(slices)
-                for array in slices.values():
-                    nbytes += array.nbytes
-            sizes.append(nbytes)
+            returned.update({key: len(slices) for key, slices in shard.items()})
         split = sum(1 for key, n in returned.items() if n > given[key])
         out.append(
             PolicyProfile(

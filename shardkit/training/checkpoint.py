@@ -163,13 +163,17 @@ class Checkpoint:
         self._writer.wait()
         tensors, metadata = self._collect()
         coord = api._coordinator(tensors, process_group, timeout)  # None: this process alone
-        if not opts.enable_async:
+
+        def write(target: str, tensors: dict[str, Any], opts: CheckpointOptions) -> str:
             with api._no_split_warning():
-                info = api.save(path, tensors, options=opts, metadata=metadata, overwrite=True,
-                                process_group=coord)
+                info = api.save(target, tensors, options=opts, metadata=metadata,
+                                overwrite=True, process_group=coord)
             if after_commit is not None:
                 after_commit(info.path)
-            return SaveHandle(info.path)
+            return info.path
+
+        if not opts.enable_async:
+            return SaveHandle(write(path, tensors, opts))
         check_keys(list(tensors))  # here, not in the background write
         where: dict[str, Any] = {}
         if coord is not None:
@@ -183,15 +187,7 @@ class Checkpoint:
             snapshot = as_local_shards(snapshot, where)
         write_opts = dataclasses.replace(opts, enable_async=False)
         target = open_storage(path).url
-
-        def job() -> None:
-            with api._no_split_warning():
-                info = api.save(target, snapshot, options=write_opts, metadata=metadata,
-                                overwrite=True, process_group=coord)
-            if after_commit is not None:
-                after_commit(info.path)
-
-        return self._writer.submit(target, job)
+        return self._writer.submit(target, lambda: write(target, snapshot, write_opts))
 
     def _current(self, name: str) -> Any:
         obj = self._objects[name]
@@ -202,9 +198,8 @@ class Checkpoint:
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         col = StateCollector()
-        objects = {}
-        for name, kind in self._kinds.items():
-            objects[name] = {"kind": kind, "tree": encode_skeleton(self._current(name), name, col)}
+        objects = {name: {"kind": kind, "tree": encode_skeleton(self._current(name), name, col)}
+                   for name, kind in self._kinds.items()}
         col.tensor(SAVE_COUNTER, np.array(self._save_counter, np.int64))
         metadata = {METADATA_KEY: {"version": LAYOUT_VERSION, "objects": objects}}
         return col.tensors, metadata

@@ -81,14 +81,11 @@ def _parse(spec: str) -> DeviceSpec:
             fields["replica"] = _int(pieces[1], "replica", spec)
         elif head == "task" and len(pieces) == 2:
             fields["task"] = _int(pieces[1], "task", spec)
-        elif head == "device" and len(pieces) == 3:
-            fields["device_type"] = pieces[1].upper()
-            if pieces[2] != "*":
-                fields["device_index"] = _int(pieces[2], "device index", spec)
-        elif head in ("cpu", "gpu", "tpu") and len(pieces) == 2:
-            fields["device_type"] = head.upper()
-            if pieces[1] != "*":
-                fields["device_index"] = _int(pieces[1], "device index", spec)
+        elif head in ("device", "cpu", "gpu", "tpu") and len(pieces) == 2 + (head == "device"):
+            kind, index = pieces[-2:]  # device:TYPE:N, or the short TYPE:N
+            fields["device_type"] = kind.upper()
+            if index != "*":
+                fields["device_index"] = _int(index, "device index", spec)
         else:
             raise DeviceSpecError(
                 f"cannot parse device string {spec!r} at {part!r} "

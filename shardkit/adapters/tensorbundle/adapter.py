@@ -112,10 +112,6 @@ class HexColumn(Sequence[str]):
     __hash__ = None  # type: ignore[assignment]
 
 
-def prefix_of(index_name: str) -> str:
-    return index_name[: -len(INDEX_SUFFIX)]
-
-
 def state_target(directory: CheckpointDirectory) -> str | None:
     """The ``.index`` file that the directory's ``checkpoint`` state file names as the latest
     checkpoint, or None without a state file. CorruptIndexError for a state file that does not
@@ -172,7 +168,7 @@ class TensorBundle(FormatAdapter):
                 raise CheckpointNotFoundError(f"no TensorFlow checkpoint at {path}: the file "
                                               "is missing")
         with gc_paused():  # one object per entry: no cyclic GC pass is needed meanwhile
-            return decode_bundle(data, path, prefix_of(name), directory)
+            return decode_bundle(data, path, name[: -len(INDEX_SUFFIX)], directory)
 
     def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
                     mmap: bool, file: Any) -> Any:

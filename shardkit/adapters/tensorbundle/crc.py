@@ -6,45 +6,42 @@ cache. Imported on first use, so that ``import shardkit`` needs neither.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from ...optional import missing
 
 _STEP = 1 << 20
-_extend: Callable[[int, Any], int] | None = None
 
 
-def _load() -> Callable[[int, Any], int]:
-    global _extend
+@functools.cache
+def _extender() -> Callable[[int, Any], int]:
+    """google-crc32c's extend (fed `_STEP` bytes at a time), else the crc32c package's."""
     try:
         from google_crc32c import cext
-
-        def ext(crc: int, data: Any) -> int:
-            mv = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-            if isinstance(mv, bytes):
-                return int(cext.extend(crc, mv))
-            for i in range(0, len(mv), _STEP):
-                crc = int(cext.extend(crc, bytes(mv[i : i + _STEP])))
-            return crc
-        _extend = ext
     except ImportError as e:
         try:
             import crc32c as pkg  # type: ignore[import-not-found]
         except ImportError:
             raise missing("google_crc32c", "reading or writing a TensorFlow checkpoint "
                           "(TensorBundle, its crc32c checksums)", e) from None
+        return lambda crc, data: int(pkg.crc32c(memoryview(data).cast("B"), crc))
 
-        def ext2(crc: int, data: Any) -> int:
-            return int(pkg.crc32c(memoryview(data).cast("B"), crc))
-        _extend = ext2
-    return _extend
+    def extend(crc: int, data: Any) -> int:
+        if isinstance(data, bytes):
+            return int(cext.extend(crc, data))
+        mv = memoryview(data).cast("B")
+        for i in range(0, len(mv), _STEP):
+            crc = int(cext.extend(crc, bytes(mv[i : i + _STEP])))
+        return crc
+
+    return extend
 
 
 def crc32c_extend(crc: int, data: Any) -> int:
     """crc32c of (the bytes whose crc32c is `crc`) + `data` (any C-contiguous buffer)."""
-    ext = _extend or _load()
-    return ext(crc, data)
+    return _extender()(crc, data)
 
 
 def crc32c(data: Any) -> int:

@@ -31,25 +31,14 @@ _MAX_SHARDS = 99999  # the %05d of TensorFlow's file names
 
 def publish(tmp: Path, parent: Path, name: str, n: int, index: Callable[[int], bytes], *,
             overwrite: bool, durable: bool) -> list[str]:
-    """Publish the bundle whose `n` data files are in `tmp` at the prefix ``parent/name``.
-
-    Args:
-        tmp: the save's locked temp directory, holding ``data_file(name, i, n)`` for i < n.
-        parent: the prefix's directory.
-        name: the prefix's file name.
-        n: the number of data files.
-        index: the ``.index`` table's bytes for a given ``num_shards`` (the same entries).
-        overwrite: whether an existing checkpoint at the prefix may be replaced.
-        durable: fsync each file and the directory after every step.
-    Returns:
-        The names of the data files published: `n` of them, or, on a file system without hard
-        links replacing a checkpoint of the same count, those of the interim count.
-    Raises:
-        CheckpointExistsError: a checkpoint appeared at the prefix meanwhile and `overwrite`
-            is False.
-        OSError: a rename failed; before the commit, every file moved in is removed again and
-            the old checkpoint is as it was.
-    """
+    """Publish the bundle whose `n` data files (``data_file(name, i, n)``) are in `tmp`, the
+    save's locked temp directory, at the prefix ``parent/name``; `index(num_shards)` gives the
+    ``.index`` bytes for a shard count (the same entries). `durable`: fsync each file and the
+    directory after every step. Returns the names of the data files published: `n` of them,
+    or, on a file system without hard links replacing a checkpoint of the same count, those of
+    the interim count. CheckpointExistsError if a checkpoint appeared at the prefix meanwhile
+    and not `overwrite`; a failed rename before the commit removes every file moved in again,
+    leaving the old checkpoint as it was."""
     final_index = parent / index_file(name)
     live = os.path.lexists(final_index)
     if live and not overwrite:

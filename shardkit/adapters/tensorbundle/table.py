@@ -232,9 +232,8 @@ def _entries(block: memoryview, path: str, what: str,
 def read_table(data: bytes, path: str) -> list[tuple[bytes, bytes]]:
     """Every (key, value) of the table `data` (file `path`), in key order; the footer, every
     block trailer (masked crc32c) and the key order are checked."""
-    items: list[tuple[bytes, bytes]] = []
-    for block in _data_blocks(data, path, None):
-        items.extend(block)
+    items: list[tuple[bytes, bytes]] = list(itertools.chain.from_iterable(
+        _data_blocks(data, path, None)))
     _check_order([k for k, _ in items], path)
     return items
 
@@ -246,9 +245,7 @@ def read_table_framed(data: bytes, path: str, prefix: bytes
     decodes all the values in one call (`protos.parse_columns`)."""
     out = bytearray()
     lengths: list[int] = []
-    keys: list[bytes] = []
-    for block in _data_blocks(data, path, (prefix, out, lengths)):
-        keys.extend(block)
+    keys = list(itertools.chain.from_iterable(_data_blocks(data, path, (prefix, out, lengths))))
     _check_order(keys, path)
     return keys, out, lengths
 

@@ -63,9 +63,7 @@ class _DataFile:
 
 
 def _datatype(array: np.ndarray) -> int:
-    if is_string(array.dtype):
-        return DATATYPE_OF[STRING]
-    return DATATYPE_OF[safetensors_name(array.dtype)]
+    return DATATYPE_OF[STRING if is_string(array.dtype) else safetensors_name(array.dtype)]
 
 
 def _entry(key: bytes, array: np.ndarray, shape: tuple[int, ...]) -> _Entry:
