@@ -115,5 +115,5 @@ def huggingface_weight_map(index: CheckpointIndex) -> dict[str, str]:
 
 
 def _dumps(value: Any) -> str:
-    # compact: with indent, json falls back to its pure-Python encoder (20x slower)
+    # compact: with indent, json falls back to its pure-Python encoder, which is much slower
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)

@@ -108,7 +108,11 @@ class CheckpointOptions:
         return self._write_callbacks
 
     def run_write_callbacks(self, save_path: str) -> None:
-        """Call each write callback, passing `save_path` to those that take a parameter."""
+        """Call each write callback, passing `save_path` to those that take a parameter.
+
+        Args:
+            save_path: the path of the checkpoint just written.
+        """
         for fn in self._write_callbacks:
             if _takes_argument(fn):
                 fn(save_path)

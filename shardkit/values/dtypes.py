@@ -13,7 +13,7 @@ from ..optional import lazy_import
 
 if TYPE_CHECKING:
     import ml_dtypes
-else:  # its import takes 0.5-4 s: only a checkpoint or state that holds its dtypes needs it
+else:  # its import is slow: only a checkpoint or state that holds its dtypes needs it
     ml_dtypes = lazy_import("ml_dtypes", "bfloat16 / float8 tensors")
 
 # Safetensors name -> numpy dtype (little-endian). Order: float, signed int, unsigned int, bool;
