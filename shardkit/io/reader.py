@@ -24,7 +24,6 @@ from ..errors import (
     MissingShardError,
     Problem,
 )
-from ..format import TensorInfo
 from ..frameworks import convert_all, converter
 from ..sharding.tensors import gc_paused
 from ..values.dtypes import numpy_dtype
@@ -100,7 +99,7 @@ class CheckpointReader:
         self._prefix, self._under = "", None  # a sub-tree's prefix and its keys (`prefix`)
         try:
             if prefix is not None:
-                self._prefix, self._under = self._keys_under(prefix)
+                self._prefix, self._under = self._shards.keys_under(prefix)
             if verify:
                 self.verify()
         except BaseException:
@@ -193,7 +192,7 @@ class CheckpointReader:
         named, key = key, self._full(key)
         if self._is_string(key):
             return dataclasses.replace(self._string_info(key), key=named)
-        t = self._tensor(key)
+        t = self._shards.tensor(key)
         shards = self.index.shards
         return KeyInfo(
             named, numpy_dtype(t.dtype), t.dtype, t.shape, t.device, t.nbytes,
@@ -225,15 +224,12 @@ class CheckpointReader:
         """
         conv = converter(framework, device)  # checked before anything is read
         key = self._full(key)
-        self._shards.begin_read()
-        try:
+        with self._shards:
             if self._is_string(key):
                 check_string_framework(framework, key)
                 array = self._get_string(key)
             else:
                 array = whole.get_one(self._shards, key)
-        finally:
-            self._shards.end_read()
         return array if conv is None else conv(array, key)
 
     def _get_many(self, keys: Sequence[str] | None, rows: np.ndarray | None = None
@@ -243,8 +239,7 @@ class CheckpointReader:
         that every chunk is decoded once and the chunks are decoded in parallel. `rows`: the
         keys' `ShardSet.rows_of`, when the caller has them."""
         strings = self._strings
-        self._shards.begin_read()
-        try:
+        with self._shards:
             with gc_paused():  # one GC pass at the end, not one per ~700 new arrays
                 if strings is not None and keys is None:  # every tensor, then every string one
                     every = whole.get_tensors(self._shards, None)
@@ -259,17 +254,12 @@ class CheckpointReader:
                                                  [k for k in wanted if k not in texts])
                         return {k: texts[k] if k in texts else rest[k] for k in wanted}
                 return whole.get_tensors(self._shards, keys, rows)
-        finally:
-            self._shards.end_read()
 
     def _read_direct(self, targets: Sequence[tuple[str, np.ndarray]]) -> set[str]:
         """Decode whole tensors stored in compressed shards straight into their target arrays
         (`whole.read_direct`); returns those keys."""
-        self._shards.begin_read()
-        try:
+        with self._shards:
             return whole.read_direct(self._shards, targets)
-        finally:
-            self._shards.end_read()
 
     @overload
     def get_slice(self, key: str, index: Any, *, framework: Literal["numpy"] = ...,
@@ -295,8 +285,7 @@ class CheckpointReader:
         """
         conv = converter(framework, device)  # checked before anything is read
         key = self._full(key)
-        self._shards.begin_read()
-        try:
+        with self._shards:
             if self._is_string(key):
                 check_string_framework(framework, key)
                 stored = self._get_string(key)
@@ -304,19 +293,14 @@ class CheckpointReader:
                 array = np.array(stored[index], dtype=stored.dtype)
             else:
                 array = boxes.get_slice(self._shards, key, index)
-        finally:
-            self._shards.end_read()
         return array if conv is None else conv(array, key)
 
     def _verify_boxes(self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]
                       ) -> None:
         """`verify` of only the stored slices that intersect the boxes (key, offsets,
         lengths); raises as `verify` does."""
-        self._shards.begin_read()
-        try:
+        with self._shards:
             report = verify_boxes(self._shards, regions)
-        finally:
-            self._shards.end_read()
         if report.problems:
             raise report.error()
 
@@ -324,11 +308,8 @@ class CheckpointReader:
                          ) -> None:
         """For each (key, offsets, out): fill `out` with that box of the tensor
         (`boxes.read_boxes_into`)."""
-        self._shards.begin_read()
-        try:
+        with self._shards:
             boxes.read_boxes_into(self._shards, regions)
-        finally:
-            self._shards.end_read()
 
     def verify(self, keys: Sequence[str] | None = None) -> int:
         """Check the stored entries of `keys` against the index: shard files and sizes,
@@ -365,11 +346,8 @@ class CheckpointReader:
         """
         if keys is not None and self._prefix:
             keys = [self._full(k) for k in ([keys] if isinstance(keys, str) else keys)]
-        self._shards.begin_read()
-        try:
+        with self._shards:
             return verify_keys(self._shards, keys)
-        finally:
-            self._shards.end_read()
 
     def close(self) -> None:
         """Release files and maps. Arrays already returned stay valid (they keep their map)."""
@@ -401,13 +379,6 @@ class CheckpointReader:
         return KeyInfo(key, kind_dtype(strings.kinds[row], f"{self.path}: {key!r}"), STRING_DTYPE,
                        strings.shapes[row], strings.devices[row], strings.nbytes(row),
                        (SlicePlacement("", -1, strings.file_of(row), key, strings.xxh3_of(row)),))
-
-    def _tensor(self, key: str) -> TensorInfo:
-        return self._shards.tensor(key)
-
-    def _keys_under(self, prefix: str) -> tuple[str, list[str]]:
-        """`ShardSet.keys_under`."""
-        return self._shards.keys_under(prefix)
 
     def _open_shards(self, keys: Sequence[str] | None, rows: np.ndarray | None = None) -> None:
         """Open (and map) every shard holding `keys` (default: all; `rows`: their
@@ -500,7 +471,7 @@ def load(
             with CheckpointReader(path, mmap=mmap, follow_symlinks=follow_symlinks) as reader:
                 wanted = keys
                 if prefix is not None:
-                    start, under = reader._keys_under(prefix)
+                    start, under = reader._shards.keys_under(prefix)
                     wanted = under if keys is None else [
                         start + k if isinstance(k, str) else k for k in keys]
                 if reader._strings is None and wanted == reader.index.keys:

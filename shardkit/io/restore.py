@@ -56,7 +56,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
         start, candidates = "", reader.keys()
         if prefix is not None:
-            start, candidates = reader._keys_under(prefix)
+            start, candidates = reader._shards.keys_under(prefix)
             leaves = [(start + key, leaf) for key, leaf in leaves]
         wanted = {key for key, _ in leaves}
         if targets is not state:  # the object graph is TensorFlow's bookkeeping, not a value
@@ -76,7 +76,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             if reader._is_string(key):
                 texts.append(_string_target(reader, key, leaf))
                 continue
-            t = reader._tensor(key)
+            t = reader._shards.tensor(key)
             box = None
             if is_dtensor(leaf):  # restored: the box of the global tensor this rank holds
                 local, offset, local_shape = module("torch").dtensor_box(leaf, key, boxes_seen)

@@ -77,12 +77,13 @@ class ShardSet:
 
     # -- reads in flight, and closing
 
-    def begin_read(self) -> None:
+    def __enter__(self) -> None:
+        """``with shards:`` is one read in flight, which `close` waits for."""
         with self._lock:
             self.check_open()
             self._active += 1
 
-    def end_read(self) -> None:
+    def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._active -= 1
             if not self._active:
