@@ -52,7 +52,7 @@ from .options import CheckpointOptions, check_options, check_threads
 from .reader import load
 from .reader import open_checkpoint as open  # shardkit.open; this module never needs the builtin
 from .restore import restore_into
-from .writer import SavedTensors, ShardColumns, default_threads, shard_columns
+from .writer import SavedTensors, ShardColumns, default_threads, pick_rows, shard_columns
 
 SINGLE_SHARD_BELOW = 64 * 1024 * 1024
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's default max_shard_size ("5GB")
@@ -364,11 +364,8 @@ def _default_shards(
         if len(groups) == 1:
             k, a_, d_, n_, s_ = keys, arrays, dtypes, nbytes, shapes
         else:  # this task's tensors, in the order given
-            k = [keys[i] for i in rows]
-            a_ = [arrays[i] for i in rows]
-            d_ = [dtypes[i] for i in rows]
+            k, a_, d_, s_ = pick_rows(rows, keys, arrays, dtypes, shapes)
             n_ = nbytes[rows]
-            s_ = [shapes[i] for i in rows]
         for a, b in policy._bounds(n_):
             shards.append(ShardColumns(
                 task, k[a:b], [WHOLE] * (b - a), a_[a:b], dtypes=d_[a:b], nbytes=n_[a:b],

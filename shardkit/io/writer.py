@@ -65,7 +65,8 @@ class SavedTensors:
         devices = list(map(_device_of, tensors))
         names = {i: d.to_string() for i, d in dict(zip(map(id, devices), devices)).items()}
         return cls(list(map(_key_of, tensors)), list(map(_dtype_of, tensors)),
-                   [_full_shape(t) for t in tensors],
+                   [t.shape if t.slice_spec == "" else parse_slice_spec(t.slice_spec).full_shape
+                    for t in tensors],
                    list(map(names.__getitem__, map(id, devices))))
 
 
@@ -84,6 +85,11 @@ def shard_columns(task_shards: Sequence[TaskShard]) -> list[ShardColumns]:
                 arrays.append(value if type(value) is ndarray else np.asarray(value))
         out.append(ShardColumns(task, keys, specs, arrays))
     return out
+
+
+def pick_rows(rows: Sequence[int], *columns: Sequence[Any]) -> list[list[Any]]:
+    """Each of `columns` (parallel lists) reduced to the items at `rows`, in that order."""
+    return [[column[i] for i in rows] for column in columns]
 
 
 def default_threads(cores: int | None = None) -> int:
@@ -126,7 +132,8 @@ def write_shards(
     plans = plan_shards(shards, codec, generation, first_shard,
                         len(shards) if shard_count is None else shard_count)
     total = sum(p.size for p in plans)  # for zstd: the uncompressed bytes
-    bar = _progress_bar(total, progress)
+    bar = None if not progress else require("tqdm.auto", "progress=True").tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="saving")
 
     string_file = (store.write_strings(strings, generation, checksum, durable)
                    if strings is not None and strings.keys else None)
@@ -168,9 +175,7 @@ def plan_shards(shards: Sequence[ShardColumns], codec: str, generation: str, fir
         names, dtype_names, shapes, begins, ends, order = _layout(shard)
         rows: range | list[int] | None = shard.rows
         if order is not None:
-            keys = [keys[j] for j in order]
-            specs = [specs[j] for j in order]
-            arrays = [arrays[j] for j in order]
+            keys, specs, arrays = pick_rows(order, keys, specs, arrays)
             if rows is not None:
                 rows = [rows[j] for j in order]
         layouts = None
@@ -212,9 +217,7 @@ def _layout(shard: ShardColumns) -> tuple[
         perm = np.argsort(-sizes, kind="stable")
         if (np.diff(perm) != 1).any():
             order = perm.tolist()
-            dtypes = [dtypes[j] for j in order]
-            names = [names[j] for j in order]
-            shapes = [shapes[j] for j in order]
+            dtypes, names, shapes = pick_rows(order, dtypes, names, shapes)
             nbytes = nbytes[perm]
         dtype_names = [kinds[d][0] for d in dtypes]
     ends = np.cumsum(nbytes)
@@ -225,13 +228,6 @@ _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
 _key_of = operator.attrgetter("checkpoint_key")
 _device_of = operator.attrgetter("device")
-
-
-def _progress_bar(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    tqdm = require("tqdm.auto", "progress=True").tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="saving")
 
 
 def _index(
@@ -248,11 +244,8 @@ def _index(
     if not all(p.rows is not None for p in plans):  # find each entry's tensor by its key
         if len(set(keys)) != len(keys):  # slices of one key given as several inputs: first wins
             first = dict(zip(reversed(keys), reversed(range(len(keys)))))
-            picked = sorted(first.values())
-            keys = [keys[i] for i in picked]
-            dtypes = [dtypes[i] for i in picked]
-            shapes = [shapes[i] for i in picked]
-            devices = [devices[i] for i in picked]
+            keys, dtypes, shapes, devices = pick_rows(sorted(first.values()), keys, dtypes, shapes,
+                                                      devices)
         rows = dict(zip(keys, range(len(keys))))
     slice_tensor: list[int] = []
     slice_spec: list[str] = []
@@ -296,10 +289,4 @@ def _checksums(plans: list[ShardFile], checksum: bool) -> list[str | None]:
         else:
             column += p.xxh3 if p.xxh3 is not None else _gather.hex_digests(p.digests)
     return column
-
-
-def _full_shape(t: ShardableTensor) -> tuple[int, ...]:
-    if t.slice_spec == "":
-        return t.shape
-    return parse_slice_spec(t.slice_spec).full_shape
 
