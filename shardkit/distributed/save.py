@@ -4,7 +4,7 @@ save flow's (`io.flow`; docs/ARCHITECTURE.md). Each rank is the device task
 ``/job:worker/replica:0/task:<rank>``: it holds its pieces (`held`: a DTensor as its local
 slice), every rank computes the same de-duplication and choice of writers from the gathered
 columns (`plan`) and its share of its machine's cores (`writer_threads`), runs the callback on
-what it writes, and sends its index columns (`_part`), which rank 0 merges (`merge`). Tensor
+what it writes, and sends its index columns (`part`), which rank 0 merges (`merge`). Tensor
 bytes never leave their process.
 """
 
@@ -317,7 +317,17 @@ class CollectiveRank(RankSave):
         return len(self.shards)
 
     def part(self, written: Any) -> tuple[Any, ...]:
-        return _part(written[0], self.written, self.mine.specs)
+        """What the ``index`` collective sends of this rank's index: per stored slice (shard
+        by shard, in data-region order) the position of its piece in the rank's `Held` and its
+        shard, as int32 bytes; the slice specs only if the callback split a piece; the
+        checksums; the shards. Keys, dtypes and shapes rank 0 knows from the plan already."""
+        index = written[0]
+        local = np.asarray(self.written, np.int64)[np.asarray(index.slice_tensor, np.int64)]
+        own = list(map(self.mine.specs.__getitem__, local.tolist()))
+        split = None if own == index.slice_spec else index.slice_spec
+        return (local.astype(np.int32).tobytes(),
+                np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
+                [(s.file, s.task, s.codec, s.bytes) for s in index.shards])
 
     def merge(self, parts: list[Any], user_metadata: dict[str, Any], generation: str | None
               ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
@@ -327,23 +337,9 @@ class CollectiveRank(RankSave):
         return merged, fmt.index_chunks(merged)
 
 
-def _part(index: fmt.CheckpointIndex, written: list[int], specs: list[str]
-          ) -> tuple[Any, ...]:
-    """What the ``index`` collective sends of a rank's index: per stored slice (shard by
-    shard, in data-region order) the position of its piece in the rank's `Held` and its
-    shard, as int32 bytes; the slice specs only if the callback split a piece; the checksums;
-    the shards. Keys, dtypes and shapes rank 0 knows from the plan already."""
-    local = np.asarray(written, np.int64)[np.asarray(index.slice_tensor, np.int64)]
-    own = list(map(specs.__getitem__, local.tolist()))
-    split = None if own == index.slice_spec else index.slice_spec
-    return (local.astype(np.int32).tobytes(),
-            np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
-            [(s.file, s.task, s.codec, s.bytes) for s in index.shards])
-
-
 def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
           user_metadata: dict[str, Any], generation: str) -> fmt.CheckpointIndex:
-    """The checkpoint's index from the ranks' `_part` columns (in rank order) and the plan:
+    """The checkpoint's index from the ranks' `part` columns (in rank order) and the plan:
     tensors in order of first appearance over the ranks (rank 0's state order first), each
     with the dtype, global shape and device of its first holder; slices and shards rank by
     rank, each rank's shards numbered after the lower ranks'. Column-wise."""
