@@ -22,7 +22,7 @@ from shardkit.errors import (
     ShardkitError,
     UnsupportedDTypeError,
 )
-from shardkit.frameworks import FRAMEWORKS, convert_all, converter, to_framework
+from shardkit.frameworks import FRAMEWORKS, convert_all, converter
 from shardkit.values.dtypes import STORABLE
 
 torch = pytest.importorskip("torch")
@@ -102,6 +102,12 @@ def test_import_shardkit_imports_no_framework(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True, timeout=120).stdout
     assert out.strip() == "[]"
+
+
+def to_framework(array: np.ndarray, framework: str = "numpy", device=None, key: str = ""):
+    """`array` as a `framework` tensor on `device`, the way `load` converts it."""
+    conv = converter(framework, device)
+    return array if conv is None else conv(array, key)
 
 
 def test_numpy_is_the_identity(every_dtype):

@@ -191,13 +191,6 @@ def converter(framework: str = "numpy", device: Any = None) -> Converter | None:
     return conv
 
 
-def to_framework(array: np.ndarray, framework: str = "numpy", device: Any = None,
-                 key: str = "") -> Any:
-    """`array` as a `framework` tensor on `device` (see `converter`); `key` names it in errors."""
-    conv = converter(framework, device)
-    return array if conv is None else conv(array, key)
-
-
 def convert_all(arrays: Mapping[str, np.ndarray], conv: Converter | None) -> dict[str, Any]:
     """Every array of `arrays` through `conv`, in order (the same arrays when `conv` is None)."""
     if conv is None:
@@ -246,4 +239,4 @@ def copy_into(target: Any, array: np.ndarray) -> None:
 __all__ = ["FRAMEWORKS", "Converter", "convert_all", "converter", "copy_into", "dtensor_type",
            "expand_objects", "gc_paused", "is_dtensor",
            "is_variable", "kind_of", "loaded", "module", "restore_target", "string_to_host",
-           "to_framework", "to_host"]
+           "to_host"]
