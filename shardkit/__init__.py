@@ -62,7 +62,7 @@ _LAZY: dict[str, str] = {  # public name -> the module that defines it, imported
     "VerifyReport": "io.reader",
     "Checkpoint": "training.checkpoint",
     "CheckpointLoadStatus": "training.checkpoint",
-    "CheckpointManager": "training.checkpoint",
+    "CheckpointManager": "training.manager",
     "SaveHandle": "training.checkpoint",
     "ShardingCallback": "sharding.callback",
     "Shard": "sharding.callback",

@@ -37,6 +37,7 @@ _TO_NUMPY = framework_dtypes(tf)  # the storable TensorFlow dtypes -> numpy's
 _STORABLE_ENUMS = frozenset(d.as_datatype_enum for d in _TO_NUMPY)
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 """The key of the TrackableObjectGraph proto in a TensorFlow object-based checkpoint."""
+SAVE_COUNTER_KEY = "save_counter/.ATTRIBUTES/VARIABLE_VALUE"  # tf.train.Checkpoint's counter
 _CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
@@ -314,6 +315,22 @@ def object_variables(obj: Any) -> dict[str, Any]:
     owners: dict[str, Any] = {}
     flat, _ = serialize(obj, owners)
     return {k: owners[k] if _assignable(owners.get(k)) else _leaf(v) for k, v in flat.items()}
+
+
+def checkpoint_root(objects: dict[str, Any]) -> Any:
+    """``tf.train.Checkpoint(**objects)`` with its save counter created, as its ``save`` and
+    ``restore`` create it (lazily, on first use): the root of a TensorFlow-format save."""
+    root = tf.train.Checkpoint(**objects)
+    root._maybe_create_save_counter()
+    return root
+
+
+def create_save_counter(state: Any, keys: Any) -> None:
+    """Create the save counter of a ``tf.train.Checkpoint`` restore target when the checkpoint
+    (whose keys are `keys`) holds one, as ``tf.train.Checkpoint.restore`` does: TensorFlow
+    creates it lazily, so a fresh root has none yet."""
+    if isinstance(state, tf.train.Checkpoint) and SAVE_COUNTER_KEY in keys:
+        state._maybe_create_save_counter()
 
 
 def is_variable(obj: Any) -> bool:

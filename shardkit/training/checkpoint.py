@@ -13,17 +13,14 @@ non-tensor values (optimizer hyperparameters, step counts, tuples, None), is sto
 checkpoint's user metadata under ``"shardkit.checkpoint"``; the save counter is the 0-d int64
 tensor ``save_counter``. Tensors that share memory (tied weights) are stored once and restored
 into every alias. Restoring copies into the existing arrays and tensors in place. An async save
-(``enable_async=True``) is described in docs/TRAINING.md.
+(``enable_async=True``) is described in docs/TRAINING.md. `CheckpointManager` lives in
+training/manager.py and is re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 import os
-import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +30,6 @@ from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     RestoreMismatchError,
-    RetentionWarning,
-    ShardkitError,
 )
 from ..frameworks import is_dtensor, module
 from ..io import save as api
@@ -42,20 +37,21 @@ from ..io.options import CheckpointOptions, check_options
 from ..io.reader import open_checkpoint
 from ..io.restore import CheckpointLoadStatus, check_complete
 from ..io.snapshot import AsyncWriter, HostBufferPool, SaveHandle
-from ..sharding.tensors import SEPARATOR
+from ..sharding.tensors import OBJECT_GRAPH_KEY, SEPARATOR
 from ..storage import open_storage
 from ..values.keys import check_keys
+from .manager import CheckpointManager
 from .tracked_state import (
     MISSING,
     StateCollector,
     StateRestorer,
     collect_tensor_keys,
     encode_skeleton,
-    is_tensor,
     object_kind,
 )
 
 SAVE_COUNTER = "save_counter"
+TF_SAVE_COUNTER = "save_counter/.ATTRIBUTES/VARIABLE_VALUE"  # tf.train.Checkpoint's key
 METADATA_KEY = "shardkit.checkpoint"
 LAYOUT_VERSION = 1
 
@@ -158,16 +154,21 @@ class Checkpoint:
 
     def _write(self, path: str, options: CheckpointOptions | None,
                after_commit: Callable[[str], None] | None = None, *,
-               process_group: Any = None, timeout: float | None = None) -> SaveHandle:
+               process_group: Any = None, timeout: float | None = None,
+               format: str = "shardkit") -> SaveHandle:
         opts = check_options(options)
         self._writer.wait()
-        tensors, metadata = self._collect()
-        coord = api._coordinator(tensors, process_group, timeout)  # None: this process alone
+        if format == "tensorflow":
+            tensors, metadata = self._collect_tensorflow(), None
+            coord = None
+        else:
+            tensors, metadata = self._collect()
+            coord = api._coordinator(tensors, process_group, timeout)  # None: process alone
 
         def write(target: str, tensors: dict[str, Any], opts: CheckpointOptions) -> str:
             with api._no_split_warning():
                 info = api.save(target, tensors, options=opts, metadata=metadata,
-                                overwrite=True, process_group=coord)
+                                overwrite=True, process_group=coord, format=format)
             if after_commit is not None:
                 after_commit(info.path)
             return info.path
@@ -195,6 +196,38 @@ class Checkpoint:
         if kind == "tensorflow":
             return module("tensorflow").object_variables(obj)  # {key: variable}
         return obj if kind in ("array", "tree") else obj.state_dict()
+
+    def _tensorflow_root(self) -> Any:
+        """One ``tf.train.Checkpoint`` over the tracked TensorFlow objects, its save counter
+        created (what TensorFlow's own ``Checkpoint(**objects).save`` serializes)."""
+        root = self.__dict__.get("_tf_root")
+        if root is None:
+            objects = {n: self._objects[n] for n, k in self._kinds.items() if k == "tensorflow"}
+            root = self._tf_root = module("tensorflow").checkpoint_root(objects)
+        return root
+
+    def _collect_tensorflow(self) -> dict[str, Any]:
+        """The tensors of a TensorFlow-format save: the TensorFlow objects and the save counter
+        under the keys and object graph of ``tf.train.Checkpoint(**objects).save``, the other
+        objects' tensors under their own keys (a TensorBundle holds no Checkpoint layout)."""
+        tfw = module("tensorflow")
+        root = self._tensorflow_root()
+        root.save_counter.assign(self._save_counter)
+        col = StateCollector()
+        for name, kind in self._kinds.items():
+            if kind != "tensorflow":
+                encode_skeleton(self._current(name), name, col)
+        return {**tfw.expand(root), **col.tensors}
+
+    def _joint_tensorflow(self) -> dict[str, dict[str, Any]]:
+        """Each tracked TensorFlow object's variables under the keys of the joint graph
+        (``{name: {key relative to name: variable}}``), and the save counter's."""
+        flat = module("tensorflow").object_variables(self._tensorflow_root())
+        out: dict[str, dict[str, Any]] = {}
+        for key, value in flat.items():
+            name, _, rest = key.partition(SEPARATOR)
+            out.setdefault(name, {})[rest] = value
+        return out
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         col = StateCollector()
@@ -233,9 +266,14 @@ class Checkpoint:
         with open_checkpoint(path) as reader:
             layout = reader.metadata.get(METADATA_KEY)
             stored = _stored_objects(layout, path)
+            joint = None  # TensorFlow's own graph: its keys for the TensorFlow objects
+            if OBJECT_GRAPH_KEY in reader and "tensorflow" in self._kinds.values():
+                joint = self._joint_tensorflow()
+            counter = TF_SAVE_COUNTER if TF_SAVE_COUNTER in reader else SAVE_COUNTER
             plans = []
             for name, kind in self._kinds.items():
-                current = self._current(name)
+                current = (joint.get(name, {}) if joint is not None and kind == "tensorflow"
+                           else self._current(name))
                 enc = stored.get(name, {}).get("tree")
                 if enc is None:  # not saved by a Checkpoint: match tensors by key
                     enc = encode_skeleton(current, name, StateCollector())
@@ -245,16 +283,19 @@ class Checkpoint:
             for name, _, current, enc, create in plans:
                 dry.value(enc, current, name, create)
             if not partial:
-                dry.used.add(SAVE_COUNTER)
+                dry.used.update((counter, OBJECT_GRAPH_KEY))
                 check_complete(path, dry.missing, [k for k in reader.keys() if k not in dry.used])
             restorer = StateRestorer(reader, dry=False, templates=templates)
             for name, kind, current, enc, create in plans:
                 restorer.changed = False
                 new = restorer.value(enc, current, name, create)
                 self._apply(name, kind, current, new, restorer.changed, path)
-            if SAVE_COUNTER in reader:
-                restorer.used.add(SAVE_COUNTER)
-                self._save_counter = int(reader.get(SAVE_COUNTER))
+            restorer.used.add(OBJECT_GRAPH_KEY)
+            if counter in reader:
+                restorer.used.add(counter)
+                self._save_counter = int(reader.get(counter))
+                if joint is not None:
+                    self._tensorflow_root().save_counter.assign(self._save_counter)
             unexpected = [k for k in reader.keys() if k not in restorer.used]
         return CheckpointLoadStatus(path, restorer.restored, restorer.missing, unexpected)
 
@@ -329,251 +370,6 @@ def _stored_objects(layout: Any, path: str) -> dict[str, Any]:
             f"({LAYOUT_VERSION}); upgrade shardkit"
         )
     return layout["objects"]
-
-
-# --- CheckpointManager --------------------------------------------------------------------------
-
-
-class CheckpointManager:
-    """Numbered checkpoints in one directory, the newest `max_to_keep` kept (TensorFlow's API).
-
-    Checkpoints are ``<directory>/<checkpoint_name>-<number>``. Everything the manager reports
-    (`checkpoints`, `latest_checkpoint`) is read from the directory: only committed checkpoints
-    (directories holding a shardkit manifest, ``model.safetensors.index.json``, which a save
-    writes last; ``index.json`` for checkpoints of format 2.0 / 2.1) count, so a crash can never
-    leave the manager pointing at a half-written one. Old checkpoints are deleted only after the
-    new one is committed (durable, with the default options), and only directories that match
-    this manager's naming exactly.
-
-    ``keep_checkpoint_every_n_hours`` also keeps, among the older ones, one per that many hours
-    (by its manifest's modification time); those are not in `checkpoints`. With
-    ``process_group=`` (on every rank) saves are collective and rank 0 numbers and deletes; the
-    listing is rank 0's, broadcast, so every rank reads it at the same point (docs/API.md).
-    """
-
-    def __init__(
-        self,
-        checkpoint: Checkpoint,
-        directory: str | os.PathLike[str],
-        max_to_keep: int | None = 5,
-        keep_checkpoint_every_n_hours: float | None = None,
-        checkpoint_name: str = "ckpt",
-        step_counter: Any = None,
-        checkpoint_interval: int | None = None,
-        init_fn: Callable[[], Any] | None = None,
-        *,
-        process_group: Any = None,
-        timeout: float | None = None,
-    ) -> None:
-        if not isinstance(checkpoint, Checkpoint):
-            raise InvalidArgumentTypeError(
-                f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
-            raise InvalidArgumentError(
-                f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
-        hours = keep_checkpoint_every_n_hours
-        if hours is not None and (
-            isinstance(hours, bool) or not isinstance(hours, (int, float))
-            or not math.isfinite(hours) or hours <= 0
-        ):
-            raise InvalidArgumentError(
-                f"keep_checkpoint_every_n_hours must be a positive number, got {hours!r}"
-            )
-        if not isinstance(checkpoint_name, str) or not checkpoint_name or (
-            checkpoint_name.startswith(".") or os.sep in checkpoint_name
-            or (os.altsep and os.altsep in checkpoint_name)
-        ):
-            raise InvalidArgumentError(
-                f"checkpoint_name must be a plain file name not starting with '.', got "
-                f"{checkpoint_name!r}"
-            )
-        if checkpoint_interval is not None:
-            if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
-                    or checkpoint_interval < 1:
-                raise InvalidArgumentError(
-                    f"checkpoint_interval must be a positive int, got {checkpoint_interval!r}"
-                )
-            if step_counter is None:
-                raise InvalidArgumentError(
-                    "checkpoint_interval needs a step_counter to count steps")
-        if init_fn is not None and not callable(init_fn):
-            raise InvalidArgumentTypeError(f"init_fn must be callable, got {init_fn!r}")
-        self._checkpoint = checkpoint
-        self._storage = open_storage(os.fspath(directory))  # the one choice of storage
-        self._directory = self._storage.url
-        self._max_to_keep = max_to_keep
-        self._keep_seconds = None if hours is None else hours * 3600.0
-        self._name = checkpoint_name
-        self._pattern = re.compile(re.escape(checkpoint_name) + r"-(0|[1-9][0-9]*)")
-        self._step_counter = step_counter
-        self._interval = checkpoint_interval
-        self._init_fn = init_fn
-        self._last_step: int | None = None
-        self._restore_status: CheckpointLoadStatus | None = None
-        self._coord: Any = None
-        if process_group is not None or timeout is not None:
-            from ..distributed.routing import coordinator_for
-
-            self._coord = coordinator_for({}, process_group, timeout)
-
-    @property
-    def checkpoint(self) -> Checkpoint:
-        """The managed `Checkpoint`."""
-        return self._checkpoint
-
-    @property
-    def directory(self) -> str:
-        """The directory (or URL) holding the checkpoints."""
-        return self._directory
-
-    @property
-    def checkpoint_interval(self) -> int | None:
-        """The steps between saves (None: every `save` saves)."""
-        return self._interval
-
-    @property
-    def checkpoints(self) -> list[str]:
-        """Paths of the managed committed checkpoints, oldest first (at most `max_to_keep`)."""
-        paths = [p for _, p in self._committed()]
-        return paths if self._max_to_keep is None else paths[-self._max_to_keep :]
-
-    @property
-    def restore_status(self) -> CheckpointLoadStatus | None:
-        """The status of the last `restore_or_initialize` that restored a checkpoint, or None."""
-        return self._restore_status
-
-    @property
-    def latest_checkpoint(self) -> str | None:
-        """The committed checkpoint with the highest number, or None."""
-        committed = self._committed()
-        return committed[-1][1] if committed else None
-
-    def _committed(self) -> list[tuple[int, str]]:
-        """The committed checkpoints; in a distributed manager rank 0's listing, broadcast
-        (a collective: every rank asks at the same point)."""
-        if self._coord is None:
-            return self._listing()
-        found = self._listing() if self._coord.rank == 0 else None
-        return list(self._coord.broadcast(found, "checkpoint listing"))
-
-    def _listing(self) -> list[tuple[int, str]]:
-        found = [(int(m.group(1)), path) for name, path in self._storage.children()
-                 if (m := self._pattern.fullmatch(name))]
-        found.sort()
-        return found
-
-    def _step(self) -> int:
-        value = self._step_counter
-        if callable(value) and not is_tensor(value):
-            value = value()
-        return int(value)
-
-    def save(self, checkpoint_number: int | None = None, check_interval: bool = True,
-             options: CheckpointOptions | None = None) -> SaveHandle | None:
-        """Save ``<checkpoint_name>-<number>`` and delete checkpoints beyond `max_to_keep`.
-
-        With ``options.enable_async`` the write and the deletions run in the background.
-
-        Args:
-            checkpoint_number: the number (default: the checkpoint's incremented save counter).
-            check_interval: with `checkpoint_interval`, save only if the step counter advanced
-                by at least that many steps since the last save (False forces a save).
-            options: how to write (`CheckpointOptions`).
-        Returns:
-            The `SaveHandle`, or None when the interval skipped the save.
-        Raises:
-            InvalidArgumentError: a negative `checkpoint_number` (InvalidArgumentTypeError: not
-                an int).
-            ShardkitError: what `Checkpoint.write` raises.
-        """
-        self._checkpoint.sync()
-        step = self._step() if self._step_counter is not None else None
-        if self._interval is not None and check_interval and self._last_step is not None:
-            assert step is not None
-            if step < self._last_step + self._interval:
-                return None
-        if checkpoint_number is not None:
-            if isinstance(checkpoint_number, (bool, float)):
-                raise InvalidArgumentTypeError(
-                    f"checkpoint_number must be an int, got {checkpoint_number!r}")
-            number = operator.index(checkpoint_number)
-            if number < 0:
-                raise InvalidArgumentError(f"checkpoint_number must be >= 0, got {number}")
-        self._checkpoint._save_counter += 1
-        if checkpoint_number is None:
-            number = self._checkpoint.save_counter
-        sweep: Callable[[str], None] | None = self._sweep
-        if self._coord is not None:  # rank 0 numbers the checkpoint and deletes old ones
-            number, counter = self._coord.broadcast(
-                (number, self._checkpoint._save_counter), "checkpoint number")
-            self._checkpoint._save_counter = counter
-            sweep = self._sweep if self._coord.rank == 0 else None
-        path = os.path.join(self._directory, f"{self._name}-{number}")
-        handle = self._checkpoint._write(path, options, after_commit=sweep,
-                                         process_group=self._coord)
-        if self._interval is not None:
-            self._last_step = step
-        return handle
-
-    def sync(self) -> None:
-        """Wait for a pending async save (and its deletions); raise its error."""
-        self._checkpoint.sync()
-
-    wait_until_finished = sync
-
-    def restore_or_initialize(self, *, partial: bool = False) -> str | None:
-        """Restore the latest checkpoint, else call `init_fn`.
-
-        The restore is `Checkpoint.restore`; its `CheckpointLoadStatus` is kept as
-        `restore_status`.
-
-        Args:
-            partial: restore what matches and leave the rest.
-        Returns:
-            The restored checkpoint's path (TensorFlow's return value), or None.
-        Raises:
-            IncompleteRestoreError: an incomplete match (nothing changed) and `partial` is False.
-            ShardkitError: what `Checkpoint.restore` raises.
-        """
-        latest = self.latest_checkpoint
-        if latest is None:
-            if self._init_fn is not None:
-                self._init_fn()
-            return None
-        self._restore_status = self._checkpoint.restore(latest, partial=partial)
-        if self._step_counter is not None:
-            self._last_step = self._step()
-        return latest
-
-    def _sweep(self, new_path: str) -> None:
-        """Delete committed checkpoints older than the newest `max_to_keep` (not `new_path`)."""
-        if self._max_to_keep is None:
-            return
-        committed = self._listing()
-        for path in self._storage.interrupted_removals():  # a removal killed halfway
-            self._remove(path)
-        newest = {p for _, p in committed[-self._max_to_keep :]}
-        newest.add(open_storage(new_path).url)
-        last_kept: float | None = None
-        for _, path in committed:
-            if path in newest:
-                continue
-            if self._keep_seconds is not None:
-                stamp = open_storage(path).commit_time()
-                if last_kept is None or stamp >= last_kept + self._keep_seconds:
-                    last_kept = stamp
-                    continue
-            self._remove(path)
-
-    @staticmethod
-    def _remove(path: str) -> None:
-        try:
-            open_storage(path).remove_checkpoint()
-        except ShardkitError as e:  # the new checkpoint is committed: keep going
-            warnings.warn(f"{path}: not deleted by retention: {e}", RetentionWarning,
-                          stacklevel=3)
 
 
 __all__ = [
