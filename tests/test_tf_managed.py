@@ -1,0 +1,185 @@
+"""TensorFlow-managed checkpoints (issue 21, item 5): a shardkit manager in TensorFlow's format
+that TensorFlow's own manager, ``latest_checkpoint`` and restore see; ``save_counter`` as
+TensorFlow handles it; the object graph of ``convert --to tensorflow``; error paths."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import shardkit
+from shardkit.errors import CheckpointNotFoundError, CorruptIndexError
+
+from tfhelpers import bits, keras_model
+
+
+def _values(model, opt):
+    """Every variable of `model` and `opt` (Adam's slots too), in order, as its bits."""
+    return [bits(v.numpy()) for v in [*model.variables, *opt.variables]]
+
+
+def _trained(keras, seed):
+    """A Keras MLP with Adam, trained a few steps (so the slots hold values)."""
+    model, opt = keras_model(keras, 4, 8, 2, activation="relu", seed=seed)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    y = rng.standard_normal((16, 2)).astype(np.float32)
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def saved(tf, keras, tmp_path_factory):
+    """A shardkit TensorFlow-format manager's directory after 4 saves with max_to_keep=2
+    (the model trained between saves), with the variables as they were at the last save."""
+    directory = str(tmp_path_factory.mktemp("tfm") / "run")
+    model, opt = _trained(keras, 0)
+    ckpt = shardkit.Checkpoint(model=model, optimizer=opt)
+    manager = shardkit.CheckpointManager(ckpt, directory, max_to_keep=2, format="tensorflow")
+    x = np.ones((8, 4), np.float32)
+    paths, stamps = [], []
+    for _ in range(4):
+        model.train_on_batch(x, np.zeros((8, 2), np.float32))
+        before = time.time()
+        paths.append(manager.save())
+        stamps.append((before, time.time()))
+    last = _values(model, opt)
+    return directory, manager, paths, stamps, last
+
+
+def test_tensorflow_sees_every_kept_checkpoint(tf, keras, saved):
+    directory, manager, paths, _, last = saved
+    assert [str(p) for p in paths] == [os.path.join(directory, f"ckpt-{i}") for i in (1, 2, 3, 4)]
+    kept = [os.path.join(directory, "ckpt-3"), os.path.join(directory, "ckpt-4")]
+    assert sorted(os.listdir(directory)) == sorted(
+        ["checkpoint", "ckpt-3.index", "ckpt-3.data-00000-of-00001",
+         "ckpt-4.index", "ckpt-4.data-00000-of-00001"])
+    assert tf.train.latest_checkpoint(directory) == kept[-1]
+    state = tf.train.get_checkpoint_state(directory)
+    assert state.model_checkpoint_path == kept[-1]
+    assert list(state.all_model_checkpoint_paths) == kept
+    fresh, fresh_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=7)
+    tf_manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=fresh, optimizer=fresh_opt), directory, max_to_keep=2)
+    assert tf_manager.checkpoints == kept and tf_manager.latest_checkpoint == kept[-1]
+    assert manager.checkpoints == kept and manager.latest_checkpoint == kept[-1]
+    reader = tf.train.load_checkpoint(directory)
+    assert int(reader.get_tensor("save_counter/.ATTRIBUTES/VARIABLE_VALUE")) == 4
+    # TensorFlow's own restore: every object in the graph matched, every value bit-exact
+    root = tf.train.Checkpoint(model=fresh, optimizer=fresh_opt)
+    root.restore(tf.train.latest_checkpoint(directory)).assert_consumed()
+    got = _values(fresh, fresh_opt)
+    assert got == last
+    assert int(root.save_counter.numpy()) == 4
+    assert int(fresh_opt.iterations.numpy()) > 0
+
+
+def test_state_file_timestamps(tf, saved):
+    directory, _, _, stamps, _ = saved
+    from shardkit.adapters.tensorbundle.protos import CheckpointState, text_format
+
+    with open(os.path.join(directory, "checkpoint")) as f:
+        text = f.read()
+    state = text_format.Parse(text, CheckpointState())
+    assert state.model_checkpoint_path == "ckpt-4"  # relative, as TensorFlow's manager writes
+    assert list(state.all_model_checkpoint_paths) == ["ckpt-3", "ckpt-4"]
+    times = list(state.all_model_checkpoint_timestamps)
+    assert len(times) == 2 and times[0] < times[1]
+    for t, (lo, hi) in zip(times, stamps[2:]):
+        assert lo <= t <= hi
+    assert 0 < state.last_preserved_timestamp <= stamps[0][0]
+    assert text == text_format.MessageToString(state)
+
+
+def test_shardkit_manager_restores_tensorflow_managed_directories(tf, keras, saved, tmp_path):
+    directory, _, _, _, last = saved
+    fresh, fresh_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=9)
+    ckpt = shardkit.Checkpoint(model=fresh, optimizer=fresh_opt)
+    manager = shardkit.CheckpointManager(ckpt, directory, max_to_keep=2, format="tensorflow")
+    assert manager.restore_or_initialize() == os.path.join(directory, "ckpt-4")
+    assert _values(fresh, fresh_opt) == last
+    assert ckpt.save_counter == 4
+    # a directory TensorFlow's own manager wrote: listed, restored, and managed further
+    tf_dir = str(tmp_path / "tf")
+    model, opt = _trained(keras, 3)
+    tf_manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=opt),
+                                            tf_dir, max_to_keep=3)
+    for _ in range(2):
+        tf_manager.save()
+    want = _values(model, opt)
+    other, other_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=11)
+    ours = shardkit.CheckpointManager(shardkit.Checkpoint(model=other, optimizer=other_opt),
+                                      tf_dir, max_to_keep=2, format="tensorflow")
+    assert ours.checkpoints == tf_manager.checkpoints
+    assert ours.restore_or_initialize() == tf_manager.latest_checkpoint
+    assert _values(other, other_opt) == want
+    assert ours.save() == os.path.join(tf_dir, "ckpt-3")
+    assert tf.train.get_checkpoint_state(tf_dir).all_model_checkpoint_paths == [
+        os.path.join(tf_dir, "ckpt-2"), os.path.join(tf_dir, "ckpt-3")]
+    assert not os.path.exists(os.path.join(tf_dir, "ckpt-1.index"))
+
+
+def test_a_failed_save_leaves_the_state_file_at_the_last_complete_one(tf, keras, tmp_path,
+                                                                     monkeypatch):
+    model, opt = _trained(keras, 1)
+    directory = str(tmp_path / "run")
+    manager = shardkit.CheckpointManager(shardkit.Checkpoint(model=model, optimizer=opt),
+                                         directory, max_to_keep=2, format="tensorflow")
+    manager.save()
+    with open(os.path.join(directory, "checkpoint")) as f:
+        before = f.read()
+    from shardkit.adapters.tensorbundle import writer
+
+    def broken(*args, **kwargs):
+        raise OSError("disk failed")
+
+    monkeypatch.setattr(writer, "publish", broken)
+    with pytest.raises(OSError, match="disk failed"):
+        manager.save()
+    monkeypatch.undo()
+    with open(os.path.join(directory, "checkpoint")) as f:
+        assert f.read() == before
+    assert tf.train.latest_checkpoint(directory) == os.path.join(directory, "ckpt-1")
+    tf.train.Checkpoint(model=model, optimizer=opt).restore(
+        tf.train.latest_checkpoint(directory)).assert_consumed()
+    assert not os.path.exists(os.path.join(directory, "ckpt-2.index"))
+
+
+def test_restore_into_a_tensorflow_save_prefix_creates_the_save_counter(tf, keras, tmp_path):
+    model, opt = _trained(keras, 2)
+    prefix = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "tf" / "ck"))
+    fresh, fresh_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=5)
+    root = tf.train.Checkpoint(model=fresh, optimizer=fresh_opt)
+    shardkit.restore_into(prefix, root).assert_consumed()
+    assert int(root.save_counter.numpy()) == 1
+    assert (_values(fresh, fresh_opt)
+            == _values(model, opt))
+
+
+def test_error_paths(tf, keras, tmp_path):
+    model, opt = _trained(keras, 4)
+    directory = str(tmp_path / "run")
+    ckpt = shardkit.Checkpoint(model=model, optimizer=opt)
+    manager = shardkit.CheckpointManager(ckpt, directory, format="tensorflow")
+    manager.save()
+    manager.save()
+    for name in os.listdir(directory):
+        if name.startswith("ckpt-2."):
+            os.unlink(os.path.join(directory, name))
+    with pytest.raises(CheckpointNotFoundError, match=r"names 'ckpt-2'.*ckpt-2.index is missing"):
+        manager.restore_or_initialize()
+    with open(os.path.join(directory, "checkpoint"), "w") as f:
+        f.write("model_checkpoint_path: \"ckpt-1\"\nnot a field\n")
+    with pytest.raises(CorruptIndexError, match="not a text-format CheckpointState"):
+        _ = manager.latest_checkpoint
+    with pytest.raises(CorruptIndexError, match="not a text-format CheckpointState"):
+        manager.save()
+    with open(os.path.join(directory, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "../elsewhere/ckpt-1"\n')
+    with pytest.raises(CheckpointNotFoundError, match="is not in"):
+        _ = manager.checkpoints
+    with pytest.raises(shardkit.errors.InvalidArgumentError, match="format must be"):
+        shardkit.CheckpointManager(ckpt, directory, format="tf")
