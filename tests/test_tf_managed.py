@@ -9,11 +9,10 @@ import time
 
 import numpy as np
 import pytest
+from tfhelpers import bits, keras_model
 
 import shardkit
 from shardkit.errors import CheckpointNotFoundError, CorruptIndexError
-
-from tfhelpers import bits, keras_model
 
 
 def _values(model, opt):

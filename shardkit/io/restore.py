@@ -52,8 +52,8 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
-        if prefix is None and (tfw := loaded("tensorflow")) is not None:
-            tfw.create_save_counter(state, reader)  # created lazily by TensorFlow
+        if prefix is None and (tf_module := loaded("tensorflow")) is not None:
+            tf_module.create_save_counter(state, reader)  # created lazily by TensorFlow
         targets = expand_objects(state, targets=True)  # TensorFlow objects: their variables
         leaves = flatten(targets)
         start, candidates = "", reader.keys()
