@@ -182,3 +182,28 @@ def test_error_paths(tf, keras, tmp_path):
         _ = manager.checkpoints
     with pytest.raises(shardkit.errors.InvalidArgumentError, match="format must be"):
         shardkit.CheckpointManager(ckpt, directory, format="tf")
+
+
+def test_convert_a_checkpoint_to_tensorflow_writes_the_object_graph(tf, keras, tmp_path):
+    from shardkit.tools.cli import main
+
+    model, opt = _trained(keras, 6)
+    ckpt = shardkit.Checkpoint(model=model, optimizer=opt)
+    ckpt.save(tmp_path / "sk" / "ckpt")
+    ckpt.save(tmp_path / "sk" / "ckpt")
+    prefix = str(tmp_path / "tf" / "ckpt-2")
+    assert main(["convert", str(tmp_path / "sk" / "ckpt-2"), prefix, "--to", "tensorflow"]) == 0
+    fresh, fresh_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=8)
+    root = tf.train.Checkpoint(model=fresh, optimizer=fresh_opt)
+    root.restore(prefix).assert_consumed()
+    assert _values(fresh, fresh_opt) == _values(model, opt)
+    assert int(root.save_counter.numpy()) == 2
+
+
+def test_object_graph_keys_are_unescaped_as_tensorflow_escapes_them():
+    from shardkit.adapters.tensorbundle.object_graph import split_key
+
+    assert split_key("a/b./c/.ATTRIBUTES/VARIABLE_VALUE") == (["a", "b/c"], "VARIABLE_VALUE")
+    assert split_key("x/..ATTRIBUTES/.ATTRIBUTES/V") == (["x", ".ATTRIBUTES"], "V")
+    assert split_key("save_counter") is None
+    assert split_key("a/.ATTRIBUTES/b/.ATTRIBUTES/V") is None

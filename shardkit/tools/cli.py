@@ -470,9 +470,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         to = args.to or ("shardkit" if reader.format == "tensorbundle" else "tensorflow")
         count = len(reader)
         unchecked = reader.format != "shardkit" and not reader.layout.checksums
+        metadata = reader.metadata
     # views of the source's maps, read as they are written; checked first, so that nothing
     # corrupt is written out under fresh checksums
     state = load(args.src, verify=args.verify)
+    if to == "tensorflow":
+        state = _with_object_graph(state, metadata)
     info = save(args.dst, state, format=to, overwrite=args.overwrite)
     note = ""
     if not args.verify:
@@ -481,6 +484,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
         note = " (no checksums stored in the source: its structure was checked only)"
     print(f"{args.src} -> {info.path} ({to}): {count} tensors, {human_size(info.bytes)}{note}")
     return 0
+
+
+def _with_object_graph(state: dict[str, Any], metadata: Any) -> dict[str, Any]:
+    """`state` as TensorFlow restores it: a shardkit `Checkpoint`'s save counter under
+    ``tf.train.Checkpoint``'s key, and, when it has none, the ``_CHECKPOINTABLE_OBJECT_GRAPH``
+    rebuilt from its object keys (``adapters.tensorbundle.object_graph``)."""
+    import numpy as np
+
+    from ..adapters.tensorbundle.object_graph import object_graph
+    from ..sharding.tensors import OBJECT_GRAPH_KEY
+    from ..training.checkpoint import METADATA_KEY, SAVE_COUNTER, TF_SAVE_COUNTER
+
+    if OBJECT_GRAPH_KEY in state:
+        return state
+    if isinstance(metadata, dict) and METADATA_KEY in metadata and SAVE_COUNTER in state \
+            and TF_SAVE_COUNTER not in state:
+        state = {(TF_SAVE_COUNTER if k == SAVE_COUNTER else k): v for k, v in state.items()}
+    graph = object_graph(state)
+    if graph is None:
+        return state
+    value = np.empty((), object)
+    value[()] = graph
+    return {**state, OBJECT_GRAPH_KEY: value}
 
 
 # ------------------------------------------------------------------------------------ gc

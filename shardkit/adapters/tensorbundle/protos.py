@@ -102,6 +102,26 @@ def _build() -> dict[str, Any]:
              _field("all_model_checkpoint_paths", 2, STR, _REP),
              _field("all_model_checkpoint_timestamps", 3, DBL, _REP),
              _field("last_preserved_timestamp", 4, DBL)])]),
+        # tensorflow/core/protobuf/trackable_object_graph.proto, without the fields a graph
+        # rebuilt from checkpoint keys never sets (registered_saver, has_checkpoint_values)
+        _file("tensorflow/core/protobuf/trackable_object_graph.proto", [], [_msg(
+            "TrackableObjectGraph",
+            [_field("nodes", 1, MSG, _REP, ".tensorflow.TrackableObjectGraph.TrackableObject")],
+            [_msg("TrackableObject", [
+                _field("children", 1, MSG, _REP,
+                       ".tensorflow.TrackableObjectGraph.TrackableObject.ObjectReference"),
+                _field("attributes", 2, MSG, _REP,
+                       ".tensorflow.TrackableObjectGraph.TrackableObject.SerializedTensor"),
+                _field("slot_variables", 3, MSG, _REP,
+                       ".tensorflow.TrackableObjectGraph.TrackableObject."
+                       "SlotVariableReference")], [
+                _msg("ObjectReference", [_field("node_id", 1, I32),
+                                         _field("local_name", 2, STR)]),
+                _msg("SerializedTensor", [_field("name", 1, STR), _field("full_name", 2, STR),
+                                          _field("checkpoint_key", 3, STR)]),
+                _msg("SlotVariableReference", [
+                    _field("original_variable_node_id", 1, I32), _field("slot_name", 2, STR),
+                    _field("slot_variable_node_id", 3, I32)])])])]),
         # shardkit's own: many entries in one message, so that protobuf decodes them in one
         # call (their bytes framed as the repeated field; see `parse_entries`)
         # A BundleEntryProto read with its shape and slices left as their encoded bytes (the
@@ -133,7 +153,7 @@ def _build() -> dict[str, Any]:
         pool.Add(f)
     names = ["BundleHeaderProto", "BundleEntryProto", "TensorShapeProto", "TensorSliceProto",
              "VersionDef", "CheckpointState", "BundleEntries", "TensorShapes",
-             "BundleEntryFields"]
+             "BundleEntryFields", "TrackableObjectGraph"]
     return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{n}"))
             for n in names}
 
@@ -148,6 +168,7 @@ CheckpointState: Final[Any] = _CLASSES["CheckpointState"]
 BundleEntries: Final[Any] = _CLASSES["BundleEntries"]
 TensorShapes: Final[Any] = _CLASSES["TensorShapes"]
 BundleEntryFields: Final[Any] = _CLASSES["BundleEntryFields"]
+TrackableObjectGraph: Final[Any] = _CLASSES["TrackableObjectGraph"]
 
 
 def _framed(values: list[bytes]) -> bytes:
@@ -209,5 +230,6 @@ def parse_columns(framed: bytes | bytearray | memoryview) -> Any:
 __all__ = ["DATA_TYPES", "DATA_TYPE_NAMES", "MARKS", "DecodeError", "SHAPE_MARK", "BundleEntries",
            "BundleEntryFields", "BundleEntryProto",
            "BundleHeaderProto", "CheckpointState", "TensorShapeProto", "TensorShapes",
-           "TensorSliceProto", "VersionDef", "parse_columns", "parse_entries", "parse_shapes",
+           "TensorSliceProto", "TrackableObjectGraph", "VersionDef", "parse_columns",
+           "parse_entries", "parse_shapes",
            "text_format"]
