@@ -207,3 +207,32 @@ def test_object_graph_keys_are_unescaped_as_tensorflow_escapes_them():
     assert split_key("x/..ATTRIBUTES/.ATTRIBUTES/V") == (["x", ".ATTRIBUTES"], "V")
     assert split_key("save_counter") is None
     assert split_key("a/.ATTRIBUTES/b/.ATTRIBUTES/V") is None
+
+
+def _unbuilt(keras, seed):
+    """The Keras MLP of `keras_model`, compiled, its Adam not built (no slots yet)."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+    opt = keras.optimizers.Adam(learning_rate=0.01)
+    model.compile(opt, "mse")
+    return model, opt
+
+
+def test_restore_into_an_unbuilt_optimizer_defers_its_slots(tf, keras, tmp_path):
+    model, opt = _trained(keras, 12)
+    prefix = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "tf" / "ck"))
+    ours, ours_opt = _unbuilt(keras, 13)
+    theirs, theirs_opt = _unbuilt(keras, 14)
+    assert not ours_opt.built
+    status = shardkit.restore_into(prefix, {"model": ours, "optimizer": ours_opt})
+    assert status.unexpected_keys  # the slots: pending until the optimizer builds
+    assert not status.missing_keys
+    tf.train.Checkpoint(model=theirs, optimizer=theirs_opt).read(prefix)
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # building the optimizer restores the slots; training goes on the same
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        y = rng.standard_normal((8, 2)).astype(np.float32)
+        assert bits(ours.train_on_batch(x, y)) == bits(theirs.train_on_batch(x, y))
+    assert _values(ours, ours_opt) == _values(theirs, theirs_opt)
+    assert int(ours_opt.iterations.numpy()) == int(opt.iterations.numpy()) + 3

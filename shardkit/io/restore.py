@@ -65,9 +65,18 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             wanted.add(start + OBJECT_GRAPH_KEY)
         missing = [key for key, _ in leaves if key not in reader]
         unexpected = [key for key in candidates if key not in wanted]
-        if not partial:
+        # TensorFlow objects against a bundle with TensorFlow's object graph whose keys do not
+        # match one to one (an unbuilt optimizer has no slots yet, a model not built the same
+        # way names its variables otherwise): TensorFlow's own restore matches them by the
+        # graph and defers the values of objects not created yet to their creation
+        defer = (prefix is None and not partial and bool(missing or unexpected)
+                 and targets is not state
+                 and reader.format == "tensorbundle" and OBJECT_GRAPH_KEY in reader
+                 and tf_module is not None and tf_module.objects_only(state))
+        every = [key for key, _ in leaves]
+        if not partial and not defer:
             check_complete(str(reader.path), missing, unexpected)
-        elif missing:
+        elif missing:  # (with defer: those are checked by TensorFlow's graph match)
             absent = set(missing)
             leaves = [(key, leaf) for key, leaf in leaves if key not in absent]
         plans = []
@@ -115,6 +124,10 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
             if whole:
                 reader.verify(whole)
             reader._verify_boxes(boxes)
+        if defer:
+            assert tf_module is not None
+            tf_module.read_deferred(state, str(reader.path))  # every target checked above
+            return CheckpointLoadStatus(str(reader.path), every, [], unexpected)
         for key, target, assign in texts:
             stored = reader._get_string(key)
             if assign is not None:
