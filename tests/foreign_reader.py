@@ -37,7 +37,9 @@ def _dtypes() -> dict[str, np.dtype]:
             "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype("<i8"),
             "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
             "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"),
-            "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+            "U8": np.dtype("u1"), "BOOL": np.dtype("?"), "C64": np.dtype("<c8"),
+            "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+            "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz)}
 
 
 class Refused(Exception):

@@ -11,6 +11,8 @@ EXPECTED = {
     "F8_E5M2": (ml_dtypes.float8_e5m2, 1), "I64": (np.int64, 8), "I32": (np.int32, 4),
     "I16": (np.int16, 2), "I8": (np.int8, 1), "U64": (np.uint64, 8), "U32": (np.uint32, 4),
     "U16": (np.uint16, 2), "U8": (np.uint8, 1), "BOOL": (np.bool_, 1),
+    "C64": (np.complex64, 8), "F8_E4M3FNUZ": (ml_dtypes.float8_e4m3fnuz, 1),
+    "F8_E5M2FNUZ": (ml_dtypes.float8_e5m2fnuz, 1),
 }
 
 
@@ -30,6 +32,6 @@ def test_rejections():
     with pytest.raises(UnsupportedDTypeError, match="big-endian"):
         safetensors_name(np.dtype(">f4"))
     with pytest.raises(UnsupportedDTypeError, match="cannot be stored"):
-        safetensors_name(np.dtype(np.complex64))
+        safetensors_name(np.dtype(np.complex128))
     with pytest.raises(UnsupportedDTypeError, match="unknown dtype name 'F128'"):
         numpy_dtype("F128")

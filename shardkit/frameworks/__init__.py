@@ -123,7 +123,8 @@ def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
         hint = "; strings and objects go in metadata=" if dt.kind in "OUSV" else ""
         raise UnsupportedDTypeError(
             f"{key!r}: dtype {dt} cannot be stored (supported: bool, (u)int8-64, float16/32/64, "
-            f"bfloat16, float8_e4m3fn, float8_e5m2){hint}"
+            f"bfloat16, float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, float8_e5m2fnuz, complex64)"
+            f"{hint}"
         )
     return array, dev
 

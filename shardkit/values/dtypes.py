@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 else:  # its import is slow: only a checkpoint or state that holds its dtypes needs it
     ml_dtypes = lazy_import("ml_dtypes", "bfloat16 / float8 tensors")
 
-# Safetensors name -> numpy dtype (little-endian). Order: float, signed int, unsigned int, bool;
-# the ml_dtypes ones are added by `_add_ml_dtypes`.
+# Safetensors name -> numpy dtype (little-endian). Order: float, signed int, unsigned int, bool,
+# complex; the ml_dtypes ones are added by `_add_ml_dtypes`.
 _BY_NAME: Final[dict[str, np.dtype]] = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
@@ -31,11 +31,14 @@ _BY_NAME: Final[dict[str, np.dtype]] = {
     "U16": np.dtype("<u2"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "C64": np.dtype("<c8"),
 }
 _ML_DTYPES: Final[dict[str, tuple[str, int]]] = {  # name -> (ml_dtypes' type, item size)
     "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
 }
 _ML_NAMES: Final[frozenset[str]] = frozenset(attr for attr, _ in _ML_DTYPES.values())
 _BY_DTYPE: Final[dict[np.dtype, str]] = {dt: name for name, dt in _BY_NAME.items()}
