@@ -21,6 +21,8 @@ import numpy as np
 
 from ..errors import (
     CheckpointReplacedError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     MissingShardError,
     Problem,
 )
@@ -416,11 +418,13 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
-         device: Any = ..., prefix: str | None = ...) -> dict[str, np.ndarray]: ...
+         device: Any = ..., prefix: str | None = ...,
+         weights_only: bool = ...) -> dict[str, np.ndarray]: ...
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
-         device: Any = ..., prefix: str | None = ...) -> dict[str, Any]: ...
+         device: Any = ..., prefix: str | None = ...,
+         weights_only: bool = ...) -> dict[str, Any]: ...
 
 
 def load(
@@ -433,6 +437,7 @@ def load(
     framework: str = "numpy",
     device: Any = None,
     prefix: str | None = None,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Read tensors of a checkpoint into a flat dict.
 
@@ -451,16 +456,26 @@ def load(
             or platform string).
         prefix: take the sub-tree under this key prefix, stripped (``"model"`` returns
             ``model/0.weight`` as ``0.weight``, never ``modelx/...``); `keys` relative to it.
+        weights_only: as ``torch.load``'s; always True here (shardkit never unpickles), and
+            False is refused.
     Returns:
         A dict from key to numpy array (or the framework's tensor), in the order read.
     Raises:
         CheckpointNotFoundError: nothing is at `path`.
         KeyNotFoundError: a key is not stored, or none is under the prefix.
-        InvalidArgumentError: an unknown framework, a bad device, or an empty prefix.
+        InvalidArgumentError: an unknown framework, a bad device, an empty prefix, or
+            ``weights_only=False``.
         MissingDependencyError: the framework is not installed.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
         ShardIOError: the operating system failed a read.
     """
+    if weights_only is not True:
+        if weights_only is False:
+            raise InvalidArgumentError(
+                "weights_only=False: shardkit never unpickles (a checkpoint holds only typed "
+                "tensors and values, never code), so every load is weights-only; drop the "
+                "argument or pass True")
+        raise InvalidArgumentTypeError(f"weights_only must be True, got {weights_only!r}")
     conv = converter(framework, device)  # checked before anything is read
     if isinstance(keys, str):
         keys = [keys]

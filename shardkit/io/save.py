@@ -17,6 +17,7 @@ import json
 import math
 import operator
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -171,6 +172,14 @@ _key_of = operator.attrgetter("checkpoint_key")
 _spec_of = operator.attrgetter("slice_spec")
 
 
+def _module_state(state: Any) -> Any:
+    """A torch ``nn.Module``'s ``state_dict()``, as ``torch.save`` users pass it; else `state`."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(state, torch.nn.Module):
+        return state.state_dict()
+    return state
+
+
 def save(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
@@ -198,7 +207,8 @@ def save(
         path: the checkpoint directory, or a URL (``s3://bucket/prefix``); with
             ``format="tensorflow"``, TensorFlow's file prefix.
         state: nested dicts, lists and tuples of arrays (numpy, torch, JAX, TensorFlow) and
-            numbers, or a TensorFlow object (docs/API.md lists what it may hold).
+            numbers, a TensorFlow object, or a torch ``nn.Module`` (its ``state_dict()`` is
+            saved; docs/API.md lists what it may hold).
         options: how to write: the sharding callback, compression, durability, threads,
             checksums (`CheckpointOptions`; None: the defaults, `DefaultShardingPolicy`).
         metadata: a JSON-serialisable dict stored in the manifest as ``user_metadata``.
@@ -243,6 +253,7 @@ def save(
         if not isinstance(value, bool):
             raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
     user_metadata = _check_metadata(metadata)
+    state = _module_state(state)
     state = expand_objects(state)  # TensorFlow objects: TensorFlow's keys
     if not isinstance(state, Mapping):
         raise InvalidArgumentTypeError(
