@@ -23,7 +23,12 @@ import numpy as np
 
 from ..._kernels import _gather
 from ..._threads import ParallelRun
-from ...errors import CheckpointExistsError, InvalidArgumentError, ShardIOError
+from ...errors import (
+    CheckpointExistsError,
+    InvalidArgumentError,
+    ShardIOError,
+    UnsupportedDTypeError,
+)
 from ...storage import commit
 from ...storage.local import LocalStorage
 from ...values.dtypes import safetensors_name
@@ -62,8 +67,14 @@ class _DataFile:
     size: int = 0
 
 
-def _datatype(array: np.ndarray) -> int:
-    return DATATYPE_OF[STRING if is_string(array.dtype) else safetensors_name(array.dtype)]
+def _datatype(key: bytes, array: np.ndarray) -> int:
+    name = STRING if is_string(array.dtype) else safetensors_name(array.dtype)
+    if name not in DATATYPE_OF:
+        raise UnsupportedDTypeError(
+            f"{key.decode('utf-8')!r}: a TensorFlow checkpoint (TensorBundle) cannot hold dtype"
+            f" {array.dtype}, which TensorFlow's DataType has no counterpart for; save it in"
+            " shardkit's format instead")
+    return DATATYPE_OF[name]
 
 
 def _entry(key: bytes, array: np.ndarray, shape: tuple[int, ...]) -> _Entry:
@@ -74,7 +85,7 @@ def _entry(key: bytes, array: np.ndarray, shape: tuple[int, ...]) -> _Entry:
     a = np.ascontiguousarray(array)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    return _Entry(key, _datatype(a), shape, a, a.nbytes)
+    return _Entry(key, _datatype(key, a), shape, a, a.nbytes)
 
 
 def _layout(f: _DataFile) -> None:
@@ -187,7 +198,7 @@ class BundleOutput:
                     continue
                 proto = full.get(kb)
                 if proto is None:
-                    proto = full[kb] = BundleEntryProto(dtype=_datatype(np.asarray(array)))
+                    proto = full[kb] = BundleEntryProto(dtype=_datatype(kb, np.asarray(array)))
                     for d in s.full_shape:
                         proto.shape.dim.add(size=d)
                 ext = proto.slices.add()
