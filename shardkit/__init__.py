@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from .sharding.tensors import ShardableTensor, TensorSaveSpec
     from .storage import set_storage_options
     from .tools.profiling import profile
-    from .training.checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager, SaveHandle
+    from .training.checkpoint import Checkpoint, CheckpointLoadStatus, SaveHandle
+    from .training.manager import CheckpointManager
     from .values.devices import DeviceSpec
     from .values.slices import SliceSpec
 
