@@ -241,7 +241,7 @@ def test_describe_arrays_one_pass(impl):
     class Sub(np.ndarray):
         pass
 
-    for odd in ([1.0], np.zeros(2, ">f4"), np.zeros(2, np.complex64), np.zeros(2).view(Sub)):
+    for odd in ([1.0], np.zeros(2, ">f4"), np.zeros(2, np.clongdouble), np.zeros(2).view(Sub)):
         assert impl.describe_arrays([values[0], odd], STORABLE) is None
     with pytest.raises(TypeError):
         impl.describe_arrays((values[0],), STORABLE)

@@ -53,7 +53,7 @@ def test_ml_dtypes_and_big_endian():
 
 def test_unsupported_dtypes_name_the_key():
     with pytest.raises(UnsupportedDTypeError, match=r"'m/c'.*complex"):
-        shardable_tensors({"m": {"c": np.zeros(2, np.complex64)}})
+        shardable_tensors({"m": {"c": np.zeros(2, np.clongdouble)}})
     with pytest.raises(UnsupportedDTypeError, match="'s'"):
         shardable_tensors({"s": np.array(["x"])})
 
@@ -130,7 +130,7 @@ def test_string_and_object_arrays_point_to_metadata():
         with pytest.raises(UnsupportedDTypeError, match=r"cannot be stored .*go in metadata="):
             shardable_tensors({"s": array})
     with pytest.raises(UnsupportedDTypeError) as info:
-        shardable_tensors({"c": np.zeros(1, np.complex64)})
+        shardable_tensors({"c": np.zeros(1, np.clongdouble)})
     assert "metadata" not in str(info.value)  # numbers, not objects: no such hint
 
 

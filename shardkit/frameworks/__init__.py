@@ -29,7 +29,7 @@ from ..errors import (
 )
 from ..optional import require
 from ..values.devices import DeviceSpec
-from ..values.dtypes import is_supported
+from ..values.dtypes import STORABLE_NAMES, is_supported
 
 FRAMEWORKS: tuple[str, ...] = ("numpy", "torch", "jax", "tensorflow")
 """The values of ``framework=``: "numpy" (the default), "torch", "jax", "tensorflow"."""
@@ -122,8 +122,7 @@ def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
     elif not is_supported(dt):
         hint = "; strings and objects go in metadata=" if dt.kind in "OUSV" else ""
         raise UnsupportedDTypeError(
-            f"{key!r}: dtype {dt} cannot be stored (supported: bool, (u)int8-64, float16/32/64, "
-            f"bfloat16, float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, float8_e5m2fnuz, complex64)"
+            f"{key!r}: dtype {dt} cannot be stored (supported: {', '.join(STORABLE_NAMES)})"
             f"{hint}"
         )
     return array, dev
