@@ -102,6 +102,7 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("sharding/tf_saver_callback.py",),
     ("sharding/callback.py",),
     ("sharding/tf_sharding.py",),
+    ("sharding/structure.py",),
     ("sharding/tensors.py",),
     ("distributed/",),  # "distributed/ (but save.py, routing.py)"
     ("coordinator.py",),

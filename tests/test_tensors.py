@@ -143,12 +143,16 @@ def test_torch_tensors_without_host_data_are_a_shardkit_error():
             shardable_tensors({"t": tensor})
 
 
-def test_save_refuses_a_string_before_writing(tmp_path):
+def test_a_string_is_saved_in_the_structure_record_and_refused_by_tensorflow(tmp_path):
     import shardkit
 
-    with pytest.raises(shardkit.ShardkitError, match=r"'name': a str \('run'\).*metadata="):
-        shardkit.save(tmp_path / "ckpt", {"w": np.ones(2), "name": "run"})
+    with pytest.raises(shardkit.ShardkitError, match=r"'name': format='tensorflow' stores "
+                       r"tensors only, and this str is not one"):
+        shardkit.save(tmp_path / "tf", {"w": np.ones(2), "name": "run"}, format="tensorflow")
     assert list(tmp_path.iterdir()) == []
+    shardkit.save(tmp_path / "with", {"w": np.ones(2), "name": "run"})
+    assert shardkit.load(tmp_path / "with", nested=True)["name"] == "run"
+    assert list(shardkit.load(tmp_path / "with")) == ["w"]  # the flat view: tensors only
     shardkit.save(tmp_path / "ckpt", {"w": np.ones(2)}, metadata={"name": "run"})
     with shardkit.open(tmp_path / "ckpt") as reader:
         assert reader.metadata == {"name": "run"}

@@ -329,11 +329,12 @@ class CollectiveRank(RankSave):
                 np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
                 [(s.file, s.task, s.codec, s.bytes) for s in index.shards])
 
-    def merge(self, parts: list[Any], user_metadata: dict[str, Any], generation: str | None
+    def merge(self, parts: list[Any], output: Any, generation: str | None
               ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
         assert generation is not None
         merged = merge(self.pieces, parts, description=self.description,
-                       user_metadata=user_metadata, generation=generation)
+                       user_metadata=output.user_metadata, generation=generation)
+        merged.structure = output.structure  # rank 0's record
         return merged, fmt.index_chunks(merged)
 
 

@@ -92,6 +92,8 @@ class CheckpointIndex:
     # per stored slice, the algorithm of its `slice_xxh3` value (docs/FORMAT.md, "Checksum
     # kinds"); None: all "xxh3" (shardkit's own format)
     slice_checksum_kind: list[str] | None = None
+    # the structure record of the saved state (shardkit.sharding.structure), or None
+    structure: list[Any] | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __eq__(self, other: object) -> bool:

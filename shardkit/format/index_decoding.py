@@ -19,6 +19,7 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from ..optional import lazy_import
+from ..sharding.structure import check_record, tensor_keys
 from ..sharding.tensors import gc_paused
 from ..values.dtypes import SAFETENSORS_NAMES
 from ..values.keys import check_keys
@@ -225,6 +226,11 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         if strings.file in {s.file for s in shards}:
             raise CorruptIndexError(f"{path}: file {shown(strings.file)} is listed as a shard "
                                     "and as the string file")
+    structure = None
+    if "structure" in sk:  # the saved state's containers and Python values (any 2.x)
+        structure = check_record(sk["structure"], path)
+        _check_record_tensors(structure, keys if strings is None else [*keys, *strings.keys],
+                              path)
     shapes[:] = _shared(map(tuple, shapes))  # the lists go as the tuples come
     dtypes[:] = _shared(dtypes)
     devices = list(map(device_names.__getitem__, device_ids))
@@ -233,8 +239,18 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         callback, shards, keys, dtypes, shapes, devices, slice_tensor, slice_spec, slice_shard,
         slice_xxh3, user_metadata, version, generation, strings,
     )
+    index.structure = structure
     check_slices(index, path)
     return index
+
+
+def _check_record_tensors(rows: list[Any], keys: list[str], path: str) -> None:
+    """Every tensor the structure record places is a stored tensor."""
+    stored = set(keys)
+    for key in tensor_keys(rows):
+        if key not in stored:
+            raise CorruptIndexError(
+                f"{path}: shardkit.structure places tensor {shown(key)}, which is not stored")
 
 
 def _document_within_depth(doc: dict[str, Any]) -> bool:

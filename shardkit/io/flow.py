@@ -74,8 +74,7 @@ class RankSave:
     def part(self, written: Any) -> Any:
         return written
 
-    def merge(self, parts: list[Any], user_metadata: dict[str, Any], generation: str | None
-              ) -> Any:
+    def merge(self, parts: list[Any], output: StorageOutput, generation: str | None) -> Any:
         return parts[0]
 
 
@@ -83,9 +82,10 @@ class StorageOutput:
     """shardkit's checkpoint, through its `Storage` (local directory or object store)."""
 
     def __init__(self, store: Storage, opts: CheckpointOptions, user_metadata: dict[str, Any],
-                 progress: bool) -> None:
+                 progress: bool, structure: list[Any] | None = None) -> None:
         self.store, self.url = store, store.url
         self.opts, self.user_metadata, self.progress = opts, user_metadata, progress
+        self.structure = structure  # the state's structure record, for the manifest
 
     def check_target(self, overwrite: bool) -> None:
         self.store.check_target(overwrite)
@@ -99,7 +99,7 @@ class StorageOutput:
             where, rank.shards, rank.saved, self.opts, description=rank.description,
             threads=rank.threads, user_metadata=self.user_metadata, progress=self.progress,
             generation=generation, first_shard=first, shard_count=max(count, 1),
-            strings=rank.strings)
+            strings=rank.strings, structure=self.structure)
 
     def commit(self, staging: Staging, merged: tuple[fmt.CheckpointIndex, list[bytes]]
                ) -> Outcome:
@@ -212,8 +212,7 @@ def run_save(coord: Coordinator, rank: RankSave, output: StorageOutput | BundleO
         first, count = sum(c for c, _ in counts[:me]), sum(c for c, _ in counts)
         return steps.step(
             "index", lambda: rank.part(output.write(where, generation, rank, first, count)),
-            lambda parts: output.commit(steps.staging, rank.merge(parts, output.user_metadata,
-                                                                  generation)),
+            lambda parts: output.commit(steps.staging, rank.merge(parts, output, generation)),
             root_op="commit")
     finally:
         steps.abort()

@@ -27,6 +27,7 @@ from ..errors import (
     Problem,
 )
 from ..frameworks import convert_all, converter
+from ..sharding.structure import nested_state
 from ..sharding.tensors import gc_paused
 from ..values.dtypes import numpy_dtype
 from ..values.slicing import normalize_index
@@ -419,12 +420,12 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
          device: Any = ..., prefix: str | None = ...,
-         weights_only: bool = ...) -> dict[str, np.ndarray]: ...
+         weights_only: bool = ..., nested: bool = ...) -> dict[str, np.ndarray]: ...
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
          mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
          device: Any = ..., prefix: str | None = ...,
-         weights_only: bool = ...) -> dict[str, Any]: ...
+         weights_only: bool = ..., nested: bool = ...) -> dict[str, Any]: ...
 
 
 def load(
@@ -438,6 +439,7 @@ def load(
     device: Any = None,
     prefix: str | None = None,
     weights_only: bool = True,
+    nested: bool = False,
 ) -> dict[str, Any]:
     """Read tensors of a checkpoint into a flat dict.
 
@@ -458,8 +460,13 @@ def load(
             ``model/0.weight`` as ``0.weight``, never ``modelx/...``); `keys` relative to it.
         weights_only: as ``torch.load``'s; always True here (shardkit never unpickles), and
             False is refused.
+        nested: give back the state as it was saved (its dicts with their str and int keys,
+            lists, tuples, NamedTuples, None, str and Python numbers, from the manifest's
+            structure record) instead of a flat dict; a checkpoint without a record comes back
+            as nested dicts of its ``/``-joined keys. Not with `keys`.
     Returns:
-        A dict from key to numpy array (or the framework's tensor), in the order read.
+        A dict from key to numpy array (or the framework's tensor), in the order read; with
+        `nested`, the nested state (under `prefix`, that sub-tree).
     Raises:
         CheckpointNotFoundError: nothing is at `path`.
         KeyNotFoundError: a key is not stored, or none is under the prefix.
@@ -476,6 +483,11 @@ def load(
                 "tensors and values, never code), so every load is weights-only; drop the "
                 "argument or pass True")
         raise InvalidArgumentTypeError(f"weights_only must be True, got {weights_only!r}")
+    if nested is not False and (nested is not True or keys is not None):
+        raise (InvalidArgumentTypeError(f"nested must be True or False, got {nested!r}")
+               if nested is not True else InvalidArgumentError(
+                   "nested=True gives back the whole state (or a prefix's sub-tree): pass "
+                   "keys= or nested=True, not both"))
     conv = converter(framework, device)  # checked before anything is read
     if isinstance(keys, str):
         keys = [keys]
@@ -501,9 +513,11 @@ def load(
                 if verify:
                     reader.verify(wanted)
                 arrays = reader._get_many(wanted, rows)
+                structure = reader.index.structure
             if prefix is not None:
                 arrays = {k[len(start):]: a for k, a in arrays.items()}
-            return arrays if conv is None else convert_all(arrays, conv)
+            arrays = arrays if conv is None else convert_all(arrays, conv)
+            return nested_state(structure, arrays, reader.path, prefix) if nested else arrays
         except CheckpointReplacedError:
             if attempt == LOAD_ATTEMPTS:
                 raise

@@ -17,6 +17,7 @@ from ..errors import (
     UnsupportedDTypeError,
 )
 from ..frameworks import copy_into, expand_objects, is_dtensor, loaded, module, restore_target
+from ..sharding.structure import record as record_structure
 from ..sharding.tensors import OBJECT_GRAPH_KEY, flatten
 from ..values.dtypes import numpy_dtype, safetensors_name
 from .reader import CheckpointReader
@@ -35,7 +36,8 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     Args:
         path: the checkpoint (directory, file or URL).
         state: nested mappings of numpy arrays, torch tensors (DTensors too), TensorFlow
-            variables and objects.
+            variables and objects. Python values in it (None, str, numbers) cannot change in
+            place: they are left as they are (`load(..., nested=True)` gives them back).
         verify: check the checksums of the entries read.
         partial: restore the leaves the checkpoint has and leave the others as they are.
         follow_symlinks: accept symlinked files.
@@ -55,12 +57,17 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
         if prefix is None and (tf_module := loaded("tensorflow")) is not None:
             tf_module.create_save_counter(state, reader)  # created lazily by TensorFlow
         targets = expand_objects(state, targets=True)  # TensorFlow objects: their variables
-        leaves = flatten(targets)
+        # Python values cannot change in place: None, str and big ints (which only the
+        # structure record holds) are left out, numbers are matched with their 0-d tensors
+        leaves = flatten(record_structure(targets)[1])
         start, candidates = "", reader.keys()
         if prefix is not None:
             start, candidates = reader._shards.keys_under(prefix)
             leaves = [(start + key, leaf) for key, leaf in leaves]
-        wanted = {key for key, _ in leaves}
+        numbers = {key for key, leaf in leaves if type(leaf) in (bool, int, float)}
+        if numbers:
+            leaves = [(key, leaf) for key, leaf in leaves if key not in numbers]
+        wanted = {key for key, _ in leaves} | numbers
         if targets is not state:  # the object graph is TensorFlow's bookkeeping, not a value
             wanted.add(start + OBJECT_GRAPH_KEY)
         missing = [key for key, _ in leaves if key not in reader]

@@ -39,6 +39,7 @@ from ..frameworks import dtensor_type, expand_objects
 from ..optional import require
 from ..sharding.callback import Shard, ShardingCallback, shard_tensors
 from ..sharding.policies import get_policy, register_policy
+from ..sharding.structure import record as record_structure
 from ..sharding.tensors import (
     ShardableTensor,
     gc_paused,
@@ -261,8 +262,10 @@ def save(
         )
     if format not in ("shardkit", "tensorflow"):
         raise InvalidArgumentError(f"format must be 'shardkit' or 'tensorflow', got {format!r}")
+    structure, state = record_structure(state)
     coord = _coordinator(state, process_group, timeout)
     if format == "tensorflow":
+        _check_tensors_only(structure)
         if coord is not None:
             raise InvalidArgumentError(
                 "format='tensorflow' is written by one process: a collective save (DTensors "
@@ -277,7 +280,7 @@ def save(
         output: StorageOutput | BundleOutput = BundleOutput(os.fspath(path), opts,
                                                             user_metadata, progress)
     else:
-        output = StorageOutput(open_storage(path), opts, user_metadata, progress)
+        output = StorageOutput(open_storage(path), opts, user_metadata, progress, structure)
     with gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
         if coord is None:
             rank: RankSave = _LocalRank(state, opts, DefaultShardingPolicy)
@@ -294,6 +297,16 @@ def save(
         warnings.warn(SplitTensorsWarning(_split_message(list(rank.split), info.path)),
                       stacklevel=2)
     return info
+
+
+def _check_tensors_only(structure: list[Any] | None) -> None:
+    """A TensorBundle holds tensors only: refuse the values only a structure record keeps."""
+    for path, kind, *_ in structure or ():
+        if kind in ("none", "str", "bigint"):
+            key = "/".join(map(str, path))
+            raise InvalidArgumentError(
+                f"{key!r}: format='tensorflow' stores tensors only, and this {kind} is not one; "
+                "save shardkit's format (which records it) or leave it out of the state")
 
 
 def _coordinator(state: Mapping[str, Any], process_group: Any, timeout: float | None) -> Any:

@@ -112,6 +112,7 @@ def write_shards(
     first_shard: int = 0,
     shard_count: int | None = None,
     strings: StringColumns | None = None,
+    structure: list[Any] | None = None,
 ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
     """Write `shards` (validated callback output) as shard files into `directory` (a
     `Storage`, or a path or URL for `storage.open_storage`: a save's `Staging.store`); returns
@@ -123,6 +124,7 @@ def write_shards(
     and every shard header (default: a fresh one). `first_shard` / `shard_count` number these
     shards among the whole checkpoint's (a rank of a collective save writes some of them).
     `strings`: string tensors, written to their own file (the manifest then records 2.3).
+    `structure`: the state's structure record (`sharding.structure.record`), or None.
     """
     compression, durable, checksum = opts.compression, opts.durable, opts.checksum
     store = directory if isinstance(directory, Storage) else open_storage(directory)
@@ -140,6 +142,7 @@ def write_shards(
 
     def describe() -> tuple[fmt.CheckpointIndex, tuple[list[bytes], list[bytes]]]:
         index = _index(plans, saved, description, user_metadata or {}, codec, generation)
+        index.structure = structure
         if string_file is not None:
             index.strings = string_file
             index.version = fmt.STRINGS_VERSION
