@@ -74,7 +74,7 @@ class RankSave:
     def part(self, written: Any) -> Any:
         return written
 
-    def merge(self, parts: list[Any], output: StorageOutput, generation: str | None) -> Any:
+    def merge(self, parts: list[Any], output: Any, generation: str | None) -> Any:
         return parts[0]
 
 
