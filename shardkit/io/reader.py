@@ -26,7 +26,7 @@ from ..errors import (
     MissingShardError,
     Problem,
 )
-from ..frameworks import convert_all, converter
+from ..frameworks import convert_all, converter, module
 from ..sharding.tensors import gc_paused
 from ..values.dtypes import numpy_dtype
 from ..values.slicing import normalize_index
@@ -417,14 +417,14 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
-         mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
-         device: Any = ..., prefix: str | None = ...,
-         weights_only: bool = ...) -> dict[str, np.ndarray]: ...
+         mmap: bool = ..., follow_symlinks: bool = ...,
+         framework: Literal["numpy"] | None = ..., device: Any = ..., prefix: str | None = ...,
+         weights_only: bool = ..., map_location: None = ...) -> dict[str, np.ndarray]: ...
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
-         mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
-         device: Any = ..., prefix: str | None = ...,
-         weights_only: bool = ...) -> dict[str, Any]: ...
+         mmap: bool = ..., follow_symlinks: bool = ..., framework: str | None = ...,
+         device: Any = ..., prefix: str | None = ..., weights_only: bool = ...,
+         map_location: Any = ...) -> dict[str, Any]: ...
 
 
 def load(
@@ -434,10 +434,11 @@ def load(
     verify: bool = False,
     mmap: bool = True,
     follow_symlinks: bool = False,
-    framework: str = "numpy",
+    framework: str | None = None,
     device: Any = None,
     prefix: str | None = None,
     weights_only: bool = True,
+    map_location: Any = None,
 ) -> dict[str, Any]:
     """Read tensors of a checkpoint into a flat dict.
 
@@ -451,20 +452,30 @@ def load(
         mmap: whole raw tensors as views of private copy-on-write maps (writing to them never
             changes the files); else read into owned arrays.
         follow_symlinks: accept symlinked files.
-        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`).
+        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`); None (the
+            default) is "numpy", or "torch" with `map_location`.
         device: the framework's device (torch: a str or torch.device; jax: a Device, Sharding
             or platform string).
         prefix: take the sub-tree under this key prefix, stripped (``"model"`` returns
             ``model/0.weight`` as ``0.weight``, never ``modelx/...``); `keys` relative to it.
         weights_only: as ``torch.load``'s; always True here (shardkit never unpickles), and
             False is refused.
+        map_location: as ``torch.load``'s, for torch tensors (implies ``framework="torch"``):
+            a str or torch.device (every tensor there; "meta": tensors without data), a dict
+            from saved location ("cpu", "cuda:0") to a str or torch.device (a location it does
+            not name stays where it was saved), or a callable ``(tensor, location) -> tensor``
+            given each tensor on the CPU and its saved location (None: where it was saved).
     Returns:
         A dict from key to numpy array (or the framework's tensor), in the order read.
     Raises:
         CheckpointNotFoundError: nothing is at `path`.
         KeyNotFoundError: a key is not stored, or none is under the prefix.
-        InvalidArgumentError: an unknown framework, a bad device, an empty prefix, or
-            ``weights_only=False``.
+        InvalidArgumentError: an unknown framework, a bad device, an empty prefix,
+            ``weights_only=False``, or `map_location` with another framework than "torch",
+            with `device`, naming a device torch cannot use here (a message naming the key and
+            device), or its callable changing a tensor's shape or dtype.
+        InvalidArgumentTypeError: `map_location` is none of its forms, or its callable
+            returned neither a tensor nor None.
         MissingDependencyError: the framework is not installed.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
         ShardIOError: the operating system failed a read.
@@ -476,7 +487,18 @@ def load(
                 "tensors and values, never code), so every load is weights-only; drop the "
                 "argument or pass True")
         raise InvalidArgumentTypeError(f"weights_only must be True, got {weights_only!r}")
+    mapper = None
+    if map_location is not None:
+        if framework not in (None, "torch") or device is not None:
+            raise InvalidArgumentError(
+                f"map_location places torch tensors: it takes framework='torch' (or none), not "
+                f"framework={framework!r}, and no device= (got device={device!r})")
+        framework = "torch"
+    elif framework is None:
+        framework = "numpy"
     conv = converter(framework, device)  # checked before anything is read
+    if map_location is not None:
+        mapper = module("torch").MapLocation(map_location)
     if isinstance(keys, str):
         keys = [keys]
     if keys is not None:
@@ -497,10 +519,16 @@ def load(
                     stored = reader._strings.keys
                     for key in stored if wanted is None else set(stored).intersection(wanted):
                         check_string_framework(framework, key)
+                if mapper is not None:  # every target device checked before any read
+                    index = reader.index
+                    conv = mapper.bind(dict(zip(index.keys, index.devices)) if rows is None else
+                                       {index.keys[r]: index.devices[r] for r in rows.tolist()})
                 reader._open_shards(wanted, rows)  # right after the index: a replace's window
                 if verify:
                     reader.verify(wanted)
                 arrays = reader._get_many(wanted, rows)
+            if mapper is not None:  # by stored key, which the targets are keyed by
+                arrays, conv = convert_all(arrays, conv), None
             if prefix is not None:
                 arrays = {k[len(start):]: a for k, a in arrays.items()}
             return arrays if conv is None else convert_all(arrays, conv)
