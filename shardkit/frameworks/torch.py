@@ -7,7 +7,9 @@ width (`dtypes.carrier`) and ``Tensor.view(dtype)``: still the same memory. Only
 cannot share (negative strides from a reversed `get_slice`, read-only arrays) are copied
 first. A tensor on another device is copied to the host (the async snapshot: into a pinned
 buffer, without blocking); loading to another device is one ``Tensor.to(device)`` copy; "meta"
-is refused (it holds no data).
+is refused (it holds no data). `MapLocation` is ``load(..., map_location=)``, torch.load's forms
+over the devices the manifest records (`location` gives torch's tag of one), where "meta" is
+allowed, as torch.load allows it.
 """
 
 from __future__ import annotations
