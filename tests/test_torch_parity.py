@@ -126,6 +126,18 @@ def test_map_location_dict_leaves_unnamed_locations_where_they_were_saved(tmp_pa
         shardkit.load(_saved(tmp_path, gpu=True), map_location={"cuda:0": "cpu"})
 
 
+def test_map_location_of_a_device_torch_does_not_know(tmp_path):
+    path = _saved(tmp_path)
+    index = path / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace("device:CPU:0", "device:TPU:0"))
+    _assert_bit_exact(shardkit.load(path, map_location={"tpu:0": "cpu"}))
+    seen = []
+    _assert_bit_exact(shardkit.load(path, map_location=lambda t, where: seen.append(where) or t))
+    assert seen == ["tpu:0"] * 3
+    with pytest.raises(InvalidArgumentError, match=r"key 'w' was saved on 'tpu:0'"):
+        shardkit.load(path, map_location={"cpu": "cpu"})
+
+
 def test_map_location_dict_with_keys_and_prefix(tmp_path):
     shardkit.save(tmp_path / "ck", {"model/" + k: v for k, v in _state().items()})
     loaded = shardkit.load(tmp_path / "ck", ["n", "w"], prefix="model",

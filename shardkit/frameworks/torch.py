@@ -311,7 +311,7 @@ class MapLocation:
         for key, tag in tags.items():
             dev = self.fixed if self.fixed is not None else (
                 self.table.get(tag) if self.table is not None else None)
-            targets[key] = self._checked(torch.device(tag) if dev is None else dev, key, tag)
+            targets[key] = self._checked(_saved(key, tag) if dev is None else dev, key, tag)
         return functools.partial(_placed, targets)
 
     def _checked(self, dev: torch.device, key: str, tag: str) -> torch.device | None:
@@ -332,7 +332,7 @@ class MapLocation:
         tensor = from_host(array)
         got = self.call(tensor, tags[key])
         if got is None:
-            dev = self._checked(torch.device(tags[key]), key, tags[key])
+            dev = self._checked(_saved(key, tags[key]), key, tags[key])
             return tensor if dev is None else tensor.to(dev)
         if not isinstance(got, torch.Tensor):
             raise InvalidArgumentTypeError(
@@ -344,6 +344,16 @@ class MapLocation:
                 f"{key!r}, stored as {tensor.dtype} {list(tensor.shape)}; it may move a tensor, "
                 "not change it")
         return got
+
+
+def _saved(key: str, tag: str) -> torch.device:
+    """The device key `key` was saved from (location `tag`), for a tensor left there."""
+    try:
+        return torch.device(tag)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidArgumentError(
+            f"map_location: key {key!r} was saved on {tag!r}, which is not a torch device "
+            f"({e}); map its location to one") from e
 
 
 def _placed(targets: dict[str, torch.device | None], array: np.ndarray, key: str = ""
