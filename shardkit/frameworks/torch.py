@@ -7,7 +7,9 @@ width (`dtypes.carrier`) and ``Tensor.view(dtype)``: still the same memory. Only
 cannot share (negative strides from a reversed `get_slice`, read-only arrays) are copied
 first. A tensor on another device is copied to the host (the async snapshot: into a pinned
 buffer, without blocking); loading to another device is one ``Tensor.to(device)`` copy; "meta"
-is refused (it holds no data).
+is refused (it holds no data). `MapLocation` is ``load(..., map_location=)``, torch.load's forms
+over the devices the manifest records (`location` gives torch's tag of one), where "meta" is
+allowed, as torch.load allows it.
 """
 
 from __future__ import annotations
@@ -244,3 +246,118 @@ def dtensor_box(value: Any, key: str, cache: dict[Any, Any] | None = None
             f"{value.device_mesh} give {list(shape)}"
         )
     return local, offset, shape
+
+
+# --- load(..., map_location=): torch.load's forms -------------------------------------------------
+
+
+def location(device: str) -> str:
+    """torch's location tag for a device string of the manifest: "cpu", "cuda:N" (a GPU), else
+    the lower-case type and index ("xpu:0")."""
+    spec = DeviceSpec.from_string(device)
+    kind = (spec.device_type or "CPU").lower()
+    if kind == "cpu":
+        return "cpu"
+    return f"{'cuda' if kind == 'gpu' else kind}:{spec.device_index or 0}"
+
+
+def _target(value: Any, what: str) -> torch.device:
+    """A target of `map_location` (a str or torch.device) as a torch.device."""
+    if not isinstance(value, (str, torch.device)):
+        raise InvalidArgumentTypeError(
+            f"{what} must be a str or a torch.device, got {type(value).__name__} ({value!r})")
+    try:
+        return torch.device(value)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidArgumentError(f"{what}={value!r} is not a torch device: {e}") from e
+
+
+class MapLocation:
+    """``torch.load``'s `map_location`, checked before anything is read: a str or torch.device
+    (every tensor there), a dict from stored location tag ("cpu", "cuda:0") to target (a tag
+    it does not name stays where it was saved), or a callable ``(tensor, location) -> tensor``
+    called with each CPU tensor (None: where it was saved). "meta" gives tensors without data.
+    """
+
+    def __init__(self, map_location: Any) -> None:
+        self.fixed: torch.device | None = None
+        self.table: dict[str, torch.device] | None = None
+        self.call: Any = None
+        if isinstance(map_location, (str, torch.device)):
+            self.fixed = _target(map_location, "map_location")
+        elif isinstance(map_location, dict):
+            self.table = {}
+            for tag, value in map_location.items():
+                if not isinstance(tag, str):
+                    raise InvalidArgumentTypeError(
+                        f"map_location's keys must be location strings such as 'cuda:0', got "
+                        f"{type(tag).__name__} ({tag!r})")
+                self.table[tag] = _target(value, f"map_location[{tag!r}]")
+        elif callable(map_location):
+            self.call = map_location
+        else:
+            raise InvalidArgumentTypeError(
+                "map_location must be a str, a torch.device, a dict from location to device or "
+                f"a callable (tensor, location) -> tensor, got {type(map_location).__name__}")
+        self._usable: set[torch.device] = set()
+
+    def bind(self, devices: dict[str, str]) -> Any:
+        """The converter for the keys of `devices` (key -> stored device string), each target
+        device checked to be usable (InvalidArgumentError naming the key) before any read."""
+        tags = {key: location(dev) for key, dev in devices.items()}
+        if self.call is not None:
+            return functools.partial(self._called, tags)
+        targets = {}
+        for key, tag in tags.items():
+            dev = self.fixed if self.fixed is not None else (
+                self.table.get(tag) if self.table is not None else None)
+            targets[key] = self._checked(_saved(key, tag) if dev is None else dev, key, tag)
+        return functools.partial(_placed, targets)
+
+    def _checked(self, dev: torch.device, key: str, tag: str) -> torch.device | None:
+        """`dev` (None for the CPU), once torch showed it can hold a tensor there."""
+        if dev.type == "cpu":
+            return None
+        if dev not in self._usable and dev.type != "meta":
+            try:
+                torch.empty(0, device=dev)
+            except (RuntimeError, AssertionError) as e:
+                raise InvalidArgumentError(
+                    f"map_location: key {key!r} (saved on {tag!r}) goes to device "
+                    f"{str(dev)!r}, which torch cannot use here: {e}") from e
+            self._usable.add(dev)
+        return dev
+
+    def _called(self, tags: dict[str, str], array: np.ndarray, key: str = "") -> torch.Tensor:
+        tensor = from_host(array)
+        got = self.call(tensor, tags[key])
+        if got is None:
+            dev = self._checked(_saved(key, tags[key]), key, tags[key])
+            return tensor if dev is None else tensor.to(dev)
+        if not isinstance(got, torch.Tensor):
+            raise InvalidArgumentTypeError(
+                f"map_location returned {type(got).__name__} for key {key!r}; it must return "
+                "a torch.Tensor (or None: where it was saved)")
+        if got.shape != tensor.shape or got.dtype != tensor.dtype:
+            raise InvalidArgumentError(
+                f"map_location returned a {got.dtype} tensor of shape {list(got.shape)} for key "
+                f"{key!r}, stored as {tensor.dtype} {list(tensor.shape)}; it may move a tensor, "
+                "not change it")
+        return got
+
+
+def _saved(key: str, tag: str) -> torch.device:
+    """The device key `key` was saved from (location `tag`), for a tensor left there."""
+    try:
+        return torch.device(tag)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidArgumentError(
+            f"map_location: key {key!r} was saved on {tag!r}, which is not a torch device "
+            f"({e}); map its location to one") from e
+
+
+def _placed(targets: dict[str, torch.device | None], array: np.ndarray, key: str = ""
+            ) -> torch.Tensor:
+    tensor = from_host(array)
+    dev = targets[key]
+    return tensor if dev is None else tensor.to(dev)

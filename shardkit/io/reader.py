@@ -26,7 +26,7 @@ from ..errors import (
     MissingShardError,
     Problem,
 )
-from ..frameworks import convert_all, converter
+from ..frameworks import convert_all, converter, module
 from ..sharding.structure import nested_state
 from ..sharding.tensors import gc_paused
 from ..values.dtypes import numpy_dtype
@@ -418,14 +418,15 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
-         mmap: bool = ..., follow_symlinks: bool = ..., framework: Literal["numpy"] = ...,
-         device: Any = ..., prefix: str | None = ...,
-         weights_only: bool = ..., nested: bool = ...) -> dict[str, np.ndarray]: ...
+         mmap: bool = ..., follow_symlinks: bool = ...,
+         framework: Literal["numpy"] | None = ..., device: Any = ..., prefix: str | None = ...,
+         weights_only: bool = ..., map_location: None = ...,
+         nested: bool = ...) -> dict[str, np.ndarray]: ...
 @overload
 def load(path: str | os.PathLike[str], keys: Sequence[str] | None = ..., *, verify: bool = ...,
-         mmap: bool = ..., follow_symlinks: bool = ..., framework: str,
-         device: Any = ..., prefix: str | None = ...,
-         weights_only: bool = ..., nested: bool = ...) -> dict[str, Any]: ...
+         mmap: bool = ..., follow_symlinks: bool = ..., framework: str | None = ...,
+         device: Any = ..., prefix: str | None = ..., weights_only: bool = ...,
+         map_location: Any = ..., nested: bool = ...) -> dict[str, Any]: ...
 
 
 def load(
@@ -435,10 +436,11 @@ def load(
     verify: bool = False,
     mmap: bool = True,
     follow_symlinks: bool = False,
-    framework: str = "numpy",
+    framework: str | None = None,
     device: Any = None,
     prefix: str | None = None,
     weights_only: bool = True,
+    map_location: Any = None,
     nested: bool = False,
 ) -> dict[str, Any]:
     """Read tensors of a checkpoint into a flat dict.
@@ -453,13 +455,19 @@ def load(
         mmap: whole raw tensors as views of private copy-on-write maps (writing to them never
             changes the files); else read into owned arrays.
         follow_symlinks: accept symlinked files.
-        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`).
+        framework: "numpy", "torch", "jax" or "tensorflow" (`shardkit.frameworks`); None (the
+            default) is "numpy", or "torch" with `map_location`.
         device: the framework's device (torch: a str or torch.device; jax: a Device, Sharding
             or platform string).
         prefix: take the sub-tree under this key prefix, stripped (``"model"`` returns
             ``model/0.weight`` as ``0.weight``, never ``modelx/...``); `keys` relative to it.
         weights_only: as ``torch.load``'s; always True here (shardkit never unpickles), and
             False is refused.
+        map_location: as ``torch.load``'s, for torch tensors (implies ``framework="torch"``):
+            a str or torch.device (every tensor there; "meta": tensors without data), a dict
+            from saved location ("cpu", "cuda:0") to a str or torch.device (a location it does
+            not name stays where it was saved), or a callable ``(tensor, location) -> tensor``
+            given each tensor on the CPU and its saved location (None: where it was saved).
         nested: give back the state as it was saved (its dicts with their str and int keys,
             lists, tuples, NamedTuples, None, str and Python numbers, from the manifest's
             structure record) instead of a flat dict; a checkpoint without a record comes back
@@ -470,8 +478,12 @@ def load(
     Raises:
         CheckpointNotFoundError: nothing is at `path`.
         KeyNotFoundError: a key is not stored, or none is under the prefix.
-        InvalidArgumentError: an unknown framework, a bad device, an empty prefix, or
-            ``weights_only=False``.
+        InvalidArgumentError: an unknown framework, a bad device, an empty prefix,
+            ``weights_only=False``, or `map_location` with another framework than "torch",
+            with `device`, naming a device torch cannot use here (a message naming the key and
+            device), or its callable changing a tensor's shape or dtype.
+        InvalidArgumentTypeError: `map_location` is none of its forms, or its callable
+            returned neither a tensor nor None.
         MissingDependencyError: the framework is not installed.
         CheckpointFormatError: the checkpoint is malformed (a subclass names the rule).
         ShardIOError: the operating system failed a read.
@@ -488,7 +500,18 @@ def load(
                if nested is not True else InvalidArgumentError(
                    "nested=True gives back the whole state (or a prefix's sub-tree): pass "
                    "keys= or nested=True, not both"))
+    mapper = None
+    if map_location is not None:
+        if framework not in (None, "torch") or device is not None:
+            raise InvalidArgumentError(
+                f"map_location places torch tensors: it takes framework='torch' (or none), not "
+                f"framework={framework!r}, and no device= (got device={device!r})")
+        framework = "torch"
+    elif framework is None:
+        framework = "numpy"
     conv = converter(framework, device)  # checked before anything is read
+    if map_location is not None:
+        mapper = module("torch").MapLocation(map_location)
     if isinstance(keys, str):
         keys = [keys]
     if keys is not None:
@@ -509,11 +532,17 @@ def load(
                     stored = reader._strings.keys
                     for key in stored if wanted is None else set(stored).intersection(wanted):
                         check_string_framework(framework, key)
+                if mapper is not None:  # every target device checked before any read
+                    index = reader.index
+                    conv = mapper.bind(dict(zip(index.keys, index.devices)) if rows is None else
+                                       {index.keys[r]: index.devices[r] for r in rows.tolist()})
                 reader._open_shards(wanted, rows)  # right after the index: a replace's window
                 if verify:
                     reader.verify(wanted)
                 arrays = reader._get_many(wanted, rows)
                 structure = reader.index.structure
+            if mapper is not None:  # by stored key, which the targets are keyed by
+                arrays, conv = convert_all(arrays, conv), None
             if prefix is not None:
                 arrays = {k[len(start):]: a for k, a in arrays.items()}
             arrays = arrays if conv is None else convert_all(arrays, conv)
