@@ -47,6 +47,7 @@ from .columns import entry_columns, framed_columns
 from .datatypes import STRING
 from .names import INDEX_SUFFIX, STATE_FILE, data_file
 from .source import _align
+from .state import parse_state_proto
 from .table import read_table, read_table_framed
 
 BUNDLE_VERSION: Final = 1  # kTensorBundleVersion: the producer version written, the consumer read
@@ -119,16 +120,8 @@ def state_target(directory: CheckpointDirectory) -> str | None:
     data = directory.read_manifest(STATE_FILE, 1 << 20)
     if data is None:
         return None
-    from .protos import CheckpointState, text_format
-
     path = directory.join(STATE_FILE)
-    state = CheckpointState()
-    try:
-        text_format.Parse(data.decode("utf-8"), state)
-    except (text_format.ParseError, UnicodeDecodeError) as e:
-        raise CorruptIndexError(
-            f"{path}: not a text-format CheckpointState (TensorFlow's checkpoint state file): "
-            f"{e}") from None
+    state = parse_state_proto(data, path)
     target = state.model_checkpoint_path
     if not target:
         raise CorruptIndexError(f"{path}: model_checkpoint_path is empty (no latest checkpoint)")

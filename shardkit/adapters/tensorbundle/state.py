@@ -10,6 +10,7 @@ import contextlib
 import os
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import CheckpointNotFoundError, CorruptIndexError
 from ...format.common import shown
@@ -49,6 +50,21 @@ def _inside(directory: str, path: str, where: str) -> str:
     return path
 
 
+def parse_state_proto(data: bytes, path: str) -> Any:
+    """The CheckpointState message of a state file's bytes, or CorruptIndexError naming `path`."""
+    from .protos import CheckpointState as Proto
+    from .protos import text_format
+
+    proto = Proto()
+    try:
+        text_format.Parse(data.decode("utf-8"), proto)
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise CorruptIndexError(
+            f"{path}: not a text-format CheckpointState (TensorFlow's checkpoint state file): "
+            f"{e}") from None
+    return proto
+
+
 def read_state(directory: str) -> CheckpointState | None:
     """The state file of `directory`, or None when there is none.
 
@@ -57,22 +73,13 @@ def read_state(directory: str) -> CheckpointState | None:
             not match its paths.
         CheckpointNotFoundError: it names a checkpoint outside `directory`.
     """
-    from .protos import CheckpointState as Proto
-    from .protos import text_format
-
     path = state_path(directory)
     try:
         with open(path, "rb") as f:
             data = f.read(1 << 20)
     except FileNotFoundError:
         return None
-    proto = Proto()
-    try:
-        text_format.Parse(data.decode("utf-8"), proto)
-    except (text_format.ParseError, UnicodeDecodeError) as e:
-        raise CorruptIndexError(
-            f"{path}: not a text-format CheckpointState (TensorFlow's checkpoint state file): "
-            f"{e}") from None
+    proto = parse_state_proto(data, path)
     paths = [_inside(directory, p, path) for p in proto.all_model_checkpoint_paths]
     stamps = list(proto.all_model_checkpoint_timestamps)
     if stamps and len(stamps) != len(paths):
