@@ -242,3 +242,19 @@ def test_a_torch_training_loop_resumes_bit_identically(tmp_path):
     before = run("save")
     after = run("resume")  # a fresh process, from the checkpoint alone
     assert len(whole) == 10 and before + after == whole
+
+
+def test_numpy_scalars_stay_tensors_and_large_dicts_take_the_quick_check(tmp_path):
+    big = {f"k{i}": np.full(1, i) for i in range(40)}  # over the quick check's item-by-item size
+    state = {"s": np.float64(2.5), "l": [np.float32(1.0)], "big": big}
+    shardkit.save(tmp_path / "c", state)
+    back = shardkit.load(tmp_path / "c", nested=True)
+    assert type(back["s"]) is np.ndarray and back["s"].dtype == np.float64  # not a float
+    assert back["l"][0].dtype == np.float32
+    _same(back["big"], big)
+    for odd, name in (({**big, "x": None}, "n"), ({**big, "x/y": np.ones(1)}, "sep"),
+                      ({**big, "e": {}}, "empty"), ({**big, "f": 0.5}, "float")):
+        shardkit.save(tmp_path / name, {"big": odd})
+        _same(shardkit.load(tmp_path / name, nested=True), {"big": odd})
+    shardkit.save(tmp_path / "plain", {"big": big})
+    assert "structure" not in json.loads((tmp_path / "plain" / MANIFEST).read_text())["shardkit"]

@@ -64,22 +64,37 @@ _VALUES = (Mapping, list, tuple, str, int, float)  # what a plain state's leaves
 
 def _plain(state: Any) -> bool:
     """Whether `state` is non-empty dicts of str keys (without the separator) and tensors
-    only: what unflattening its keys rebuilds, so that it needs no record. One quick pass."""
+    only: what unflattening its keys rebuilds, so that it needs no record. One quick pass: a
+    large dict's keys and values are checked in C loops, a small one's item by item."""
     ndarray = np.ndarray
     stack = [state]
     while stack:
         node = stack.pop()
         if type(node) is not dict or not node:
             return False
+        if len(node) > 16:
+            if set(map(type, node)) != {str} or SEPARATOR in "".join(node):
+                return False
+            for t in set(map(type, node.values())):
+                if t is dict:
+                    stack.extend(v for v in node.values() if type(v) is dict)
+                elif not _plain_leaf(t):
+                    return False
+            continue
         for k, v in node.items():
             if type(k) is not str or SEPARATOR in k:
                 return False
             tv = type(v)
             if tv is dict:
                 stack.append(v)
-            elif tv is not ndarray and (v is None or isinstance(v, _VALUES)):
+            elif tv is not ndarray and not _plain_leaf(tv):
                 return False
     return True
+
+
+def _plain_leaf(t: type) -> bool:
+    """Whether a value of type `t` is a tensor leaf (a numpy scalar is one)."""
+    return t is not type(None) and (not issubclass(t, _VALUES) or issubclass(t, np.generic))
 
 
 def _walk(node: Any, path: list[Any], where: tuple[Any, ...], rows: list[Row],
@@ -130,9 +145,11 @@ def _children(node: Any, children: list[tuple[Any, Any]], path: list[Any],
 
 
 def _leaf_kind(value: Any) -> tuple[str, Any]:
+    if isinstance(value, np.generic):  # np.float64 is a float, np.str_ a str: tensors here
+        return "tensor", None
     if value is None:
         return "none", None
-    if isinstance(value, str) and not isinstance(value, np.generic):
+    if isinstance(value, str):
         return "str", str.__str__(value)
     if isinstance(value, bool):
         return "bool", None
