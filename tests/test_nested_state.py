@@ -12,12 +12,12 @@ import subprocess
 import sys
 import textwrap
 
+import distributed as harness  # tests/distributed.py
 import numpy as np
 import pytest
 
 import shardkit
 from shardkit.errors import CorruptIndexError, InvalidArgumentError, InvalidArgumentTypeError
-from tests.distributed import raise_any, run_ranks
 
 Pair = collections.namedtuple("Pair", "mu nu")
 MANIFEST = "model.safetensors.index.json"
@@ -185,7 +185,7 @@ def _collective(rank: int, world: int, path: str) -> None:
 
 
 def test_the_collective_save_records_rank_0s_structure(tmp_path):
-    raise_any(run_ranks(_collective, 2, str(tmp_path / "c"), timeout=120))
+    harness.raise_any(harness.run_ranks(_collective, 2, str(tmp_path / "c"), timeout=120))
     back = shardkit.load(tmp_path / "c", nested=True)
     assert back["meta"] == {"ranks": 2, "tag": None, "names": ("a", "b")}
     assert back["w"].tolist() == [0.0, 0.0]

@@ -61,6 +61,26 @@ def new_like(array: np.ndarray, like: Any) -> jax.Array:
     return jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(array)
 
 
+def holds_arrays(tree: Any) -> bool:
+    """Whether pytree `tree` has a jax array among its leaves."""
+    return any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree))
+
+
+def host_twin(tree: Any) -> Any:
+    """`tree` with each jax array replaced by an empty host array of its shape and dtype (the
+    buffers a restore fills), the other leaves as they are."""
+    return jax.tree.map(
+        lambda x: np.empty(x.shape, x.dtype) if isinstance(x, jax.Array) else x, tree)
+
+
+def rebuild_like(tree: Any, twin: Any, kept: set[int]) -> Any:
+    """`tree` with each jax array replaced by its `host_twin` buffer, placed as it was; an
+    array whose buffer is in `kept` (by id: not restored) stays as it is."""
+    return jax.tree.map(
+        lambda x, h: x if id(h) in kept else new_like(h, x) if isinstance(x, jax.Array) else h,
+        tree, twin)
+
+
 def _device(device: Any) -> Any:
     if device is None or isinstance(device, (jax.Device, jax.sharding.Sharding)):
         return device

@@ -44,7 +44,10 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
         prefix: restore the sub-tree under this key prefix (as `load`'s): `state`'s keys and
             the status's are relative to it.
     Returns:
-        The `CheckpointLoadStatus`: what was restored, missing and unexpected.
+        The `CheckpointLoadStatus`: what was restored, missing and unexpected. jax arrays
+        cannot change in place: for a `state` holding them (a pytree: dicts, lists, tuples,
+        NamedTuples such as optax's states), its `state` is the restored tree, of the same
+        structure (``jax.tree.structure``), dtypes and shardings, the other leaves as given.
     Raises:
         IncompleteRestoreError: keys do not match one to one and `partial` is False.
         RestoreMismatchError: a leaf's shape or dtype differs, or it cannot be written in place.
@@ -53,6 +56,20 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     """
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
+    jax_module = loaded("jax")
+    if jax_module is not None and jax_module.holds_arrays(state):
+        host = jax_module.host_twin(state)  # numpy buffers in the tree's place, filled below
+        status = _restore_into(path, host, verify, partial, follow_symlinks, prefix)
+        missing = set(status.missing_keys)  # (partial) their buffers hold nothing: as given
+        kept = {id(leaf) for key, leaf in flatten(host) if key in missing}
+        status.state = jax_module.rebuild_like(state, host, kept)
+        return status
+    return _restore_into(path, state, verify, partial, follow_symlinks, prefix)
+
+
+def _restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], verify: bool,
+                  partial: bool, follow_symlinks: bool, prefix: str | None
+                  ) -> CheckpointLoadStatus:
     with CheckpointReader(path, follow_symlinks=follow_symlinks) as reader:
         if prefix is None and (tf_module := loaded("tensorflow")) is not None:
             tf_module.create_save_counter(state, reader)  # created lazily by TensorFlow
@@ -240,6 +257,7 @@ class CheckpointLoadStatus:
     `restored_keys`: the target's values that were restored, in the target's order.
     `missing_keys`: values of the target that the checkpoint lacks (left unchanged).
     `unexpected_keys`: checkpoint values nothing in the target took.
+    `state`: for a target holding jax arrays, the restored tree (below).
 
     A restore with missing or unexpected keys raises IncompleteRestoreError unless it was asked
     for with ``partial=True``; the assert_* methods then raise as TensorFlow's do.
@@ -249,6 +267,9 @@ class CheckpointLoadStatus:
     restored_keys: list[str]
     missing_keys: list[str]
     unexpected_keys: list[str]
+    state: Any = None
+    """`restore_into`'s target with its jax arrays replaced by the restored ones (jax arrays
+    cannot change in place): the same tree; None when the target held none."""
 
     def assert_consumed(self) -> CheckpointLoadStatus:
         """Check that every value on both sides was matched.
