@@ -229,8 +229,11 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
     structure = None
     if "structure" in sk:  # the saved state's containers and Python values (any 2.x)
         structure = check_record(sk["structure"], path)
-        _check_record_tensors(structure, keys if strings is None else [*keys, *strings.keys],
-                              path)
+        stored = set(keys).union(() if strings is None else strings.keys)
+        for key in tensor_keys(structure):
+            if key not in stored:
+                raise CorruptIndexError(
+                    f"{path}: shardkit.structure places tensor {shown(key)}, which is not stored")
     shapes[:] = _shared(map(tuple, shapes))  # the lists go as the tuples come
     dtypes[:] = _shared(dtypes)
     devices = list(map(device_names.__getitem__, device_ids))
@@ -242,15 +245,6 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
     index.structure = structure
     check_slices(index, path)
     return index
-
-
-def _check_record_tensors(rows: list[Any], keys: list[str], path: str) -> None:
-    """Every tensor the structure record places is a stored tensor."""
-    stored = set(keys)
-    for key in tensor_keys(rows):
-        if key not in stored:
-            raise CorruptIndexError(
-                f"{path}: shardkit.structure places tensor {shown(key)}, which is not stored")
 
 
 def _document_within_depth(doc: dict[str, Any]) -> bool:

@@ -191,7 +191,7 @@ def rebuild(rows: list[Row], values: Mapping[str, Any], where: str,
 
 def _row_path(row: Any, where: str) -> list[Any]:
     if not (isinstance(row, list) and 2 <= len(row) <= 3 and isinstance(row[0], list)
-            and row[1] in KINDS):
+            and type(row[1]) is str and row[1] in KINDS):
         raise CorruptIndexError(f"{where}: structure record row {_shown(row)} is not "
                                 "[path, kind] or [path, kind, detail] with a known kind")
     for k in row[0]:
