@@ -17,6 +17,7 @@ from ..errors import (
     UnsupportedDTypeError,
 )
 from ..frameworks import copy_into, expand_objects, is_dtensor, loaded, module, restore_target
+from ..sharding.structure import record_only
 from ..sharding.tensors import OBJECT_GRAPH_KEY, flatten
 from ..values.dtypes import numpy_dtype, safetensors_name
 from .reader import CheckpointReader
@@ -75,7 +76,8 @@ def _restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], verify
         targets = expand_objects(state, targets=True)  # TensorFlow objects: their variables
         # Python values cannot change in place: None, str and big ints (which only the
         # structure record holds) are left out, numbers are matched with their 0-d tensors
-        leaves = [(key, leaf) for key, leaf in flatten(targets) if not _record_only(leaf)]
+        leaves = [(key, leaf) for key, leaf in flatten(targets)
+                  if type(leaf) is str or not record_only(leaf)]
         start, candidates = "", reader.keys()
         if prefix is not None:
             start, candidates = reader._shards.keys_under(prefix)
@@ -226,11 +228,6 @@ def copy_into_dtensor(reader: CheckpointReader, key: str, value: Any, dry: bool 
     reader._read_boxes_into([(key, offset, target)])
     if writeback is not None:
         copy_into(writeback, target)
-
-
-def _record_only(leaf: Any) -> bool:
-    """None or an int beyond 64 bits: a value only the structure record holds."""
-    return leaf is None or (type(leaf) is int and not -(2**63) <= leaf < 2**64)
 
 
 def _dtype_label(dt: np.dtype) -> str:

@@ -126,7 +126,7 @@ def _walk(node: Any, path: list[Any], where: tuple[Any, ...], rows: list[Row],
     if kind != "tensor":
         plain[0] = False
     rows.append([path, kind] if detail is None else [path, kind, detail])
-    return _GONE if kind in ("none", "str", "bigint") else None
+    return _GONE if record_only(node) else None
 
 
 _GONE: Any = object()
@@ -142,6 +142,11 @@ def _children(node: Any, children: list[tuple[Any, Any]], path: list[Any],
         if kept is not None and got is not _GONE:
             kept[part] = v if got is None else got
     return kept
+
+
+def record_only(value: Any) -> bool:
+    """Whether `value` is one only the record holds (None, str, an int beyond 64 bits)."""
+    return _leaf_kind(value)[0] in ("none", "str", "bigint")
 
 
 def _leaf_kind(value: Any) -> tuple[str, Any]:
