@@ -1,5 +1,5 @@
 """Per-entry work of writing many small tensors: the entries of a raw shard's JSON header, and
-the byte sizes of many arrays.
+the byte sizes and addresses of many arrays.
 
 `encode_header_entries` writes ``,"name":{"dtype":...,"shape":[...],"data_offsets":[b,e]}`` for
 every entry into one growable C buffer and returns it as one bytes object. Names are escaped
@@ -300,6 +300,26 @@ def array_nbytes(list arrays not None):
         a = arrays[i]
         view[i] = a.nbytes
         if type(a) is not ndarray and len(arrays) != n:
+            raise RuntimeError("arrays changed size during the call")
+    return out
+
+
+def array_addresses(list arrays not None):
+    """The address of each numpy array's first byte, as an int64 numpy array; 0 for an empty
+    array (its address means nothing). Reads the arrays' structs (no attribute lookups)."""
+    cdef Py_ssize_t n = len(arrays)
+    cdef Py_ssize_t i
+    cdef type ndarray = np.ndarray
+    cdef cnp.ndarray arr
+    out = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] view = out
+    for i in range(n):
+        a = arrays[i]
+        if not isinstance(a, ndarray):
+            raise TypeError(f"arrays[{i}] is a {type(a).__name__}, not a numpy array")
+        arr = <cnp.ndarray>a
+        view[i] = 0 if cnp.PyArray_SIZE(arr) == 0 else <int64_t><size_t>cnp.PyArray_DATA(arr)
+        if len(arrays) != n:
             raise RuntimeError("arrays changed size during the call")
     return out
 

@@ -96,17 +96,20 @@ def test_from_pretrained_loads_a_default_checkpoint_bit_exact(tmp_path, name):
     for (key, p), (_, q) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(p, q), key
     manifest = _manifest(tmp_path / "ckpt")
-    assert manifest["weight_map"] == dict.fromkeys(model.state_dict(), info.files[0])
+    aliases = manifest["shardkit"].get("aliases", {"key": []})["key"]
+    assert aliases == (["lm_head.weight"] if name == "gpt2-tied" else [])  # stored once
+    stored = {k: t for k, t in model.state_dict().items() if k not in aliases}
+    assert manifest["weight_map"] == dict.fromkeys(stored, info.files[0])
     assert manifest["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in model.state_dict().values())
+        t.numel() * t.element_size() for t in stored.values())
     assert not (tmp_path / "ckpt" / "index.json").exists()  # one manifest
 
 
-def test_tied_gpt2_weights_are_saved_under_both_keys_and_load_tied(tmp_path):
+def test_tied_gpt2_weights_are_saved_once_and_load_tied(tmp_path):
     """`state_dict()` holds a tied weight under both of its keys (the same tensor); shardkit
-    saves what it is given, both entries (HuggingFace's own save_pretrained keeps one and
-    drops the tied copy). from_pretrained takes both keys as expected ones, none missing or
-    unexpected, and ties them again."""
+    stores it once, as HuggingFace's own save_pretrained does, and `load` gives both keys
+    (tests/test_tied_weights.py). from_pretrained finds none missing or unexpected, and ties
+    them again."""
     cls, config, model = _model("gpt2-tied")
     state = model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()

@@ -769,7 +769,8 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
               (lambda key: f"/job:worker/task:{len(key) % 2}/device:CPU:0"))
     columns = tensors_module.host_columns
     monkeypatch.setattr(api, "host_columns",
-                        lambda state, _device=None, strings=None: columns(state, device, strings))
+                        lambda state, _device=None, strings=None, aliases=None:
+                        columns(state, device, strings, aliases))
     monkeypatch.setattr(api, "SINGLE_SHARD_BELOW", 0)  # several shards per task
     policy = api.DefaultShardingPolicy(threads=3)
 
@@ -788,7 +789,8 @@ def test_default_policy_on_columns_writes_what_the_general_path_writes(tmp_path,
     assert seen  # the column path ran
     general = api.shardable_tensors
     monkeypatch.setattr(api, "shardable_tensors",
-                        lambda state, strings=None: general(state, device, strings))
+                        lambda state, strings=None, aliases=None:
+                        general(state, device, strings, aliases))
     api.save(tmp_path / "slow", flat,
              options=CheckpointOptions(experimental_sharding_callback=Wrapped(), durable=False))
     fast, slow = sorted((tmp_path / "fast").iterdir()), sorted((tmp_path / "slow").iterdir())

@@ -23,6 +23,10 @@ def encode_header_entries(
 def array_nbytes(arrays: list[Any]) -> npt.NDArray[np.int64]:
     """``arrays[i].nbytes`` for every array, as an int64 numpy array."""
 
+def array_addresses(arrays: list[Any]) -> npt.NDArray[np.int64]:
+    """The address of each numpy array's first byte, as an int64 numpy array; 0 for an empty
+    array. TypeError for a value that is not a numpy array."""
+
 def describe_arrays(
     values: list[Any], storable: Any
 ) -> tuple[list[np.dtype[Any]], npt.NDArray[np.int64], list[tuple[int, ...]]] | None:

@@ -101,6 +101,19 @@ def array_nbytes(arrays: list) -> np.ndarray:
     return np.fromiter(map(_nbytes, arrays), dtype=np.int64, count=len(arrays))
 
 
+def array_addresses(arrays: list) -> np.ndarray:
+    """The address of each numpy array's first byte, as an int64 numpy array; 0 for an empty
+    array. TypeError for a value that is not a numpy array."""
+    _list(arrays, "arrays")
+    out = np.zeros(len(arrays), dtype=np.int64)
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"arrays[{i}] is a {type(a).__name__}, not a numpy array")
+        if a.size:
+            out[i] = a.__array_interface__["data"][0]
+    return out
+
+
 def describe_arrays(
     values: list, storable: Any
 ) -> tuple[list[np.dtype], np.ndarray, list[tuple[int, ...]]] | None:

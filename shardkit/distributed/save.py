@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, count
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..sharding.callback import shard_tensors
 from ..sharding.tensors import ShardableTensor, flatten_columns
 from ..values.devices import DeviceSpec
 from ..values.dtypes import itemsize, safetensors_name
+from ..values.sharing import shared_rows
 from ..values.slices import WHOLE, format_slice_spec
 
 
@@ -36,7 +37,9 @@ from ..values.slices import WHOLE, format_slice_spec
 class Held:
     """What one rank holds, column-wise: per piece its key, slice spec of the global tensor
     (``""``: the whole tensor), safetensors dtype name, global shape and bytes. `arrays` (the
-    host views) stay in the process; the rest is what the ``plan`` collective sends."""
+    host views) stay in the process; the rest is what the ``plan`` collective sends. A piece
+    that is exactly the memory of an earlier one (tied weights) is not among them: `aliases`
+    names it, key -> the earlier piece's key."""
 
     keys: list[str]
     specs: list[str]
@@ -45,6 +48,7 @@ class Held:
     nbytes: list[int]
     arrays: list[np.ndarray]
     devices: list[DeviceSpec]
+    aliases: dict[str, str] = field(default_factory=dict, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +98,13 @@ def held(state: Any, rank: int) -> Held:
             dev = DeviceSpec("worker", 0, rank, dev.device_type, dev.device_index)
         rows.append((key, spec, safetensors_name(array.dtype), shape, int(array.nbytes), array,
                      dev))
-    return Held(*map(list, zip(*rows))) if rows else Held([], [], [], [], [], [], [])
+    shared = shared_rows([row[5] for row in rows], [row[1] for row in rows])
+    aliases = {rows[i][0]: rows[j][0] for i, j in shared.items()}
+    if shared:
+        rows = [row for i, row in enumerate(rows) if i not in shared]
+    if not rows:
+        return Held([], [], [], [], [], [], [])
+    return Held(*map(list, zip(*rows)), aliases=aliases)
 
 
 # What the plan sends of a rank's pieces: keys, then slice specs, dtype names, global shapes
@@ -312,7 +322,7 @@ class CollectiveRank(RankSave):
                                    mine.keys[i]) for i in self.written]
         if tensors:
             self.shards = shard_columns(shard_tensors(callback, tensors))
-        self.saved = SavedTensors.of(tensors)
+        self.saved = SavedTensors.of(tensors, mine.aliases)
         self.saved.shapes = [mine.shapes[i] for i in self.written]  # global, slices or not
         return len(self.shards)
 
@@ -320,14 +330,15 @@ class CollectiveRank(RankSave):
         """What the ``index`` collective sends of this rank's index: per stored slice (shard
         by shard, in data-region order) the position of its piece in the rank's `Held` and its
         shard, as int32 bytes; the slice specs only if the callback split a piece; the
-        checksums; the shards. Keys, dtypes and shapes rank 0 knows from the plan already."""
+        checksums; the shards; the rank's aliases. Keys, dtypes and shapes rank 0 knows from
+        the plan already."""
         index = written[0]
         local = np.asarray(self.written, np.int64)[np.asarray(index.slice_tensor, np.int64)]
         own = list(map(self.mine.specs.__getitem__, local.tolist()))
         split = None if own == index.slice_spec else index.slice_spec
         return (local.astype(np.int32).tobytes(),
                 np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
-                [(s.file, s.task, s.codec, s.bytes) for s in index.shards])
+                [(s.file, s.task, s.codec, s.bytes) for s in index.shards], self.mine.aliases)
 
     def merge(self, parts: list[Any], output: Any, generation: str | None
               ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
@@ -343,13 +354,19 @@ def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
     """The checkpoint's index from the ranks' `part` columns (in rank order) and the plan:
     tensors in order of first appearance over the ranks (rank 0's state order first), each
     with the dtype, global shape and device of its first holder; slices and shards rank by
-    rank, each rank's shards numbered after the lower ranks'. Column-wise."""
+    rank, each rank's shards numbered after the lower ranks'; the ranks' aliases (the lowest
+    rank's where they differ). Column-wise. DistributedStateError for a key one rank holds
+    as an alias (tied) and another stores (not tied there): its pieces would not tile."""
     rows: list[np.ndarray] = []
     shard_of: list[np.ndarray] = []
     specs: list[str] = []
     xxh3: list[str | None] = []
     shards: list[fmt.ShardInfo] = []
-    for r, (local, shard, split, digests, infos) in enumerate(parts):
+    aliases: dict[str, str] = {}
+    tied_on: dict[str, int] = {}  # alias -> the first rank that holds it as one
+    for r, (local, shard, split, digests, infos, named) in enumerate(parts):
+        aliases = {**named, **aliases}
+        tied_on = {**dict.fromkeys(named, r), **tied_on}
         element = np.frombuffer(local, np.int32).astype(np.int64) + pieces.start[r]
         rows.append(pieces.tensor_row[element])
         shard_of.append(np.frombuffer(shard, np.int32).astype(np.int64) + len(shards))
@@ -359,9 +376,19 @@ def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
     first = pieces.tensor_first
     keys = (list(operator.itemgetter(*first.tolist())(pieces.keys)) if len(first) > 1
             else [pieces.keys[i] for i in first.tolist()])
-    return fmt.CheckpointIndex(
+    index = fmt.CheckpointIndex(
         description, shards, keys, pieces.dtypes.take(first), pieces.shapes.take(first),
         pieces.devices.take(first),
         np.concatenate(rows).tolist() if rows else [], specs,
         np.concatenate(shard_of).tolist() if shard_of else [], xxh3,
         dict(user_metadata), fmt.FORMAT_VERSION, generation)
+    if aliases:
+        both = set(keys).intersection(aliases)
+        if both:
+            key = min(both)
+            raise DistributedStateError(
+                f"{key!r} is the memory of {aliases[key]!r} on rank {tied_on[key]} (tied "
+                "weights, stored once) but a tensor of its own on another rank: tie it on every "
+                "rank or on none")
+        index.aliases = aliases
+    return index

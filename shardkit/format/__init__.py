@@ -106,6 +106,7 @@ from .index_decoding import (  # noqa: F401
     _check_ids,
     _check_weight_map,
     _column,
+    _decode_aliases,
     _decode_shards,
     _document_within_depth,
     _encodes_to,

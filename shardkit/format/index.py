@@ -94,6 +94,8 @@ class CheckpointIndex:
     slice_checksum_kind: list[str] | None = None
     # the structure record of the saved state (shardkit.sharding.structure), or None
     structure: list[Any] | None = None
+    # names of stored tensors (tied weights): alias key -> stored key (section 2.5), or None
+    aliases: dict[str, str] | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __eq__(self, other: object) -> bool:
@@ -163,7 +165,7 @@ class CheckpointIndex:
         """The TensorInfo of `key` alone (KeyError if absent)."""
         got = self._cache.get("tensors")
         if got is not None:
-            return got[key]
+            return got[self.aliases.get(key, key) if self.aliases else key]
         row = self.row(key)
         names = self.entry_names()
         slices = [SliceInfo(self.slice_spec[j], self.slice_shard[j], names[j], self.slice_xxh3[j])
@@ -203,11 +205,17 @@ class CheckpointIndex:
         return self.rows()[key]
 
     def rows(self) -> dict[str, int]:
-        """checkpoint key -> row."""
+        """checkpoint key -> row; an alias -> the row of the tensor it names."""
         rows = self._cache.get("rows")
         if rows is None:
             rows = self._cache["rows"] = dict(zip(self.keys, range(len(self.keys))))
+            if self.aliases:
+                rows.update(zip(self.aliases, map(rows.__getitem__, self.aliases.values())))
         return rows
+
+    def all_keys(self) -> list[str]:
+        """The stored keys in save order, then the aliases."""
+        return [*self.keys, *self.aliases] if self.aliases else list(self.keys)
 
     def entry_names(self) -> list[str]:
         """Entry name of every stored slice (section 4: the key, or ``key:spec``)."""

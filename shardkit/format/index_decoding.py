@@ -59,7 +59,7 @@ def _check_weight_map(found: dict[str, Any], index: CheckpointIndex, path: str) 
         return
     extra = next((k for k in found if k not in want), None)
     if extra is not None:
-        why = ("is not a tensor of shardkit.tensors" if extra not in index.rows() else
+        why = ("is not a tensor of shardkit.tensors" if extra not in set(index.keys) else
                "is not stored whole in one entry named by its key (a split tensor)")
         raise CorruptIndexError(
             f"{path}: weight_map lists {shown(extra)}, which {why}; HuggingFace loaders would "
@@ -226,10 +226,13 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         if strings.file in {s.file for s in shards}:
             raise CorruptIndexError(f"{path}: file {shown(strings.file)} is listed as a shard "
                                     "and as the string file")
+    aliases = None
+    if "aliases" in sk:  # names of stored tensors: tied weights (any 2.x)
+        aliases = _decode_aliases(sk["aliases"], path, keys, strings)
     structure = None
     if "structure" in sk:  # the saved state's containers and Python values (any 2.x)
         structure = check_record(sk["structure"], path)
-        stored = set(keys).union(() if strings is None else strings.keys)
+        stored = set(keys).union(() if strings is None else strings.keys, aliases or ())
         for key in tensor_keys(structure):
             if key not in stored:
                 raise CorruptIndexError(
@@ -242,9 +245,37 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         callback, shards, keys, dtypes, shapes, devices, slice_tensor, slice_spec, slice_shard,
         slice_xxh3, user_metadata, version, generation, strings,
     )
-    index.structure = structure
+    index.structure, index.aliases = structure, aliases
     check_slices(index, path)
     return index
+
+
+def _decode_aliases(section: Any, path: str, keys: list[str], strings: Any
+                    ) -> dict[str, str] | None:
+    """``shardkit.aliases`` (section 2.5): alias key -> the stored tensor it names. Each alias
+    follows the key rules, is named once and is no stored tensor; each names a tensor of
+    shardkit.tensors (not a string tensor, not another alias)."""
+    where = "shardkit.aliases."
+    if not isinstance(section, dict):
+        raise CorruptIndexError(f"{path}: field shardkit.aliases must be a JSON object, found "
+                                f"{type(section).__name__} {shown(section)}")
+    names = _str_list(section, "key", path, where)
+    of = _str_list(section, "of", path, where)
+    if len(of) != len(names):
+        raise CorruptIndexError(f"{path}: field {where}of has {len(of)} values, expected "
+                                f"{len(names)} (one per alias)")
+    check_keys(names, error=CorruptIndexError, where=f"{path}: {where}key: ")
+    stored = set(keys)
+    both = stored.union(() if strings is None else strings.keys).intersection(names)
+    if both:
+        raise CorruptIndexError(f"{path}: {shown(min(both))} is both an alias and a stored "
+                                "tensor")
+    for name, target in zip(names, of):
+        if target not in stored:
+            raise CorruptIndexError(
+                f"{path}: alias {shown(name)} names {shown(target)}, which is not a tensor of "
+                "shardkit.tensors")
+    return dict(zip(names, of)) or None
 
 
 def _document_within_depth(doc: dict[str, Any]) -> bool:

@@ -86,6 +86,9 @@ def _index_pieces(index: CheckpointIndex) -> Iterator[bytes | None]:
                 None, b'}')
     if index.strings is not None:
         yield from (b',"strings":', dumps(index.strings.section()))
+    if index.aliases:
+        yield from (b',"aliases":{"key":', dumps(list(index.aliases)), b',"of":',
+                    dumps(list(index.aliases.values())), b'}')
     if index.structure is not None:
         yield from (b',"structure":', dumps(index.structure))
     yield from (b',"user_metadata":', user_metadata, b"}}\n")

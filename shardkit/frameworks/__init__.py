@@ -153,6 +153,15 @@ def string_to_host(value: Any) -> tuple[np.ndarray, DeviceSpec | None] | None:
     return None
 
 
+def module_state(state: Any) -> Any:
+    """A torch ``nn.Module``'s ``state_dict()`` (tensors sharing the module's memory), as
+    ``torch.save`` and ``load_state_dict`` users pass it; anything else unchanged."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(state, torch.nn.Module):
+        return state.state_dict()
+    return state
+
+
 def expand_objects(state: Any, targets: bool = False) -> Any:
     """`state` with TensorFlow objects (tf.Module, Keras models and optimizers...) flattened to
     TensorFlow's checkpoint keys (`tensorflow.expand`), for restore `targets` their variables
@@ -191,12 +200,19 @@ def converter(framework: str = "numpy", device: Any = None) -> Converter | None:
     return conv
 
 
-def convert_all(arrays: Mapping[str, np.ndarray], conv: Converter | None) -> dict[str, Any]:
-    """Every array of `arrays` through `conv`, in order (the same arrays when `conv` is None)."""
+def convert_all(arrays: Mapping[str, np.ndarray], conv: Converter | None, *,
+                tied: bool = False) -> dict[str, Any]:
+    """Every array of `arrays` through `conv`, in order (the same arrays when `conv` is None).
+    `tied`: some keys hold the same array (aliases), each converted once so that they stay
+    one tensor."""
     if conv is None:
         return dict(arrays)
     with gc_paused():  # tens of thousands of new tensors: one GC pass at the end
-        return dict(zip(arrays, map(conv, arrays.values(), arrays)))
+        if not tied:
+            return dict(zip(arrays, map(conv, arrays.values(), arrays)))
+        done: dict[int, Any] = {}
+        return {k: done[id(a)] if id(a) in done else done.setdefault(id(a), conv(a, k))
+                for k, a in arrays.items()}
 
 
 @contextmanager

@@ -53,8 +53,10 @@ class RankSave:
     split: Sequence[str] = ()  # the keys the callback split (for the warning)
 
     def __init__(self, state: Any, opts: CheckpointOptions,
-                 default_policy: Callable[[int], ShardingCallback]) -> None:
+                 default_policy: Callable[[int], ShardingCallback], *, share: bool = True
+                 ) -> None:
         self.state, self.opts, self.default_policy = state, opts, default_policy
+        self.share = share  # store tensors of one memory once (`values.sharing`)
         self.threads = opts.threads or default_threads()  # a rank of many: its share
 
     def callback(self) -> ShardingCallback:

@@ -141,7 +141,7 @@ class CheckpointReader:
         return self._shards.stored_keys()
 
     def __iter__(self) -> Iterator[str]:
-        if self._strings is None and self._under is None:
+        if self._strings is None and self._under is None and not self.index.aliases:
             return iter(self.index.keys)
         return iter(self.keys())
 
@@ -534,18 +534,19 @@ def load(
                         check_string_framework(framework, key)
                 if mapper is not None:  # every target device checked before any read
                     index = reader.index
-                    conv = mapper.bind(dict(zip(index.keys, index.devices)) if rows is None else
-                                       {index.keys[r]: index.devices[r] for r in rows.tolist()})
+                    pairs = (index.rows().items() if rows is None
+                             else zip(wanted or (), rows.tolist()))
+                    conv = mapper.bind({k: index.devices[r] for k, r in pairs if r >= 0})
                 reader._open_shards(wanted, rows)  # right after the index: a replace's window
                 if verify:
                     reader.verify(wanted)
                 arrays = reader._get_many(wanted, rows)
-                structure = reader.index.structure
+                structure, tied = reader.index.structure, bool(reader.index.aliases)
             if mapper is not None:  # by stored key, which the targets are keyed by
-                arrays, conv = convert_all(arrays, conv), None
+                arrays, conv = convert_all(arrays, conv, tied=tied), None
             if prefix is not None:
                 arrays = {k[len(start):]: a for k, a in arrays.items()}
-            arrays = arrays if conv is None else convert_all(arrays, conv)
+            arrays = arrays if conv is None else convert_all(arrays, conv, tied=tied)
             return nested_state(structure, arrays, reader.path, prefix) if nested else arrays
         except CheckpointReplacedError:
             if attempt == LOAD_ATTEMPTS:

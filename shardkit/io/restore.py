@@ -16,7 +16,15 @@ from ..errors import (
     RestoreMismatchError,
     UnsupportedDTypeError,
 )
-from ..frameworks import copy_into, expand_objects, is_dtensor, loaded, module, restore_target
+from ..frameworks import (
+    copy_into,
+    expand_objects,
+    is_dtensor,
+    loaded,
+    module,
+    module_state,
+    restore_target,
+)
 from ..sharding.structure import record_only
 from ..sharding.tensors import OBJECT_GRAPH_KEY, flatten
 from ..values.dtypes import numpy_dtype, safetensors_name
@@ -36,8 +44,9 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     Args:
         path: the checkpoint (directory, file or URL).
         state: nested mappings of numpy arrays, torch tensors (DTensors too), TensorFlow
-            variables and objects. Python values in it (None, str, numbers) cannot change in
-            place: they are left as they are (`load(..., nested=True)` gives them back).
+            variables and objects, or a torch ``nn.Module`` (into its ``state_dict()``).
+            Python values in it (None, str, numbers) cannot change in place: they are left as
+            they are (`load(..., nested=True)` gives them back).
         verify: check the checksums of the entries read.
         partial: restore the leaves the checkpoint has and leave the others as they are.
         follow_symlinks: accept symlinked files.
@@ -56,6 +65,7 @@ def restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     """
     if not isinstance(partial, bool):
         raise InvalidArgumentTypeError(f"partial must be True or False, got {partial!r}")
+    state = module_state(state)
     jax_module = loaded("jax")
     if jax_module is not None and jax_module.holds_arrays(state):
         host = jax_module.host_twin(state)  # numpy buffers in the tree's place, filled below

@@ -17,7 +17,6 @@ import json
 import math
 import operator
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,7 +34,7 @@ from ..errors import (
     PolicyError,
     SplitTensorsWarning,
 )
-from ..frameworks import dtensor_type, expand_objects
+from ..frameworks import dtensor_type, expand_objects, module_state
 from ..optional import require
 from ..sharding.callback import Shard, ShardingCallback, shard_tensors
 from ..sharding.policies import get_policy, register_policy
@@ -173,14 +172,6 @@ _key_of = operator.attrgetter("checkpoint_key")
 _spec_of = operator.attrgetter("slice_spec")
 
 
-def _module_state(state: Any) -> Any:
-    """A torch ``nn.Module``'s ``state_dict()``, as ``torch.save`` users pass it; else `state`."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(state, torch.nn.Module):
-        return state.state_dict()
-    return state
-
-
 def save(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
@@ -254,7 +245,7 @@ def save(
         if not isinstance(value, bool):
             raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
     user_metadata = _check_metadata(metadata)
-    state = _module_state(state)
+    state = module_state(state)
     state = expand_objects(state)  # TensorFlow objects: TensorFlow's keys
     if not isinstance(state, Mapping):
         raise InvalidArgumentTypeError(
@@ -282,8 +273,9 @@ def save(
     else:
         output = StorageOutput(open_storage(path), opts, user_metadata, progress, structure)
     with gc_paused():  # a save creates objects per tensor; cyclic GC passes would be wasted
-        if coord is None:
-            rank: RankSave = _LocalRank(state, opts, DefaultShardingPolicy)
+        if coord is None:  # a TensorBundle has no aliases: it stores every name
+            rank: RankSave = _LocalRank(state, opts, DefaultShardingPolicy,
+                                        share=format == "shardkit")
             coord = LocalCoordinator()
         else:
             from ..distributed.save import CollectiveRank
@@ -352,12 +344,13 @@ class _LocalRank(RankSave):
         split; string tensors go to `strings` instead (their own file, not the callback's)."""
         callback, strings = self.callback(), StringColumns()
         self.strings = strings
-        planned = (_default_shards(callback, self.state, strings)
+        aliases: dict[str, str] | None = {} if self.share else None
+        planned = (_default_shards(callback, self.state, strings, aliases)
                    if type(callback) is DefaultShardingPolicy else None)
         if planned is None:
-            tensors = shardable_tensors(self.state, strings=strings)
+            tensors = shardable_tensors(self.state, strings=strings, aliases=aliases)
             self.shards = shard_columns(shard_tensors(callback, tensors))
-            self.saved = SavedTensors.of(tensors)
+            self.saved = SavedTensors.of(tensors, aliases)
             self.split = list(dict.fromkeys(  # stored as slices: absent from weight_map
                 key for shard in self.shards if any(shard.specs)
                 for key, spec in zip(shard.keys, shard.specs) if spec != WHOLE))
@@ -367,13 +360,15 @@ class _LocalRank(RankSave):
 
 
 def _default_shards(
-    policy: DefaultShardingPolicy, state: Mapping[str, Any], strings: StringColumns | None = None
+    policy: DefaultShardingPolicy, state: Mapping[str, Any], strings: StringColumns | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> tuple[list[ShardColumns], SavedTensors]:
     """The default policy's shards, planned on columns without building a ShardableTensor per
     tensor. Its output is valid by construction (every input once, as given, on its own
     task), which is what `shard_tensors` would check; `host_columns` has checked the keys
-    (unique, among other rules: shardkit.values.keys)."""
-    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state, None, strings)
+    (unique, among other rules: shardkit.values.keys); `aliases` as there."""
+    keys, arrays, devices, dtypes, nbytes, shapes, distinct = host_columns(state, None, strings,
+                                                                            aliases)
     tasks = {d.task or 0 for d in distinct}
     groups: dict[int, range | list[int]]
     if len(tasks) <= 1:  # one task (always, for numpy arrays)
@@ -397,7 +392,7 @@ def _default_shards(
     names = {id(d): d.to_string() for d in distinct}
     device_names = ([names[id(devices[0])]] * len(devices) if len(names) == 1
                     else list(map(names.__getitem__, map(id, devices))))
-    saved = SavedTensors(keys, dtypes, shapes, device_names, int(nbytes.sum()))
+    saved = SavedTensors(keys, dtypes, shapes, device_names, int(nbytes.sum()), aliases or {})
     return shards, saved
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import ShardkitError
 from ..frameworks import kind_of, loaded, module, string_to_host, to_host
+from ..values.sharing import shared_rows
 
 ALIGNMENT = 64  # bytes; more than any stored item size, and a cache line
 
@@ -86,8 +87,11 @@ class HostBufferPool:
 
         Tensors may be numpy arrays, torch tensors (CPU or CUDA, any dtype shardkit stores,
         non-contiguous), JAX arrays or anything numpy converts. The copies are C-contiguous.
+        Host tensors that are one memory (tied weights: `values.sharing`) are copied once and
+        stay one array, so that the save stores them once.
         """
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, Any] = {}
+        hosts: list[tuple[str, np.ndarray]] = []  # copied once the shared ones are known
         device_copies = False
         for key, value in items:
             if _is_cuda_tensor(value):  # into a pinned buffer, not waited for
@@ -100,12 +104,20 @@ class HostBufferPool:
                 out[key] = np.array(copied[0], copy=True)
                 continue
             host, _ = to_host(value, key)
+            hosts.append((key, host))
+            out[key] = None  # its place in the order
+        shared = shared_rows([host for _, host in hosts])
+        for i, (key, host) in enumerate(hosts):
+            if i in shared:
+                out[key] = out[hosts[shared[i]][0]]
+                continue
             dst = self.buffer(key, host.nbytes).view(host.dtype).reshape(host.shape)
             np.copyto(dst, host, casting="no")
             out[key] = dst
         if device_copies:
             module("torch").synchronize()  # the copies must land before the write
-        for key in [k for k in self._buffers if k not in out]:
+        aliased = {hosts[i][0] for i in shared}  # no buffer of their own
+        for key in [k for k in self._buffers if k not in out or k in aliased]:
             del self._buffers[key]
         return out
 

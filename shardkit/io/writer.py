@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -52,22 +52,24 @@ class ShardColumns:
 @dataclass(slots=True)
 class SavedTensors:
     """What the index records of each saved tensor, in save order: key, dtype, full shape and
-    device string."""
+    device string; and the names that are one of them (`aliases`: tied weights, stored once)."""
 
     keys: list[str]
     dtypes: list[np.dtype]
     shapes: list[tuple[int, ...]]
     devices: list[str]
     total_size: int | None = None  # bytes of all tensors, when known
+    aliases: dict[str, str] = field(default_factory=dict)  # alias key -> stored key
 
     @classmethod
-    def of(cls, tensors: Sequence[ShardableTensor]) -> SavedTensors:
+    def of(cls, tensors: Sequence[ShardableTensor], aliases: dict[str, str] | None = None
+           ) -> SavedTensors:
         devices = list(map(_device_of, tensors))
         names = {i: d.to_string() for i, d in dict(zip(map(id, devices), devices)).items()}
         return cls(list(map(_key_of, tensors)), list(map(_dtype_of, tensors)),
                    [t.shape if t.slice_spec == "" else parse_slice_spec(t.slice_spec).full_shape
                     for t in tensors],
-                   list(map(names.__getitem__, map(id, devices))))
+                   list(map(names.__getitem__, map(id, devices))), aliases=aliases or {})
 
 
 def shard_columns(task_shards: Sequence[TaskShard]) -> list[ShardColumns]:
@@ -278,6 +280,7 @@ def _index(
         slice_tensor, slice_spec, slice_shard, [None] * len(slice_tensor), user_metadata,
         fmt.FORMAT_VERSION, generation,
     )
+    index.aliases = saved.aliases or None
     if saved.total_size is not None:
         index.set_total_size(saved.total_size)
     return index

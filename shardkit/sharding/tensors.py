@@ -21,6 +21,7 @@ from ..frameworks import gc_paused, kind_of, module, string_to_host, to_host
 from ..values.devices import DeviceSpec
 from ..values.dtypes import storable
 from ..values.keys import check_keys, key_problem
+from ..values.sharing import shared_rows
 from ..values.slices import WHOLE
 
 SEPARATOR = "/"
@@ -76,7 +77,8 @@ DeviceArg = str | DeviceSpec | Callable[[str], "str | DeviceSpec"] | None
 
 
 def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None,
-                      strings: Any = None) -> list[ShardableTensor]:
+                      strings: Any = None, aliases: dict[str, str] | None = None
+                      ) -> list[ShardableTensor]:
     """Flatten `state` into ShardableTensors, one per leaf, keys joined with ``/``.
 
     Args:
@@ -85,6 +87,9 @@ def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None,
             from checkpoint key to either (default: where it lives; task 0, CPU for numpy).
         strings: a `values.strings.StringColumns` that takes the string tensors (numpy bytes /
             str / object arrays, tf.string) out of the result; without it they are refused.
+        aliases: when given, a tensor that is exactly the memory of an earlier one (tied
+            weights: `values.sharing`) is left out of the result and recorded here, its key
+            -> the earlier one's.
     Returns:
         The ShardableTensors, in the state's order.
     Raises:
@@ -93,7 +98,7 @@ def shardable_tensors(state: Mapping[str, Any], device: DeviceArg = None,
         InvalidArgumentTypeError, DeviceSpecError: a `device` that is not a device.
     """
     with gc_paused():
-        c = host_columns(state, device, strings)
+        c = host_columns(state, device, strings, aliases)
         return list(map(_new_shardable, c.arrays, c.dtypes, c.devices, c.keys, c.shapes,
                         repeat(WHOLE), c.keys))
 
@@ -113,9 +118,9 @@ class HostColumns(NamedTuple):
 
 
 def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
-                 strings: Any = None) -> HostColumns:
+                 strings: Any = None, aliases: dict[str, str] | None = None) -> HostColumns:
     """`shardable_tensors` column-wise, without building a ShardableTensor each (the default
-    policy does not need them); `strings` as there."""
+    policy does not need them); `strings` and `aliases` as there."""
     default = DeviceSpec.from_string(DEFAULT_DEVICE)
     fixed = None if device is None or callable(device) else _as_device(device)
     keys, arrays = flatten_columns(state)
@@ -160,6 +165,16 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
         described = _table.describe_arrays(arrays, storable()) or (
             list(map(_dtype_of, arrays)), _table.array_nbytes(arrays),
             list(map(_shape_of, arrays)))
+    if aliases is not None:
+        shared = shared_rows(arrays)
+        if shared:
+            aliases.update((keys[i], keys[j]) for i, j in shared.items())
+            keep = [i for i in range(len(keys)) if i not in shared]
+            dtypes, nbytes, shapes = described
+            keys = [keys[i] for i in keep]
+            arrays = [arrays[i] for i in keep]
+            devices = [devices[i] for i in keep]
+            described = [dtypes[i] for i in keep], nbytes[keep], [shapes[i] for i in keep]
     if fixed is not None:
         devices = [fixed] * len(keys)
     elif device is not None:

@@ -122,14 +122,15 @@ class ShardSet:
     # -- the index
 
     def count(self) -> int:
-        """Tensors stored, string tensors included."""
-        return len(self.index.keys) + (0 if self.strings is None else len(self.strings.keys))
+        """Keys readable: tensors stored, their aliases and string tensors."""
+        return (len(self.index.keys) + len(self.index.aliases or ())
+                + (0 if self.strings is None else len(self.strings.keys)))
 
     def stored_keys(self) -> list[str]:
-        """Every key, in saved order (string tensors last)."""
+        """Every key, in saved order (aliases, then string tensors, last)."""
         if self.strings is not None:
-            return [*self.index.keys, *self.strings.keys]
-        return list(self.index.keys)
+            return [*self.index.all_keys(), *self.strings.keys]
+        return self.index.all_keys()
 
     def keys_under(self, prefix: str) -> tuple[str, list[str]]:
         """(`prefix` ending in one "/", the keys under it, in saved order) for a ``prefix=``

@@ -19,23 +19,36 @@ from .shards import ShardSet
 
 def get_tensors(shards: ShardSet, keys: Sequence[str] | None, rows: np.ndarray | None = None
                 ) -> dict[str, np.ndarray]:
-    """The whole tensors `keys` (None: every tensor; `rows`: their index rows, when the caller
-    has them), each key once, in the order first asked."""
+    """The whole tensors `keys` (None: every tensor and alias; `rows`: their index rows, when
+    the caller has them), each key once, in the order first asked. Keys of one stored tensor
+    (an alias and the tensor it names) get the one array read for it, as they were one memory
+    when saved."""
     index = shards.index
-    picked: np.ndarray | None = None
-    if keys is not None:
-        keys = list(keys)
-        if rows is None:
-            try:
-                rows = np.fromiter(map(index.rows().__getitem__, keys), np.intp, len(keys))
-            except (KeyError, TypeError):
-                for key in keys:
-                    shards.tensor(key)  # raises KeyNotFoundError, with a hint
-                raise
-        picked = rows
-        if len(rows) and np.bincount(rows).max() > 1:  # each key once, where first asked
-            first = np.sort(np.unique(rows, return_index=True)[1])
-            keys, picked = [keys[i] for i in first.tolist()], rows[first]
+    if keys is None:
+        got = _get_distinct(shards, None, None)
+        if index.aliases:
+            got.update(zip(index.aliases, map(got.__getitem__, index.aliases.values())))
+        return got
+    keys = list(keys)
+    if rows is None:
+        try:
+            rows = np.fromiter(map(index.rows().__getitem__, keys), np.intp, len(keys))
+        except (KeyError, TypeError):
+            for key in keys:
+                shards.tensor(key)  # raises KeyNotFoundError, with a hint
+            raise
+    if not len(rows) or np.bincount(rows).max() == 1:
+        return _get_distinct(shards, keys, rows)
+    first = np.sort(np.unique(rows, return_index=True)[1])  # each row read once
+    got = _get_distinct(shards, [keys[i] for i in first.tolist()], rows[first])
+    by_row = dict(zip(rows[first].tolist(), got.values()))
+    return dict(zip(keys, map(by_row.__getitem__, rows.tolist())))
+
+
+def _get_distinct(shards: ShardSet, keys: list[str] | None, picked: np.ndarray | None
+                  ) -> dict[str, np.ndarray]:
+    """`get_tensors` of `keys` of distinct index rows `picked` (None: every stored tensor)."""
+    index = shards.index
     views = _get_whole(shards, keys, picked)
     if views is not None:
         return views
