@@ -227,6 +227,22 @@ def test_array_nbytes_errors(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_array_addresses(impl):
+    w = np.zeros((4, 6), np.float64)
+    arrays = [w, w[:], w[1:], w[::2, 1::3], w.T, np.zeros(0, np.int8), w[:0], np.array(5)]
+    out = impl.array_addresses(arrays)
+    base = w.__array_interface__["data"][0]
+    assert out.dtype == np.int64
+    assert out.tolist() == [base, base, base + 48, base + 8, base, 0, 0,
+                            arrays[-1].__array_interface__["data"][0]]
+    assert impl.array_addresses([]).tolist() == []
+    with pytest.raises(TypeError, match=r"arrays\[1\] is a memoryview, not a numpy array"):
+        impl.array_addresses([w, memoryview(b"ab")])
+    with pytest.raises(TypeError):
+        impl.array_addresses((w,))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_describe_arrays_one_pass(impl):
     from shardkit.values.dtypes import STORABLE
 
