@@ -17,7 +17,7 @@ import pytest
 
 import shardkit
 from shardkit.errors import CorruptIndexError, InvalidArgumentTypeError, RestoreMismatchError
-from shardkit.training.checkpoint import Checkpoint
+from shardkit.training.checkpoint import Checkpoint, CheckpointManager, CheckpointOptions
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -182,6 +182,20 @@ def test_what_cannot_be_tracked_is_refused_and_a_leaf_mismatch_names_its_key(tmp
         Checkpoint(opt=wrong).read(tmp_path / "c")
 
 
+def test_a_manager_saves_an_optax_state_async_and_restores_it_into_a_fresh_checkpoint(tmp_path):
+    tx = optax.adamw(1e-2)
+    state = jax.tree.map(lambda a: a + 2, tx.init(_params(0)))
+    manager = CheckpointManager(Checkpoint(opt=state), tmp_path / "run", max_to_keep=1)
+    manager.save(checkpoint_number=3, options=CheckpointOptions(enable_async=True))
+    manager.sync()
+
+    template = tx.init(_params(1))
+    fresh = CheckpointManager(Checkpoint(opt=template), tmp_path / "run", max_to_keep=1)
+    assert fresh.restore_or_initialize() == str(tmp_path / "run" / "ckpt-3")
+    _same_tree(fresh.checkpoint.opt, state)
+    assert _bits(fresh.checkpoint.opt) == _bits(state)
+
+
 class _MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -238,7 +252,7 @@ def test_a_flax_mlp_with_adam_resumes_bit_identically_from_a_fresh_checkpoint(tm
 _SHARDED = """
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from shardkit.training.checkpoint import Checkpoint
+from shardkit.training.checkpoint import Checkpoint, CheckpointManager, CheckpointOptions
 mesh = Mesh(np.array(jax.devices()), ("x",))
 rows, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
 def params(seed):
