@@ -12,11 +12,11 @@ tuples, NamedTuples such as optax states, None), torch modules and optimizers, a
 its state>``; the structure of every state, with its non-tensor values (optimizer
 hyperparameters, step counts, None) and NamedTuple types (by import path, as
 `sharding.structure` names them), is stored as JSON in the checkpoint's user metadata under
-``"shardkit.checkpoint"``; the save counter is the 0-d int64
-tensor ``save_counter``. Tensors that share memory (tied weights) are stored once and restored
-into every alias. Restoring copies into the existing arrays and tensors in place. An async save
-(``enable_async=True``) is described in docs/TRAINING.md. `CheckpointManager` lives in
-training/manager.py and is re-exported here.
+``"shardkit.checkpoint"``; the save counter is the 0-d int64 tensor ``save_counter``. Tensors
+that share memory (tied weights) are stored once and restored into every alias. Restoring
+copies into the existing arrays and tensors in place. An async save (``enable_async=True``) is
+described in docs/TRAINING.md. `CheckpointManager` lives in training/manager.py and is
+re-exported here.
 """
 
 from __future__ import annotations
