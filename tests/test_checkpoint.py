@@ -416,7 +416,7 @@ def test_newer_layout_version_rejected(tmp_path):
         ({"save_counter": np.ones(1)}, ValueError, "reserved"),
         ({"a/b": np.ones(1)}, ValueError, "must not contain '/'"),
         ({"x": 3}, TypeError, r"Checkpoint\(x=...\): cannot track a int"),
-        ({"x": [np.ones(1)]}, TypeError, "cannot track a list"),
+        ({"x": {np.float32(1)}}, TypeError, "cannot track a set"),
     ],
 )
 def test_bad_objects(objects, error, match):

@@ -114,11 +114,9 @@ def _walk(node: Any, path: list[Any], where: tuple[Any, ...], rows: list[Row],
         return _children(node, children, path, where, rows, plain)
     if isinstance(node, (list, tuple)) and not isinstance(node, np.ndarray):
         plain[0] = False
-        fields = getattr(type(node), "_fields", None)
-        if isinstance(node, tuple) and isinstance(fields, tuple):
-            cls = type(node)
-            rows.append([path, "namedtuple", [f"{cls.__module__}:{cls.__qualname__}",
-                                              list(map(str, fields))]])
+        detail = namedtuple_detail(node)
+        if detail is not None:
+            rows.append([path, "namedtuple", detail])
         else:
             rows.append([path, "tuple" if isinstance(node, tuple) else "list"])
         return _children(node, list(enumerate(node)), path, where, rows, plain)
@@ -130,6 +128,22 @@ def _walk(node: Any, path: list[Any], where: tuple[Any, ...], rows: list[Row],
 
 
 _GONE: Any = object()
+
+
+def namedtuple_detail(value: Any) -> list[Any] | None:
+    """A NamedTuple's record detail, ``["module:Qual.Name", [field names]]``; None for any
+    other value (a plain tuple too).
+
+    Args:
+        value: any value.
+    Returns:
+        The detail, or None.
+    """
+    cls = type(value)
+    fields = getattr(cls, "_fields", None)
+    if not isinstance(value, tuple) or not isinstance(fields, tuple):
+        return None
+    return [f"{cls.__module__}:{cls.__qualname__}", list(map(str, fields))]
 
 
 def _children(node: Any, children: list[tuple[Any, Any]], path: list[Any],
@@ -249,7 +263,7 @@ def _build(rows: list[Row], i: int, path: list[Any], values: Mapping[str, Any], 
         return seq, j
     if kind == "tuple":
         return tuple(seq), j
-    return _namedtuple(detail, len(seq), path, where)(*seq), j
+    return namedtuple_type(detail, len(seq), path, where)(*seq), j
 
 
 def _leaf(kind: str, detail: Any, key: str, values: Mapping[str, Any], where: str) -> Any:
@@ -281,7 +295,21 @@ def _item(value: Any) -> Any:
     return value.item()
 
 
-def _namedtuple(detail: Any, n: int, path: list[Any], where: str) -> Any:
+def namedtuple_type(detail: Any, n: int, path: Any, where: str) -> Any:
+    """The NamedTuple type a record detail names: the type itself when its module is imported
+    and its fields are the recorded ones (nothing is imported), else a namedtuple of the
+    recorded name and fields.
+
+    Args:
+        detail: ``["module:Qual.Name", [field names]]`` (`namedtuple_detail`'s).
+        n: the number of items the NamedTuple holds.
+        path: where it is in the state, for error messages.
+        where: the checkpoint, for error messages.
+    Returns:
+        The type.
+    Raises:
+        CorruptIndexError: `detail` is not of that form or names other than `n` fields.
+    """
     if not (isinstance(detail, list) and len(detail) == 2 and type(detail[0]) is str
             and isinstance(detail[1], list) and all(type(f) is str for f in detail[1])
             and len(detail[1]) == n):

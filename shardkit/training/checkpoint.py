@@ -6,15 +6,17 @@
     ...
     manager.save(checkpoint_number=step, options=CheckpointOptions(enable_async=True))
 
-A `Checkpoint` tracks named objects: nested dicts of arrays (numpy, torch, JAX), torch modules
-and optimizers, and anything with ``state_dict()`` / ``load_state_dict()``. Each tensor is stored
-under ``<object name>/<path in its state>``; the structure of every state dict, with its
-non-tensor values (optimizer hyperparameters, step counts, tuples, None), is stored as JSON in the
-checkpoint's user metadata under ``"shardkit.checkpoint"``; the save counter is the 0-d int64
-tensor ``save_counter``. Tensors that share memory (tied weights) are stored once and restored
-into every alias. Restoring copies into the existing arrays and tensors in place. An async save
-(``enable_async=True``) is described in docs/TRAINING.md. `CheckpointManager` lives in
-training/manager.py and is re-exported here.
+A `Checkpoint` tracks named objects: pytrees of arrays (numpy, torch, JAX; nested dicts, lists,
+tuples, NamedTuples such as optax states, None), torch modules and optimizers, and anything with
+``state_dict()`` / ``load_state_dict()``. Each tensor is stored under ``<object name>/<path in
+its state>``; the structure of every state, with its non-tensor values (optimizer
+hyperparameters, step counts, None) and NamedTuple types (by import path, as
+`sharding.structure` names them), is stored as JSON in the checkpoint's user metadata under
+``"shardkit.checkpoint"``; the save counter is the 0-d int64 tensor ``save_counter``. Tensors
+that share memory (tied weights) are stored once and restored into every alias. Restoring
+copies into the existing arrays and tensors in place. An async save (``enable_async=True``) is
+described in docs/TRAINING.md. `CheckpointManager` lives in training/manager.py and is
+re-exported here.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ class Checkpoint:
 
     Optimizers (and any object with ``state_dict()`` / ``load_state_dict()``): their existing
     state is filled in place, state not created yet (no step taken) is created from the
-    checkpoint, and both go to ``load_state_dict``. JAX arrays, numpy scalars and Python values
-    are immutable: they are replaced inside their containers (``ckpt.<name>`` for a top-level one).
+    checkpoint, and both go to ``load_state_dict``. JAX arrays, numpy scalars, Python values,
+    tuples and NamedTuples are immutable: they are replaced inside their containers
+    (``ckpt.<name>`` for a top-level one), a NamedTuple by its saved type.
     """
 
     def __init__(self, **objects: Any) -> None:

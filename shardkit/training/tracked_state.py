@@ -1,7 +1,8 @@
 """The state of the objects a `checkpoint.Checkpoint` tracks: what a tracked object is
-(arrays, torch modules and optimizers, TensorFlow variables, anything with ``state_dict()``),
-its state collected into tensors and a JSON skeleton (tied tensors stored once), and restored
-from a reader into the objects in place."""
+(arrays, pytrees of them, torch modules and optimizers, TensorFlow variables, anything with
+``state_dict()``), its state collected into tensors and a JSON skeleton (tied tensors stored
+once; NamedTuples named as `sharding.structure` records them), and restored from a reader into
+the objects in place."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..errors import (
 from ..frameworks import copy_into, is_dtensor, is_variable, kind_of, loaded, module
 from ..io.reader import CheckpointReader
 from ..io.restore import copy_into_dtensor
+from ..sharding.structure import namedtuple_detail, namedtuple_type
 from ..sharding.tensors import SEPARATOR
 
 MISSING: Any = object()  # "no value here" (distinct from None, which is a value)
@@ -53,12 +55,12 @@ def object_kind(name: str, obj: Any) -> str:
         getattr(obj, "load_state_dict", None)
     ):
         return "stateful"
-    if isinstance(obj, MutableMapping):
-        return "tree"
+    if obj is None or isinstance(obj, (MutableMapping, list, tuple)):
+        return "tree"  # a pytree: dicts, lists, tuples, NamedTuples (optax states), None
     raise InvalidArgumentTypeError(
-        f"Checkpoint({name}=...): cannot track a {type(obj).__name__}; pass an array, a dict "
-        "of arrays, a torch module or optimizer, or an object with state_dict() and "
-        "load_state_dict()"
+        f"Checkpoint({name}=...): cannot track a {type(obj).__name__}; pass an array, a dict, "
+        "list, tuple or NamedTuple of arrays, a torch module or optimizer, or an object with "
+        "state_dict() and load_state_dict()"
     )
 
 
@@ -129,10 +131,14 @@ def encode_skeleton(node: Any, key: str, col: StateCollector) -> dict[str, Any]:
         return {"d": items}
     if isinstance(node, (list, tuple)):
         tag = "t" if isinstance(node, tuple) else "l"
-        return {tag: [encode_skeleton(v, f"{key}{SEPARATOR}{i}", col) for i, v in enumerate(node)]}
+        enc = {tag: [encode_skeleton(v, f"{key}{SEPARATOR}{i}", col) for i, v in enumerate(node)]}
+        named = namedtuple_detail(node)
+        if named is not None:  # as the structure record names it; older readers see a tuple
+            enc["nt"] = named
+        return enc
     raise InvalidArgumentTypeError(
         f"{key!r}: cannot checkpoint a {type(node).__name__}; state may hold tensors, dicts, "
-        "lists, tuples, None, bool, int, float and str"
+        "lists, tuples, NamedTuples, None, bool, int, float and str"
     )
 
 
@@ -227,8 +233,29 @@ class StateRestorer:
             if not self.dry:
                 current[:] = out
             return current
+        if "l" in enc:
+            self.changed = True
+            return out
+        cls = self.tuple_type(enc, current, len(items), key)  # checked in the dry pass too
+        if type(current) is cls and len(current) == len(out) and all(
+                a is b for a, b in zip(current, out)):
+            return current  # every item restored in place: the same tuple
         self.changed = True
-        return tuple(out) if "t" in enc else out
+        if cls is tuple or len(out) != len(items):  # a partial restore's or dry pass's gaps
+            return tuple(out)
+        return cls(*out)
+
+    def tuple_type(self, enc: dict[str, Any], current: Any, n: int, key: str) -> Any:
+        """The type of a restored tuple: the recorded NamedTuple (the current value's type
+        when it is that one, else `structure.namedtuple_type`'s lookup), a plain tuple; or, for
+        a skeleton that records none (written before NamedTuples were), the current value's
+        NamedTuple type when it has as many fields."""
+        current_named = namedtuple_detail(current)
+        if "nt" not in enc:
+            return type(current) if current_named and len(current_named[1]) == n else tuple
+        if enc["nt"] == current_named:
+            return type(current)
+        return namedtuple_type(enc["nt"], n, key, str(self.reader.path))
 
     def note_missing(self, value: Any, key: str) -> None:
         col = StateCollector()
