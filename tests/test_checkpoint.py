@@ -228,8 +228,8 @@ def test_tied_tensors_stored_once_restored_to_all(tmp_path):
     idx = index_of(path)
     assert "model/embed.weight" in idx["shardkit"]["tensors"]["key"]
     assert "model/head.weight" not in idx["shardkit"]["tensors"]["key"]
-    skeleton = json.dumps(idx["shardkit"]["user_metadata"][METADATA_KEY])
-    assert '"alias": "model/embed.weight"' in skeleton
+    assert idx["shardkit"]["aliases"] == {"key": ["model/head.weight"],  # the save's aliases
+                                          "of": ["model/embed.weight"]}
     torch.manual_seed(1)
     model2 = Tied()
     status = Checkpoint(model=model2).read(path)
@@ -239,11 +239,33 @@ def test_tied_tensors_stored_once_restored_to_all(tmp_path):
     assert model2.head.weight is model2.embed.weight
 
 
+def test_a_tied_tensor_of_an_older_skeleton_restores(tmp_path):
+    """Before the save's aliases (docs/FORMAT.md section 2.5), a Checkpoint recorded a tied
+    tensor in its own skeleton (``"alias"``) and stored it once under the first key."""
+    torch.manual_seed(0)
+    model = Tied()
+    path = Checkpoint(model=model).write(tmp_path / "c", FAST)
+    idx = index_of(path)
+    del idx["shardkit"]["aliases"]
+    idx["shardkit"].pop("structure", None)  # older checkpoints had none
+    tree = idx["shardkit"]["user_metadata"][METADATA_KEY]["objects"]["model"]["tree"]["d"]
+    assert tree[1][0] == "head.weight"
+    tree[1][1]["alias"] = "model/embed.weight"
+    (Path(path) / MANIFEST_FILE).write_text(json.dumps(idx))
+    torch.manual_seed(1)
+    model2 = Tied()
+    torch.nn.init.zeros_(model2.embed.weight)
+    status = Checkpoint(model=model2).read(path)
+    status.assert_consumed()
+    assert torch.equal(model2.head.weight, model.embed.weight)
+
+
 def test_numpy_aliases_stored_once(tmp_path):
     a = np.arange(6.0)
     path = Checkpoint(s={"a": a, "b": a, "view": a[::2]}).write(tmp_path / "c", FAST)
     with open_checkpoint(path) as r:
-        assert r.keys() == ["s/a", "s/view", SAVE_COUNTER]
+        assert r.keys() == ["s/a", "s/view", SAVE_COUNTER, "s/b"]  # the alias last
+        assert r.index.keys == ["s/a", "s/view", SAVE_COUNTER]
     x, y, z = np.zeros(6), np.zeros(6), np.zeros(3)
     Checkpoint(s={"a": x, "b": y, "view": z}).read(path).assert_consumed()
     assert np.array_equal(y, a) and np.array_equal(z, a[::2])

@@ -306,3 +306,20 @@ def test_a_structure_record_may_place_an_alias(tmp_path):
                                                                 "of": ["model/0"]}
     back = shardkit.load(tmp_path / "c", nested=True)
     assert back["model"][1] is None and back["again"] is back["model"][0]
+
+
+def test_one_framework_object_under_two_keys_is_stored_once(tmp_path):
+    """The very same object (a TensorFlow variable reached from a model and its optimizer, a
+    torch tensor) is one memory whatever its device: converted once, stored once."""
+    tf = pytest.importorskip("tensorflow")
+    import torch
+
+    v = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    t = torch.arange(4.0)
+    shardkit.save(tmp_path / "c", {"model": {"v": v, "t": t}, "opt": {"v": v, "t": t[:]}})
+    doc = _manifest(tmp_path / "c")
+    assert doc["shardkit"]["tensors"]["key"] == ["model/v", "model/t"]
+    assert doc["shardkit"]["aliases"] == {"key": ["opt/v", "opt/t"], "of": ["model/v", "model/t"]}
+    back = shardkit.load(tmp_path / "c")
+    np.testing.assert_array_equal(back["opt/v"], v.numpy())
+    np.testing.assert_array_equal(back["opt/t"], t.numpy())

@@ -153,6 +153,17 @@ def string_to_host(value: Any) -> tuple[np.ndarray, DeviceSpec | None] | None:
     return None
 
 
+def memory_key(value: Any) -> tuple[Any, ...]:
+    """What makes two framework values one memory: for torch tensors their device, address,
+    shape, strides and dtype (two views of one storage compare equal), else the object itself
+    (a TensorFlow variable reached from a model and its optimizer)."""
+    if kind_of(value) == "torch":
+        key = module("torch").memory_key(value)
+        if key is not None:
+            return key
+    return ("object", id(value))
+
+
 def module_state(state: Any) -> Any:
     """A torch ``nn.Module``'s ``state_dict()`` (tensors sharing the module's memory), as
     ``torch.save`` and ``load_state_dict`` users pass it; anything else unchanged."""

@@ -66,6 +66,14 @@ def to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
     return t.numpy(), dev_spec
 
 
+def memory_key(t: Any) -> tuple[Any, ...] | None:
+    """Device, data address, shape, strides and dtype of a non-empty plain tensor: equal for
+    two tensors of one memory (tied weights, on any device); None for the others."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.numel() == 0:
+        return None
+    return ("torch", str(t.device), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def from_host(array: np.ndarray, key: str = "") -> torch.Tensor:
     """A CPU tensor over `array`'s memory (a copy only when torch cannot share it: read-only
     memory, negative strides). `key` is unused (the converter signature)."""

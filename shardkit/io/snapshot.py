@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardkitError
-from ..frameworks import kind_of, loaded, module, string_to_host, to_host
+from ..frameworks import kind_of, loaded, memory_key, module, string_to_host, to_host
 from ..values.sharing import shared_rows
 
 ALIGNMENT = 64  # bytes; more than any stored item size, and a cache line
@@ -93,7 +93,15 @@ class HostBufferPool:
         out: dict[str, Any] = {}
         hosts: list[tuple[str, np.ndarray]] = []  # copied once the shared ones are known
         device_copies = False
+        first_of: dict[tuple[Any, ...], str] = {}  # `memory_key` of a framework value -> key
+        again: dict[str, str] = {}  # key -> the key of the same memory, copied for both
         for key, value in items:
+            if type(value) is not np.ndarray:  # framework values (and Keras variables)
+                first = first_of.setdefault(memory_key(value), key)
+                if first != key:  # one memory on any device (a TensorFlow variable twice)
+                    again[key] = first
+                    out[key] = None  # its place in the order
+                    continue
             if _is_cuda_tensor(value):  # into a pinned buffer, not waited for
                 buf = self.buffer(key, value.numel() * value.element_size(), pin=True)
                 out[key] = module("torch").copy_to_host(value, buf)
@@ -105,20 +113,23 @@ class HostBufferPool:
                 continue
             host, _ = to_host(value, key)
             hosts.append((key, host))
-            out[key] = None  # its place in the order
+            out[key] = None
         shared = shared_rows([host for _, host in hosts])
         for i, (key, host) in enumerate(hosts):
             if i in shared:
-                out[key] = out[hosts[shared[i]][0]]
+                again[key] = hosts[shared[i]][0]
                 continue
             dst = self.buffer(key, host.nbytes).view(host.dtype).reshape(host.shape)
             np.copyto(dst, host, casting="no")
             out[key] = dst
+        for key, first in again.items():
+            while first in again:  # a device value's first, itself one memory with another
+                first = again[first]
+            out[key] = out[first]
         if device_copies:
             module("torch").synchronize()  # the copies must land before the write
-        aliased = {hosts[i][0] for i in shared}  # no buffer of their own
-        for key in [k for k in self._buffers if k not in out or k in aliased]:
-            del self._buffers[key]
+        for key in [k for k in self._buffers if k not in out or k in again]:
+            del self._buffers[key]  # gone, or no buffer of its own
         return out
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._kernels import _table
 from ..errors import InvalidArgumentTypeError, InvalidKeyError, InvalidKeyTypeError
-from ..frameworks import gc_paused, kind_of, module, string_to_host, to_host
+from ..frameworks import gc_paused, kind_of, memory_key, module, string_to_host, to_host
 from ..values.devices import DeviceSpec
 from ..values.dtypes import storable
 from ..values.keys import check_keys, key_problem
@@ -132,8 +132,15 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
         ndarray = np.ndarray
         taken: list[int] = []
         tf_rows: list[int] = []  # TensorFlow values: converted in one batch
+        first_of: dict[tuple[Any, ...], int] = {}  # `memory_key` -> its first row
+        again: dict[int, int] = {}  # a row holding the very object of an earlier row
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in stored):
+                if aliases is not None:  # one object, one memory, on any device: converted once
+                    j = first_of.setdefault(memory_key(value), i)
+                    if j != i:
+                        again[i] = j
+                        continue
                 if kind_of(value) == "tensorflow":  # strings among them too: sorted in the batch
                     tf_rows.append(i)
                     continue
@@ -156,6 +163,15 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
                     arrays[i], devices[i] = got
             taken.sort()
             moved = True
+        if again:  # the host array of the first row: `shared_rows` below finds them
+            firsts_taken = set(taken).intersection(again.values())
+            for i, j in again.items():
+                if j in firsts_taken:  # a string tensor: to the string file, as the first
+                    _string_leaf(arrays[i], keys[i], strings, device)
+                    taken.append(i)
+                else:
+                    arrays[i], devices[i] = arrays[j], devices[j]
+            taken.sort()
         if taken:  # string tensors went to `strings`: the columns without them
             gone = set(taken)
             keep = [i for i in range(len(keys)) if i not in gone]

@@ -67,33 +67,12 @@ def object_kind(name: str, obj: Any) -> str:
 # --- saving: state -> flat tensors + a JSON skeleton --------------------------------------------
 
 
-def _identity(x: Any) -> tuple[Any, ...] | None:
-    """What makes two tensors the same memory (tied weights); None for ones never shared."""
-    if isinstance(x, np.ndarray):
-        if x.size == 0:
-            return None
-        return ("numpy", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
-    if kind_of(x) == "torch":
-        if x.numel() == 0:
-            return None
-        if type(x).__name__ == "DTensor":  # a wrapper without storage: its local shard's
-            x = x.to_local()
-        return (
-            "torch", str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
-            tuple(x.shape), x.stride(), x.dtype,
-        )
-    if is_variable(x):  # one variable reached from two objects (a model and its optimizer)
-        return ("tensorflow", id(x))
-    return None
-
-
 class StateCollector:
     """Gathers the tensors to store while the JSON skeleton of each object is built."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, Any] = {}
         self._keys: set[str] = set()
-        self._first: dict[tuple[Any, ...], str] = {}
 
     def tensor(self, key: str, value: Any) -> dict[str, Any]:
         if key in self._keys:
@@ -103,13 +82,7 @@ class StateCollector:
             )
         self._keys.add(key)
         enc: dict[str, Any] = {"x": key, "k": _tensor_kind(value)}
-        ident = _identity(value)
-        if ident is not None:
-            first = self._first.setdefault(ident, key)
-            if first != key:
-                enc["alias"] = first  # tied: the data is stored once, under `first`
-                return enc
-        self.tensors[key] = value
+        self.tensors[key] = value  # tied ones are stored once by the save (its aliases)
         return enc
 
 
@@ -263,7 +236,7 @@ class StateRestorer:
         self.missing.extend(col.tensors)
 
     def tensor(self, enc: dict[str, Any], current: Any, key: str, create: bool) -> Any:
-        src = enc.get("alias", enc["x"])
+        src = enc.get("alias", enc["x"])  # "alias": a tied tensor, in older skeletons
         if src not in self.reader:
             if current is not MISSING:
                 self.note_missing(current, key)
