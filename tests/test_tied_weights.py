@@ -80,7 +80,8 @@ def test_overlapping_views_and_empty_arrays_are_stored_as_they_are(tmp_path):
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
     empty = np.zeros((0, 4), np.float32)
     state = {"w": w, "rows": w[1:], "t": w.T, "first": w[0], "bytes": w.view(np.int32),
-             "e1": empty, "e2": empty, "e3": w[:0]}
+             "e1": empty, "e2": empty, "e3": w[:0],
+             "yes": np.True_, "again": np.True_}  # numpy's one True: a value, not a memory
     shardkit.save(tmp_path / "c", state)
     doc = _manifest(tmp_path / "c")
     assert "aliases" not in doc["shardkit"]

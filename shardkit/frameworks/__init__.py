@@ -153,15 +153,18 @@ def string_to_host(value: Any) -> tuple[np.ndarray, DeviceSpec | None] | None:
     return None
 
 
-def memory_key(value: Any) -> tuple[Any, ...]:
-    """What makes two framework values one memory: for torch tensors their device, address,
-    shape, strides and dtype (two views of one storage compare equal), else the object itself
-    (a TensorFlow variable reached from a model and its optimizer)."""
-    if kind_of(value) == "torch":
-        key = module("torch").memory_key(value)
-        if key is not None:
-            return key
-    return ("object", id(value))
+def memory_key(value: Any) -> tuple[Any, ...] | None:
+    """What makes two framework tensors one memory: for torch tensors their device, address,
+    shape, strides and dtype (two views of one storage compare equal; None when empty), for
+    other frameworks' tensors and variables the object itself (a TensorFlow variable reached
+    from a model and its optimizer); None for anything else (a numpy scalar is a value, and
+    equal ones may be one cached object)."""
+    kind = kind_of(value)
+    if kind == "torch":
+        return module("torch").memory_key(value)
+    if kind is not None or is_variable(value):
+        return ("object", id(value))
+    return None
 
 
 def module_state(state: Any) -> Any:

@@ -96,8 +96,9 @@ class HostBufferPool:
         first_of: dict[tuple[Any, ...], str] = {}  # `memory_key` of a framework value -> key
         again: dict[str, str] = {}  # key -> the key of the same memory, copied for both
         for key, value in items:
-            if type(value) is not np.ndarray:  # framework values (and Keras variables)
-                first = first_of.setdefault(memory_key(value), key)
+            same = None if type(value) is np.ndarray else memory_key(value)
+            if same is not None:  # a framework tensor or variable
+                first = first_of.setdefault(same, key)
                 if first != key:  # one memory on any device (a TensorFlow variable twice)
                     again[key] = first
                     out[key] = None  # its place in the order

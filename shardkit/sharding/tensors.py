@@ -136,8 +136,9 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
         again: dict[int, int] = {}  # a row holding the very object of an earlier row
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in stored):
-                if aliases is not None:  # one object, one memory, on any device: converted once
-                    j = first_of.setdefault(memory_key(value), i)
+                same = None if aliases is None else memory_key(value)
+                if same is not None:  # one memory, on any device: converted once
+                    j = first_of.setdefault(same, i)
                     if j != i:
                         again[i] = j
                         continue
