@@ -324,8 +324,9 @@ def read_archive(read: Callable[[int, int], bytes], base: int, length: int,
         order = zf.read(prefix + "byteorder") if prefix + "byteorder" in zf.NameToInfo else b""
         data = zf.read(pkl)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
-        raise CorruptIndexError(f"{where}: a record of the archive cannot be read ({e})"
-                                ) from None
+        raise CorruptIndexError(f"{where}: a record of the archive at bytes [{base}, "
+                                f"{base + length}) cannot be read ({e}; the index points at "
+                                "other bytes, or the file is damaged)") from None
     if order not in (b"", b"little"):
         raise CorruptIndexError(f"{where}: the archive is {shown(order.decode(errors='replace'))}"
                                 "-endian; shardkit reads little-endian tensors only")
