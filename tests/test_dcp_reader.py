@@ -390,19 +390,14 @@ def _crafted(marker: Path):
     ]
 
 
-def test_crafted_pickles_are_real(tmp_path):
-    # the crafted pickles do run when unpickled as usual (so the refusals below mean something)
-    marker = tmp_path / "ran"
-    for _, data in _crafted(marker)[:2]:
-        pickle.loads(data)
-        assert marker.exists()
-        marker.unlink()
-
-
 def test_crafted_metadata_refused_never_run(plain, tmp_path):
     path, _ = plain
     marker = tmp_path / "ran"
     for name, data in _crafted(marker):
+        if name.startswith("builtins"):  # the pickle is real: unpickled as usual, it runs
+            pickle.loads(data)
+            assert marker.exists(), name
+            marker.unlink()
         module = "posix" if b"posix" in data else name.rsplit(".", 1)[0]
         with open(os.path.join(path, ".metadata"), "wb") as f:
             f.write(data)
