@@ -63,6 +63,7 @@ def _state() -> dict:
         "scalar": torch.tensor(2.5),
         "step": torch.tensor(7, dtype=torch.int64),
         "empty": torch.zeros(0, 5),
+        "big": torch.randn(300, 301, generator=g),  # its archive's records past the first KiBs
         "opt": {"lr": 0.1, "name": "adam"},  # non-tensor items: pickled objects
     }
 
@@ -180,14 +181,27 @@ def _save_dtensors(rank: int, world: int, path: str) -> list:
         "plain": torch.full((4,), 2.0),
     }
     dcp.save(state, checkpoint_id=path)
-    return sorted(os.listdir(path))
+    files = sorted(os.listdir(path))
+    # read back by shardkit on every rank into DTensors placed another way: resharded
+    torch.distributed.barrier()
+    target = {
+        "s0": distribute_tensor(torch.zeros(9, 6), mesh, [Shard(1)]),
+        "s1": distribute_tensor(torch.zeros(5, 10), mesh, [Shard(0)]),
+        "bf16": distribute_tensor(torch.zeros(8, 4, dtype=torch.bfloat16), mesh, [Replicate()]),
+        "rep": distribute_tensor(torch.zeros(3, 3, dtype=torch.float64), mesh, [Shard(0)]),
+    }
+    shardkit.restore_into(path, target, partial=True, verify=True)
+    resharded = {k: bool(torch.equal(v.full_tensor(), g[k])) for k, v in target.items()}
+    return [files, resharded]
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("dcp2") / "ckpt")
-    files = harness.raise_any(harness.run_ranks(_save_dtensors, 2, path))
-    assert files[0] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    results = harness.raise_any(harness.run_ranks(_save_dtensors, 2, path))
+    for files, resharded in results:
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert resharded == {"s0": True, "s1": True, "bf16": True, "rep": True}
     return path
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import reprlib
 import struct
 import zipfile
 from collections.abc import Callable
@@ -51,6 +52,8 @@ STORAGES: Final[dict[str, str]] = {
     "QUInt8Storage": "quint8", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
 }
 MAX_PICKLE_BYTES: Final = 1 << 30  # a data.pkl larger than this is refused, not read
+_SHORT: Final = reprlib.Repr()  # Python 3.11's takes no arguments
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 40, 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +85,10 @@ class Record:
     def get(self, name: str, default: Any = None) -> Any:
         return self.__dict__.get(name, default)
 
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.__dict__}>"
+    @reprlib.recursive_repr()
+    def __repr__(self) -> str:  # short: it goes into error messages (`format.shown`)
+        fields = ", ".join(f"{k}={_SHORT.repr(v)}" for k, v in list(self.__dict__.items())[:6])
+        return f"{type(self).__name__}({fields})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,10 +245,25 @@ def load_pickle(data: bytes, allowed: dict[tuple[str, str], Any], where: str) ->
 
 
 class _Window(io.RawIOBase):
-    """Bytes ``[base, base + length)`` of a file read through `read(start, end)`, seekable."""
+    """Bytes ``[base, base + length)`` of a file read through `read(start, end)`, seekable.
+
+    Its first and last `_BLOCK` bytes are read once each, on first use: zipfile's many small
+    reads of the central directory (at the end) and of the first records' local headers
+    (``data.pkl``'s, at the start) are served from them."""
 
     def __init__(self, read: Callable[[int, int], bytes], base: int, length: int) -> None:
-        self._read, self._base, self._length, self._pos = read, base, length, 0
+        self._file_read, self._base, self._length, self._pos = read, base, length, 0
+        self._blocks: dict[int, bytes] = {}
+
+    def _read(self, start: int, end: int) -> bytes:
+        for at in (0, max(0, self._length - _BLOCK)):
+            if at <= start - self._base and end - self._base <= at + _BLOCK:
+                block = self._blocks.get(at)
+                if block is None:
+                    block = self._blocks[at] = self._file_read(
+                        self._base + at, self._base + min(self._length, at + _BLOCK))
+                return block[start - self._base - at : end - self._base - at]
+        return self._file_read(start, end)
 
     def readable(self) -> bool:
         return True
@@ -283,6 +303,7 @@ class Archive:
 
 
 _LOCAL: Final = struct.Struct("<4s5H3I2H")
+_BLOCK: Final = 4096
 
 
 def read_archive(read: Callable[[int, int], bytes], base: int, length: int,
@@ -305,7 +326,8 @@ def read_archive(read: Callable[[int, int], bytes], base: int, length: int,
         UnsafePickleError: its ``data.pkl`` names a global torch.save of tensors never writes.
     """
     try:
-        zf = zipfile.ZipFile(_Window(read, base, length))
+        window = _Window(read, base, length)
+        zf = zipfile.ZipFile(window)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise CorruptIndexError(f"{where}: bytes [{base}, {base + length}) are not a torch.save "
                                 f"archive ({e}; the file truncated, or not torch.save's "
@@ -339,7 +361,8 @@ def read_archive(read: Callable[[int, int], bytes], base: int, length: int,
         if info.compress_type != zipfile.ZIP_STORED:
             raise CorruptIndexError(f"{where}: record {name} is compressed (method "
                                     f"{info.compress_type}); torch.save stores records as is")
-        head = read(base + info.header_offset, base + info.header_offset + _LOCAL.size)
+        head = window._read(base + info.header_offset,
+                            base + info.header_offset + _LOCAL.size)
         if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
             raise CorruptIndexError(f"{where}: record {name} has no local header at "
                                     f"{base + info.header_offset}")
