@@ -161,6 +161,8 @@ def _global() -> dict:
         "bf16": torch.randn(8, 4, generator=g).to(torch.bfloat16),  # Shard(1) of bf16
         "rep": torch.randn(3, 3, generator=g, dtype=torch.float64),  # Replicate: once
         "tiny": torch.arange(2, dtype=torch.int64).reshape(1, 2),  # Shard(0): rank 1 empty
+        "empty0": torch.zeros(0, 5),  # Shard(0) of no items
+        "empty1": torch.zeros(0, 6, dtype=torch.int32),  # Shard(1): two chunks of no items
     }
 
 
@@ -178,6 +180,8 @@ def _save_dtensors(rank: int, world: int, path: str) -> list:
         "bf16": distribute_tensor(g["bf16"], mesh, [Shard(1)]),
         "rep": distribute_tensor(g["rep"], mesh, [Replicate()]),
         "tiny": distribute_tensor(g["tiny"], mesh, [Shard(0)]),
+        "empty0": distribute_tensor(g["empty0"], mesh, [Shard(0)]),
+        "empty1": distribute_tensor(g["empty1"], mesh, [Shard(1)]),
         "plain": torch.full((4,), 2.0),
     }
     dcp.save(state, checkpoint_id=path)

@@ -301,7 +301,8 @@ def _chunk(table: _Table, f: CheckpointFile, shard: int, key: str, row: int,
                                 f"{list(tensor.size)}, the index says {list(sizes)}")
     begin, crc = _placed(tensor, where, key, table.dtypes[row], archive.records)
     shape = table.shapes[row]
-    whole = all(o == 0 for o in offsets) and sizes == shape
+    # a tensor of no items keeps one chunk (`_chunks`), which stands for all of it
+    whole = (all(o == 0 for o in offsets) and sizes == shape) or not math.prod(shape)
     spec = WHOLE if whole else format_slice_spec(shape, offsets, sizes)
     table.rows.append((shard, begin, row, spec, crc))
 
@@ -318,9 +319,19 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def decode_torch_save(directory: CheckpointDirectory, name: str) -> DcpIndex:
-    """The table of the torch.save file `name` (a ``dcp_to_torch_save`` output): its tensors
-    whole, under their keys flattened with ``.``; other values listed as objects. Raises as
-    `decode_metadata`."""
+    """The table of the torch.save file `name` (a ``dcp_to_torch_save`` output).
+
+    Args:
+        directory: the directory holding it.
+        name: the file's name (``.pt`` / ``.pth``).
+
+    Returns:
+        The `DcpIndex`: its tensors whole, under their keys flattened with ``.``; other values
+        listed in `DcpIndex.objects` (and the ``dcp.objects`` metadata).
+
+    Raises:
+        UnsafePickleError, CorruptIndexError, UnknownCodecError: as `decode_metadata`.
+    """
     path = directory.join(name)
     check_shard_file_name(name, path)
     table = _Table()
