@@ -481,3 +481,37 @@ def test_crafted_chunk_pickle_in_distcp_refused(tmp_path):
     with pytest.raises(UnsafePickleError, match=r"'w'.*data\.pkl.*global posix\.system"):
         shardkit.open(path)
     assert not marker.exists()
+
+
+def test_mutated_files_fail_only_as_format_errors(plain, tmp_path):
+    # random bytes changed in .metadata or the .distcp, or either cut short: open, reads and
+    # verify either work or raise a CheckpointFormatError; nothing else escapes
+    import random
+    import shutil
+
+    from shardkit.errors import CheckpointFormatError
+
+    path, _ = plain
+    rng = random.Random(5)
+    seen: dict[str, int] = {}
+    for trial in range(300):
+        dst = tmp_path / f"m{trial}"
+        shutil.copytree(path, dst)
+        victim = dst / rng.choice([".metadata", "__0_0.distcp"])
+        data = bytearray(victim.read_bytes())
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data))]
+        victim.write_bytes(bytes(data))
+        try:
+            with shardkit.open(str(dst)) as reader:
+                for key in reader.keys():
+                    reader.get(key)
+                reader.verify_report()
+            kind = "ok"
+        except CheckpointFormatError as e:
+            kind = type(e).__name__
+        seen[kind] = seen.get(kind, 0) + 1
+        shutil.rmtree(dst)
+    assert seen.get("CorruptIndexError", 0) > 100 and seen.get("UnsafePickleError", 0) > 5, seen
