@@ -128,6 +128,11 @@ class ShardPathError(CorruptIndexError):
     """A shard file name in the manifest would leave the checkpoint directory."""
 
 
+class UnsafePickleError(CorruptIndexError):
+    """A pickle in a foreign checkpoint (PyTorch DCP's ``.metadata``, a torch.save archive's
+    ``data.pkl``) names a global outside the few its format needs: refused, never called."""
+
+
 class UnknownCodecError(CheckpointFormatError):
     """A shard is stored with a codec this version of shardkit cannot decode."""
 
@@ -262,8 +267,9 @@ __all__ = [
     "UnsupportedVersionError", "ChecksumError", "CheckpointExistsError",
     "RestoreMismatchError", "CorruptHeaderError", "EntryLayoutError",
     "GenerationMismatchError", "TruncatedShardError", "CorruptIndexError", "ShardPathError",
-    "UnknownCodecError", "SliceIndexError", "MissingShardError", "CheckpointReplacedError",
-    "NotRegularFileError", "SymlinkRefusedError", "ShardIOError", "ReaderClosedError",
+    "UnsafePickleError", "UnknownCodecError", "SliceIndexError", "MissingShardError",
+    "CheckpointReplacedError", "NotRegularFileError", "SymlinkRefusedError", "ShardIOError",
+    "ReaderClosedError",
     "MissingDependencyError", "UnknownModelError", "IncompleteRestoreError",
     "SplitTensorsWarning", "RetentionWarning", "DistributedError", "DistributedTimeoutError",
     "DistributedStateError", "DistributedSaveError", "StorageError", "Problem",

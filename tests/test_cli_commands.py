@@ -332,4 +332,5 @@ def test_help_says_files_are_accepted(command, capsys):
         build_parser().parse_args([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "checkpoint directory or file (shardkit's, HuggingFace's, a .safetensors file, a " \
-        "TensorFlow checkpoint's prefix or .index file)" in text
+        "PyTorch DCP directory, a torch.save .pt file, a TensorFlow checkpoint's prefix or " \
+        ".index file)" in text

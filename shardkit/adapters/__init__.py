@@ -8,7 +8,8 @@ shardkit's own checkpoints. Adapters open files only through the `CheckpointDire
 given (`shardkit.shards.files`: the checkpoint's directory handle, regular files, no symlinks unless
 asked) and name every file they open with `format.check_shard_file_name` first.
 
-`detect` picks the adapter (`SHARDKIT`, `HUGGINGFACE`, `SAFETENSORS`, `TENSORBUNDLE`) in the
+`detect` picks the adapter (`SHARDKIT`, `HUGGINGFACE`, `SAFETENSORS`, `DCP`, `TORCH_SAVE`,
+`TENSORBUNDLE`) in the
 order of docs/FORMAT.md section 11; a file or a TensorFlow prefix is found through its parent
 directory's handle (`shards.files.locate`).
 """
@@ -26,8 +27,9 @@ from ..format import (
     CheckpointIndex,
 )
 from ..optional import lazy_import
-from ..shards.files import BUNDLE_INDEX_SUFFIX, CheckpointDirectory
+from ..shards.files import BUNDLE_INDEX_SUFFIX, TORCH_SAVE_SUFFIXES, CheckpointDirectory
 from .base import FormatAdapter, ParsedHeader
+from .dcp import DCP, METADATA_FILE, TORCH_SAVE
 from .huggingface import HUGGINGFACE, SAFETENSORS
 from .shardkit import SHARDKIT
 from .tensorbundle.adapter import TENSORBUNDLE, state_target
@@ -50,6 +52,8 @@ def detect(directory: CheckpointDirectory, single: str | None = None
     if single is not None:
         if single.endswith(BUNDLE_INDEX_SUFFIX):
             return TENSORBUNDLE, single, None
+        if single.endswith(TORCH_SAVE_SUFFIXES):
+            return TORCH_SAVE, single, None
         return SAFETENSORS, single, None
     for name in MANIFEST_FILES:
         data = directory.read_manifest(name, MAX_INDEX_BYTES)
@@ -60,6 +64,8 @@ def detect(directory: CheckpointDirectory, single: str | None = None
         return HUGGINGFACE, name, data
     if directory.has(HF_SINGLE_FILE):
         return SAFETENSORS, HF_SINGLE_FILE, None
+    if directory.has(METADATA_FILE):  # torch.distributed.checkpoint's FileSystemWriter
+        return DCP, METADATA_FILE, None
     if directory.has(TF_STATE_FILE):  # tf.train.CheckpointManager's directory: its latest
         latest = state_target(directory)
         if latest is not None:
@@ -72,9 +78,9 @@ def detect(directory: CheckpointDirectory, single: str | None = None
             "again to read the new one")
     raise CheckpointNotFoundError(
         f"no checkpoint at {directory.path}: {MANIFEST_FILE} is missing (nor is there an "
-        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, or a {HF_SINGLE_FILE}, or TensorFlow's "
-        f"{TF_STATE_FILE} state file; an unfinished save leaves no manifest; the directory is "
-        "not a complete shardkit checkpoint)"
+        f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, or a {HF_SINGLE_FILE}, or PyTorch DCP's "
+        f"{METADATA_FILE}, or TensorFlow's {TF_STATE_FILE} state file; an unfinished save "
+        "leaves no manifest; the directory is not a complete shardkit checkpoint)"
     )
 
 
@@ -100,6 +106,6 @@ def _is_shardkit(data: bytes) -> bool:
 
 
 __all__ = [
-    "HF_SINGLE_FILE", "HUGGINGFACE", "SAFETENSORS", "SHARDKIT", "TENSORBUNDLE", "FormatAdapter",
-    "ParsedHeader", "detect", "read_index",
+    "DCP", "HF_SINGLE_FILE", "HUGGINGFACE", "SAFETENSORS", "SHARDKIT", "TENSORBUNDLE",
+    "TORCH_SAVE", "FormatAdapter", "ParsedHeader", "detect", "read_index",
 ]

@@ -52,5 +52,10 @@ class FormatAdapter:
         `entry` of source `src`, as the index records it."""
         raise NotImplementedError(f"{self.name} records no checksums of kind {kind!r}")
 
+    def missing(self, index: CheckpointIndex, key: str) -> str | None:
+        """Why `key`, which the layout holds but the table does not (a non-tensor item), cannot
+        be read; None for a key the layout does not hold."""
+        return None
+
     def __repr__(self) -> str:
         return f"<format adapter {self.name}>"

@@ -74,7 +74,8 @@ class CheckpointReader:
     """Read a checkpoint lazily; use as a context manager.
 
     `shardkit.adapters` detects the layout (`format`: shardkit's, HuggingFace's, a
-    ``.safetensors`` file, a TensorBundle) and builds the entry table; the rest is the same for
+    ``.safetensors`` file, a PyTorch DCP directory, a torch.save ``.pt`` file, a TensorBundle)
+    and builds the entry table; the rest is the same for
     all. The reader reads the checkpoint that was at `path` when it was opened, and no other.
     Every array returned is writable and stays valid after `close`; writing to it never
     changes the checkpoint.
@@ -113,8 +114,8 @@ class CheckpointReader:
 
     @property
     def format(self) -> str:
-        """The layout read: "shardkit", "huggingface", "safetensors" or "tensorbundle"
-        (`shardkit.adapters`)."""
+        """The layout read: "shardkit", "huggingface", "safetensors", "dcp", "torch-save" or
+        "tensorbundle" (`shardkit.adapters`)."""
         return self.layout.name
 
     @property

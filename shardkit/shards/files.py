@@ -86,11 +86,12 @@ def _what_file(path: str) -> str:
 
 
 def locate(path: str) -> tuple[str, str | None]:
-    """(directory, file name) of what a reader opens at `path`: a ``.safetensors`` file, or a
-    TensorFlow ``<prefix>.index`` (also given as the prefix itself, when no such path exists),
-    is read through its parent directory's handle as that one name; anything else is a
-    checkpoint directory (file name None)."""
-    if path.endswith((SAFETENSORS_SUFFIX, BUNDLE_INDEX_SUFFIX)) and os.path.isfile(path):
+    """(directory, file name) of what a reader opens at `path`: a ``.safetensors`` file, a
+    torch.save ``.pt`` / ``.pth`` file, or a TensorFlow ``<prefix>.index`` (also given as the
+    prefix itself, when no such path exists), is read through its parent directory's handle as
+    that one name; anything else is a checkpoint directory (file name None)."""
+    if path.endswith((SAFETENSORS_SUFFIX, BUNDLE_INDEX_SUFFIX, *TORCH_SAVE_SUFFIXES)
+                     ) and os.path.isfile(path):
         directory, name = os.path.split(path)
         return directory or os.curdir, name
     if not os.path.exists(path) and os.path.isfile(path + BUNDLE_INDEX_SUFFIX):
@@ -102,6 +103,7 @@ def locate(path: str) -> tuple[str, str | None]:
 
 SAFETENSORS_SUFFIX = ".safetensors"
 BUNDLE_INDEX_SUFFIX = ".index"  # a TensorFlow TensorBundle's index file: <prefix>.index
+TORCH_SAVE_SUFFIXES = (".pt", ".pth")  # a torch.save file (dcp_to_torch_save's output)
 
 
 def directory_replaced(path: str, dir_fd: int) -> bool:

@@ -44,10 +44,13 @@ __all__ = [
 
 PROG = "shardkit"
 CHECKPOINT_HELP = ("checkpoint directory or file (shardkit's, HuggingFace's, a .safetensors "
-                   "file, a TensorFlow checkpoint's prefix or .index file)")
+                   "file, a PyTorch DCP directory, a torch.save .pt file, a TensorFlow "
+                   "checkpoint's prefix or .index file)")
 """What a checkpoint argument takes: anything the reader opens (commands that read through the
 reader also take a checkpoint URL)."""
 DEFAULT_NUM_SHARDS = 8
+TO_SHARDKIT = ("tensorbundle", "dcp", "torch-save")
+"""Source layouts `convert` writes as shardkit's by default (the others: as TensorFlow's)."""
 DEFAULT_POLICY = "default"
 """The name `plan` and `demo` give `DefaultShardingPolicy`, the policy `save` uses."""
 _AUTO_MIN, _AUTO_MAX = 64 * 2**10, 2**30
@@ -445,12 +448,12 @@ def _add_convert_parser(sub: Any) -> None:
         "convert between shardkit and TensorFlow (TensorBundle) checkpoints",
         "Read the checkpoint SRC (anything the reader opens) and write it as DST: a\n"
         "TensorFlow checkpoint (DST is a prefix: DST.index + DST.data-*) or a shardkit\n"
-        "checkpoint directory. --to defaults to shardkit for a TensorFlow SRC, else\n"
-        "tensorflow. Every checksum SRC stores is checked first (as `shardkit verify`\n"
-        "does): a corrupt SRC is an error naming the file and the entry, and DST is not\n"
-        "written (--no-verify skips the check). Tensors are memory-mapped and written one\n"
-        "by one from the maps, so memory stays bounded by the page cache, not by the\n"
-        "checkpoint's size. Sliced tensors are written whole.",
+        "checkpoint directory. --to defaults to shardkit for a TensorFlow, PyTorch DCP or\n"
+        "torch.save SRC, else tensorflow. Every checksum SRC stores is checked first (as\n"
+        "`shardkit verify` does): a corrupt SRC is an error naming the file and the entry,\n"
+        "and DST is not written (--no-verify skips the check). Tensors are memory-mapped\n"
+        "and written one by one from the maps, so memory stays bounded by the page cache,\n"
+        "not by the checkpoint's size. Sliced tensors are written whole.",
     )
     p.add_argument("src", metavar="SRC", help=f"checkpoint to read: {CHECKPOINT_HELP}, or its URL")
     p.add_argument("dst", metavar="DST", help="checkpoint to write (a prefix for tensorflow)")
@@ -467,7 +470,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .profiling import human_size
 
     with open_checkpoint(args.src) as reader:
-        to = args.to or ("shardkit" if reader.format == "tensorbundle" else "tensorflow")
+        to = args.to or ("shardkit" if reader.format in TO_SHARDKIT else "tensorflow")
         count = len(reader)
         unchecked = reader.format != "shardkit" and not reader.layout.checksums
         metadata = reader.metadata

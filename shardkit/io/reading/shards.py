@@ -162,6 +162,9 @@ class ShardSet:
             return self.index.tensor_info(key)
         except (KeyError, TypeError):
             pass
+        why = self.layout.missing(self.index, key) if isinstance(key, str) else None
+        if why is not None:
+            raise KeyNotFoundError(f"key {key!r} of checkpoint {self.path} is {why}")
         close = difflib.get_close_matches(str(key), self.index.keys, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise KeyNotFoundError(
