@@ -39,7 +39,8 @@ def _dtypes() -> dict[str, np.dtype]:
             "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"),
             "U8": np.dtype("u1"), "BOOL": np.dtype("?"), "C64": np.dtype("<c8"),
             "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
-            "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz)}
+            "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz), "C128": np.dtype("<c16"),
+            "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu)}
 
 
 class Refused(Exception):

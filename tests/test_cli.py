@@ -132,7 +132,7 @@ def test_plan_size_and_count_options_feed_policies_without_arguments(capsys):
         (["--max-shard-size", "-3"], "--max-shard-size '-3' is not a size"),
         (["--max-shard-size", "junk"], "--max-shard-size 'junk' is not a size"),
         (["--policy", "balanced:0"], "num_shards must be >= 1, got 0"),
-        (["--dtype", "complex128"], "complex128 cannot be stored"),
+        (["--dtype", "complex256"], "complex256 cannot be stored"),
     ],
 )
 def test_plan_bad_arguments_exit_1_with_one_line(capsys, argv, message):

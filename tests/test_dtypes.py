@@ -12,7 +12,8 @@ EXPECTED = {
     "I16": (np.int16, 2), "I8": (np.int8, 1), "U64": (np.uint64, 8), "U32": (np.uint32, 4),
     "U16": (np.uint16, 2), "U8": (np.uint8, 1), "BOOL": (np.bool_, 1),
     "C64": (np.complex64, 8), "F8_E4M3FNUZ": (ml_dtypes.float8_e4m3fnuz, 1),
-    "F8_E5M2FNUZ": (ml_dtypes.float8_e5m2fnuz, 1),
+    "F8_E5M2FNUZ": (ml_dtypes.float8_e5m2fnuz, 1), "C128": (np.complex128, 16),
+    "F8_E8M0": (ml_dtypes.float8_e8m0fnu, 1),
 }
 
 
@@ -32,6 +33,6 @@ def test_rejections():
     with pytest.raises(UnsupportedDTypeError, match="big-endian"):
         safetensors_name(np.dtype(">f4"))
     with pytest.raises(UnsupportedDTypeError, match="cannot be stored"):
-        safetensors_name(np.dtype(np.complex128))
+        safetensors_name(np.dtype(np.clongdouble))
     with pytest.raises(UnsupportedDTypeError, match="unknown dtype name 'F128'"):
         numpy_dtype("F128")

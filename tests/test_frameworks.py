@@ -38,7 +38,8 @@ TORCH_DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
     "float8_e4m3fnuz": torch.float8_e4m3fnuz, "float8_e5m2fnuz": torch.float8_e5m2fnuz,
-    "complex64": torch.complex64,
+    "complex64": torch.complex64, "complex128": torch.complex128,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
 }
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

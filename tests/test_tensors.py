@@ -132,6 +132,12 @@ def test_string_and_object_arrays_point_to_metadata():
     with pytest.raises(UnsupportedDTypeError) as info:
         shardable_tensors({"c": np.zeros(1, np.clongdouble)})
     assert "metadata" not in str(info.value)  # numbers, not objects: no such hint
+    for array in (np.zeros(2, ml_dtypes.float4_e2m1fn), np.zeros(2, ml_dtypes.int4)):
+        with pytest.raises(UnsupportedDTypeError, match=rf"{array.dtype} cannot be stored") as e:
+            shardable_tensors({"q": array})
+        assert "metadata" not in str(e.value)  # ml_dtypes' numbers, though of kind "V"
+    with pytest.raises(UnsupportedDTypeError, match="go in metadata="):
+        shardable_tensors({"v": np.zeros(2, "V4")})
 
 
 def test_torch_tensors_without_host_data_are_a_shardkit_error():

@@ -120,7 +120,9 @@ def to_host(value: Any, key: str = "") -> tuple[np.ndarray, DeviceSpec | None]:
             raise UnsupportedDTypeError(f"{key!r}: dtype {dt} cannot be stored")
         array = array.astype(dt.newbyteorder("<"))
     elif not is_supported(dt):
-        hint = "; strings and objects go in metadata=" if dt.kind in "OUSV" else ""
+        # ml_dtypes' types are of kind "V" too, but numbers (float4_e2m1fn, int4): no such hint
+        raw = dt.kind in "OUS" or dt.type is np.void
+        hint = "; strings and objects go in metadata=" if raw else ""
         raise UnsupportedDTypeError(
             f"{key!r}: dtype {dt} cannot be stored (supported: {', '.join(STORABLE_NAMES)})"
             f"{hint}"

@@ -181,7 +181,7 @@ def to_host(value: Any) -> tuple[np.ndarray, DeviceSpec]:
     dtype = value.dtype
     if dtype == tf.string:
         raise UnsupportedDTypeError("a tf.string tensor is a string tensor, not an array")
-    if dtype.is_complex or dtype in (tf.resource, tf.variant):
+    if dtype in (tf.resource, tf.variant):
         raise UnsupportedDTypeError(f"TensorFlow dtype {dtype.name} cannot be stored")
     return _host_array(value), _device(value)
 

@@ -32,6 +32,7 @@ _BY_NAME: Final[dict[str, np.dtype]] = {
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
     "C64": np.dtype("<c8"),
+    "C128": np.dtype("<c16"),  # shardkit's name: safetensors defines no complex128
 }
 _ML_DTYPES: Final[dict[str, tuple[str, int]]] = {  # name -> (ml_dtypes' type, item size)
     "BF16": ("bfloat16", 2),
@@ -39,6 +40,7 @@ _ML_DTYPES: Final[dict[str, tuple[str, int]]] = {  # name -> (ml_dtypes' type, i
     "F8_E5M2": ("float8_e5m2", 1),
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
     "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
 }
 _ML_NAMES: Final[frozenset[str]] = frozenset(attr for attr, _ in _ML_DTYPES.values())
 _BY_DTYPE: Final[dict[np.dtype, str]] = {dt: name for name, dt in _BY_NAME.items()}
