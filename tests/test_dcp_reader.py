@@ -60,6 +60,8 @@ def _state() -> dict:
         "i8": torch.tensor([-128, 0, 127], dtype=torch.int8),
         "u8": torch.tensor([0, 200, 255], dtype=torch.uint8),
         "mask": torch.tensor([True, False, True]),
+        "c128": torch.randn(3, generator=g, dtype=torch.complex128),  # the one dtype table's
+        "e8m0": torch.tensor([1.0, 2.0, 0.5]).to(torch.float8_e8m0fnu),
         "scalar": torch.tensor(2.5),
         "step": torch.tensor(7, dtype=torch.int64),
         "empty": torch.zeros(0, 5),

@@ -26,20 +26,19 @@ from typing import Any, Final
 
 from ..errors import CorruptIndexError, UnsafePickleError
 from ..format import shown
+from ..values.dtypes import SAFETENSORS_NAMES, STORABLE_NAMES
 
-# torch's dtype attribute names -> shardkit's (safetensors) dtype names; other torch dtypes are
-# admitted as names (`TorchDType`) so that their tensors can be refused by key
+# torch's dtype attribute names -> shardkit's (safetensors) dtype names: the one dtype table's
+# (torch names its dtypes as numpy and ml_dtypes do), and torch's other spellings of them; other
+# torch dtypes are admitted as names (`TorchDType`) so that their tensors can be refused by key
 TORCH_DTYPES: Final[dict[str, str]] = {
-    "float64": "F64", "double": "F64", "float32": "F32", "float": "F32", "float16": "F16",
-    "half": "F16", "bfloat16": "BF16", "int64": "I64", "long": "I64", "int32": "I32",
-    "int": "I32", "int16": "I16", "short": "I16", "int8": "I8", "uint8": "U8",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL", "complex64": "C64",
-    "cfloat": "C64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    **dict(zip(STORABLE_NAMES, SAFETENSORS_NAMES)),
+    "double": "F64", "float": "F32", "half": "F16", "long": "I64", "int": "I32", "short": "I16",
+    "cfloat": "C64", "cdouble": "C128",
 }
 _OTHER_DTYPES: Final = frozenset({
-    "complex128", "cdouble", "complex32", "chalf", "qint8", "qint32", "quint8", "quint4x2",
-    "quint2x4", "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "int1", "int2",
+    "complex32", "chalf", "qint8", "qint32", "quint8", "quint4x2",
+    "quint2x4", "float4_e2m1fn_x2", "bits8", "bits16", "int1", "int2",
     "int3", "int4", "int5", "int6", "int7", "uint1", "uint2", "uint3", "uint4", "uint5",
     "uint6", "uint7"})
 # the legacy typed storages torch.save names (torch.storage._dtype_to_storage_type_map)
