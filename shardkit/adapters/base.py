@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..format import CheckpointIndex, EntryLayout, ShardInfo
+from ..format import CheckpointIndex, EntryLayout, ShardInfo, entries_at
 from ..shards.files import CheckpointDirectory
+
+
+@dataclass(slots=True, eq=False)
+class PlacedIndex(CheckpointIndex):
+    """A CheckpointIndex of data files without a header of their own (a TensorBundle's, DCP's):
+    where each stored slice begins in its file (`begins`: per shard, offsets from the start of
+    the file, in the order of the shard's slices), and per file whether every entry starts at a
+    multiple of its dtype's alignment (`aligned`)."""
+
+    begins: list[list[int]] = field(default_factory=list)
+    aligned: list[bool] = field(default_factory=list)
+
+    def layout(self, shard: int) -> tuple[list[str], list[str], list[tuple[int, ...]],
+                                          list[int]]:
+        """The entries of data file `shard` column-wise: names, dtype names, shapes, begins."""
+        r = self.shard_range(shard)
+        rows = self.slice_tensor[r.start : r.stop]
+        return (self.entry_names()[r.start : r.stop], list(map(self.dtypes.__getitem__, rows)),
+                self.slice_shapes()[r.start : r.stop], self.begins[shard])
+
+    @property
+    def entries(self) -> list[dict[str, EntryLayout]]:
+        """Per data file, entry name -> EntryLayout (offsets from the start of the file)."""
+        return [entries_at(*self.layout(i)) for i in range(len(self.shards))]
 
 
 @dataclass(frozen=True, slots=True)

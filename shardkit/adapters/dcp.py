@@ -47,7 +47,7 @@ from ..shards.files import CheckpointDirectory, CheckpointFile
 from ..values.dtypes import itemsize
 from ..values.keys import check_keys
 from ..values.slices import WHOLE, format_slice_spec
-from .base import FormatAdapter, ParsedHeader
+from .base import FormatAdapter, ParsedHeader, PlacedIndex
 from .torchsave import (
     METADATA_GLOBALS,
     Record,
@@ -67,22 +67,11 @@ _NOT_UNPICKLED: Final = ("a non-tensor item (a pickled Python object) of the PyT
 
 
 @dataclass(slots=True, eq=False)
-class DcpIndex(CheckpointIndex):
-    """A CheckpointIndex that also says where each stored slice begins in its file
-    (`begins`, per shard, in the shard's slice order), and which keys are non-tensor items
+class DcpIndex(PlacedIndex):
+    """A DCP checkpoint's index (`PlacedIndex`), and which keys are non-tensor items
     (`objects`: key -> why it is not in the table)."""
 
-    begins: list[list[int]] = field(default_factory=list)
-    aligned: list[bool] = field(default_factory=list)
     objects: dict[str, str] = field(default_factory=dict)
-
-    def layout(self, shard: int) -> tuple[list[str], list[str], list[tuple[int, ...]],
-                                          list[int]]:
-        """The entries of file `shard` column-wise: names, dtype names, shapes, begins."""
-        r = self.shard_range(shard)
-        rows = self.slice_tensor[r.start : r.stop]
-        return (self.entry_names()[r.start : r.stop], list(map(self.dtypes.__getitem__, rows)),
-                self.slice_shapes()[r.start : r.stop], self.begins[shard])
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ import bisect
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
@@ -35,14 +35,13 @@ from ...format import (
     ShardInfo,
     check_shard_file_name,
     check_slices,
-    entries_at,
     shown,
 )
 from ...sharding.tensors import DEFAULT_DEVICE, gc_paused
 from ...shards.files import CheckpointDirectory
 from ...values.keys import RESERVED, check_keys
 from ...values.slices import WHOLE
-from ..base import FormatAdapter, ParsedHeader
+from ..base import FormatAdapter, ParsedHeader, PlacedIndex
 from .columns import entry_columns, framed_columns
 from .datatypes import STRING
 from .names import INDEX_SUFFIX, STATE_FILE, data_file
@@ -56,28 +55,10 @@ CRC32C: Final = "crc32c"
 
 
 @dataclass(slots=True, eq=False)
-class TensorBundleIndex(CheckpointIndex):
-    """A CheckpointIndex that also says where each stored slice of each data file begins
-    (`begins`: per shard, offsets from the start of the file, in the order of the shard's
-    slices), and the header that was read."""
+class TensorBundleIndex(PlacedIndex):
+    """A TensorBundle's index (`PlacedIndex`), and the number of data files its header names."""
 
-    begins: list[list[int]] = field(default_factory=list)
     num_shards: int = 0
-    aligned: list[bool] = field(default_factory=list)
-    """Per data file: every entry starts at a multiple of its dtype's alignment."""
-
-    def layout(self, shard: int) -> tuple[list[str], list[str], list[tuple[int, ...]],
-                                          list[int]]:
-        """The entries of data file `shard` column-wise: names, dtype names, shapes, begins."""
-        r = self.shard_range(shard)
-        rows = self.slice_tensor[r.start : r.stop]
-        return (self.entry_names()[r.start : r.stop], list(map(self.dtypes.__getitem__, rows)),
-                self.slice_shapes()[r.start : r.stop], self.begins[shard])
-
-    @property
-    def entries(self) -> list[dict[str, EntryLayout]]:
-        """Per data file, entry name -> EntryLayout (offsets from the start of the file)."""
-        return [entries_at(*self.layout(i)) for i in range(len(self.shards))]
 
 
 class HexColumn(Sequence[str]):
