@@ -141,7 +141,10 @@ def rng() -> np.random.Generator:
 
 def test_every_dtype_and_odd_shape_round_trips(tmp_path, rng):
     flat = {}
-    for name in SAFETENSORS_NAMES:
+    # every name safetensors knows, as _check_checkpoint opens each shard with it: it refuses a
+    # whole shard holding C128, shardkit's own name (docs/FORMAT.md section 3.2), which
+    # tests/test_dtypes_wide.py round-trips through shardkit's reader
+    for name in [n for n in SAFETENSORS_NAMES if n != "C128"]:
         dt = numpy_dtype(name)
         flat[f"{name}/matrix"] = _random(rng, dt, (3, 5))
         flat[f"{name}/scalar"] = _random(rng, dt, ())
