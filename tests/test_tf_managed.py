@@ -185,6 +185,11 @@ def test_error_paths(tf, keras, tmp_path):
 
 
 def test_convert_a_checkpoint_to_tensorflow_writes_the_object_graph(tf, keras, tmp_path):
+    """A shardkit `Checkpoint(model, optimizer)` converted to TensorFlow's format has the keys
+    ``tf.train.Checkpoint(model=, optimizer=).save`` gives (each variable once, by its
+    shortest path: the compiled model's weights are its optimizer's ``_trainable_variables``,
+    not also ``model/optimizer/...``), and both TensorFlow and shardkit restore it bit-exact:
+    weights, Adam's slots, iterations and the save counter."""
     from shardkit.tools.cli import main
 
     model, opt = _trained(keras, 6)
@@ -193,11 +198,48 @@ def test_convert_a_checkpoint_to_tensorflow_writes_the_object_graph(tf, keras, t
     ckpt.save(tmp_path / "sk" / "ckpt")
     prefix = str(tmp_path / "tf" / "ckpt-2")
     assert main(["convert", str(tmp_path / "sk" / "ckpt-2"), prefix, "--to", "tensorflow"]) == 0
+    real = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "real" / "ck"))
+    assert (sorted(n for n, _ in tf.train.list_variables(prefix))
+            == sorted(n for n, _ in tf.train.list_variables(real)))
+    assert not any(n.startswith("model/") for n, _ in tf.train.list_variables(prefix))
+    want = _values(model, opt)
     fresh, fresh_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=8)
     root = tf.train.Checkpoint(model=fresh, optimizer=fresh_opt)
     root.restore(prefix).assert_consumed()
-    assert _values(fresh, fresh_opt) == _values(model, opt)
+    assert _values(fresh, fresh_opt) == want
     assert int(root.save_counter.numpy()) == 2
+    assert int(fresh_opt.iterations.numpy()) == int(opt.iterations.numpy()) > 0
+    ours, ours_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=10)
+    back = shardkit.Checkpoint(model=ours, optimizer=ours_opt)
+    back.read(prefix).assert_consumed()
+    assert _values(ours, ours_opt) == want
+    assert back.save_counter == 2
+    assert int(ours_opt.iterations.numpy()) == int(opt.iterations.numpy())
+
+
+def test_checkpoint_reads_its_saves_of_before_the_joint_keys(tf, keras, tmp_path):
+    """A shardkit-format `Checkpoint` save of TensorFlow objects written before they were
+    stored under the joint graph's keys (each object under its own: ``model/optimizer/...``
+    beside ``optimizer/...``, the layout entry without ``"joint"``) still restores."""
+    model, opt = _trained(keras, 15)
+    tfw = shardkit.frameworks.module("tensorflow")
+    state = {f"{name}/{key}": variable for name, obj in (("model", model), ("optimizer", opt))
+             for key, variable in tfw.object_variables(obj).items()}
+    assert any(k.startswith("model/optimizer/") for k in state)
+    from shardkit.training.checkpoint import METADATA_KEY
+
+    layout = {"version": 1, "objects": {
+        name: {"kind": "tensorflow", "tree": {"d": [
+            [k[len(name) + 1:], {"x": k, "k": "tensorflow"}]
+            for k in state if k.startswith(name + "/")]}}
+        for name in ("model", "optimizer")}}
+    state["save_counter"] = np.array(3, np.int64)
+    shardkit.save(tmp_path / "old", state, metadata={METADATA_KEY: layout})
+    fresh, fresh_opt = keras_model(keras, 4, 8, 2, activation="relu", seed=16)
+    back = shardkit.Checkpoint(model=fresh, optimizer=fresh_opt)
+    back.read(tmp_path / "old").assert_consumed()
+    assert _values(fresh, fresh_opt) == _values(model, opt)
+    assert back.save_counter == 3
 
 
 def test_object_graph_keys_are_unescaped_as_tensorflow_escapes_them():

@@ -56,6 +56,7 @@ SAVE_COUNTER = "save_counter"
 TF_SAVE_COUNTER = "save_counter/.ATTRIBUTES/VARIABLE_VALUE"  # tf.train.Checkpoint's key
 METADATA_KEY = "shardkit.checkpoint"
 LAYOUT_VERSION = 1
+JOINT = "joint"  # a TensorFlow object's layout entry: its keys are the joint graph's
 
 # --- Checkpoint ---------------------------------------------------------------------------------
 
@@ -193,12 +194,21 @@ class Checkpoint:
         target = open_storage(path).url
         return self._writer.submit(target, lambda: write(target, snapshot, write_opts))
 
-    def _current(self, name: str) -> Any:
+    def _current(self, name: str, joint: dict[str, dict[str, Any]] | None = None) -> Any:
+        """The state of object `name` as it is saved: a TensorFlow object's variables under
+        the keys of the joint graph (`_joint_tensorflow`, or `joint` when given)."""
         obj = self._objects[name]
         kind = self._kinds[name]
         if kind == "tensorflow":
-            return module("tensorflow").object_variables(obj)  # {key: variable}
+            if joint is None:
+                joint = self._joint_tensorflow()
+            return joint.get(name, {})  # {key relative to name: variable}
         return obj if kind in ("array", "tree") else obj.state_dict()
+
+    def _currents(self) -> dict[str, Any]:
+        """`_current` of every object, the joint graph's keys serialized once."""
+        joint = self._joint_tensorflow() if "tensorflow" in self._kinds.values() else None
+        return {name: self._current(name, joint) for name in self._kinds}
 
     def _tensorflow_root(self) -> Any:
         """One ``tf.train.Checkpoint`` over the tracked TensorFlow objects, its save counter
@@ -224,7 +234,10 @@ class Checkpoint:
 
     def _joint_tensorflow(self) -> dict[str, dict[str, Any]]:
         """Each tracked TensorFlow object's variables under the keys of the joint graph
-        (``{name: {key relative to name: variable}}``), and the save counter's."""
+        (``{name: {key relative to name: variable}}``), and the save counter's: the keys
+        ``tf.train.Checkpoint(**objects).write`` gives, where each variable is named once, by
+        its shortest path from the root (a compiled Keras model tracks its optimizer, whose
+        ``_trainable_variables`` are the model's weights: they are ``optimizer/...`` only)."""
         flat = module("tensorflow").object_variables(self._tensorflow_root())
         out: dict[str, dict[str, Any]] = {}
         for key, value in flat.items():
@@ -234,8 +247,12 @@ class Checkpoint:
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         col = StateCollector()
-        objects = {name: {"kind": kind, "tree": encode_skeleton(self._current(name), name, col)}
-                   for name, kind in self._kinds.items()}
+        currents = self._currents()
+        objects: dict[str, Any] = {}
+        for name, kind in self._kinds.items():
+            objects[name] = {"kind": kind, "tree": encode_skeleton(currents[name], name, col)}
+            if kind == "tensorflow":  # the joint graph's keys (older saves: the object's own)
+                objects[name][JOINT] = True
         col.tensor(SAVE_COUNTER, np.array(self._save_counter, np.int64))
         metadata = {METADATA_KEY: {"version": LAYOUT_VERSION, "objects": objects}}
         return col.tensors, metadata
@@ -269,15 +286,18 @@ class Checkpoint:
         with open_checkpoint(path) as reader:
             layout = reader.metadata.get(METADATA_KEY)
             stored = _stored_objects(layout, path)
-            joint = None  # TensorFlow's own graph: its keys for the TensorFlow objects
-            if OBJECT_GRAPH_KEY in reader and "tensorflow" in self._kinds.values():
+            joint = None  # the TensorFlow objects' keys: the joint graph's, as TensorFlow's
+            if "tensorflow" in self._kinds.values():
                 joint = self._joint_tensorflow()
             counter = TF_SAVE_COUNTER if TF_SAVE_COUNTER in reader else SAVE_COUNTER
             plans = []
             for name, kind in self._kinds.items():
-                current = (joint.get(name, {}) if joint is not None and kind == "tensorflow"
-                           else self._current(name))
-                enc = stored.get(name, {}).get("tree")
+                current = self._current(name, joint)
+                entry = stored.get(name, {})
+                if kind == "tensorflow" and "tree" in entry and not entry.get(JOINT):
+                    # saved before the joint keys: each object's own ("model/optimizer/...")
+                    current = module("tensorflow").object_variables(self._objects[name])
+                enc = entry.get("tree")
                 if enc is None:  # not saved by a Checkpoint: match tensors by key
                     enc = encode_skeleton(current, name, StateCollector())
                 plans.append((name, kind, current, enc, kind in ("optimizer", "stateful")))
@@ -334,8 +354,8 @@ class Checkpoint:
         if save_path is None:
             self._writer.wait()
             col = StateCollector()
-            for name in self._objects:
-                collect_tensor_keys(self._current(name), name, col)
+            for name, current in self._currents().items():
+                collect_tensor_keys(current, name, col)
             return CheckpointLoadStatus(None, [], list(col.tensors), [])
         return self.read(save_path, options, partial=partial)
 
