@@ -278,3 +278,38 @@ def test_restore_into_an_unbuilt_optimizer_defers_its_slots(tf, keras, tmp_path)
         assert bits(ours.train_on_batch(x, y)) == bits(theirs.train_on_batch(x, y))
     assert _values(ours, ours_opt) == _values(theirs, theirs_opt)
     assert int(ours_opt.iterations.numpy()) == int(opt.iterations.numpy()) + 3
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "unmatched variable"])
+def test_a_deferred_restore_checks_everything_before_it_assigns(tf, keras, tmp_path, case):
+    """The deferred restore (TensorFlow's read, into an unbuilt optimizer) binds the objects
+    by the graph and assigns as it goes: a mismatch found late (the last layer's kernel of
+    another shape; a variable the graph has no value for) raises before anything changed."""
+    from shardkit.errors import RestoreMismatchError
+
+    model, opt = _trained(keras, 17)
+    prefix = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "tf" / "ck"))
+    keras.utils.set_random_seed(18)
+    outputs = 3 if case == "wrong shape" else 2
+    ours = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(outputs)])
+    ours_opt = keras.optimizers.Adam(learning_rate=0.01)
+    ours.compile(ours_opt, "mse")
+    ours_opt.iterations.assign(5)
+    target = {"model": ours, "optimizer": ours_opt}
+    variables = [*ours.variables, *ours_opt.variables]
+    if case == "unmatched variable":
+        extra = tf.Module()
+        extra.w = tf.Variable(np.arange(3, dtype=np.float32))
+        target["extra"] = extra
+        variables.append(extra.w)
+    before = [bits(v.numpy()) for v in variables]
+    match = (r"'model/_functional/_operations/2/_kernel'.*has 'optimizer/_trainable_variables/2/"
+             r"\.ATTRIBUTES/VARIABLE_VALUE' of shape \[8, 2\].*shape \[8, 3\].*nothing was changed"
+             if case == "wrong shape" else
+             r"graph has no object for 1 variable\(s\) of the target: 'extra/w/.*nothing was "
+             r"changed")
+    with pytest.raises(RestoreMismatchError, match=match):
+        shardkit.restore_into(prefix, target)
+    assert [bits(v.numpy()) for v in variables] == before
+    assert not ours_opt.built

@@ -14,7 +14,6 @@ gives the ``_CHECKPOINTABLE_OBJECT_GRAPH`` proto stored as a string tensor, as T
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -341,25 +340,6 @@ def objects_only(state: Any) -> bool:
         return True
     return isinstance(state, Mapping) and bool(state) and all(
         isinstance(k, str) and is_trackable(v) for k, v in state.items())
-
-
-def read_deferred(state: Any, path: str) -> None:
-    """Restore `state` (`objects_only`) from the TensorBundle at `path` (a prefix, its
-    ``.index`` or a directory with a state file) with TensorFlow's own
-    ``tf.train.Checkpoint.read``: what exists now is assigned, values of objects not created
-    yet (an unbuilt Keras optimizer's slots) are restored when they are created, as
-    TensorFlow defers them. RestoreMismatchError when an existing object was not matched."""
-    root = state if is_trackable(state) else tf.train.Checkpoint(**state)
-    prefix = path
-    if os.path.isdir(path):
-        prefix = tf.train.latest_checkpoint(path) or path
-    elif path.endswith(".index"):
-        prefix = path[: -len(".index")]
-    status = root.read(prefix)
-    try:
-        status.assert_existing_objects_matched()
-    except AssertionError as e:
-        raise RestoreMismatchError(f"cannot restore from {path}: {e}") from None
 
 
 def is_variable(obj: Any) -> bool:

@@ -162,7 +162,18 @@ def _restore_into(path: str | os.PathLike[str], state: Mapping[str, Any], verify
             reader._verify_boxes(boxes)
         if defer:
             assert tf_module is not None
-            tf_module.read_deferred(state, str(reader.path))  # every target checked above
+            graph = bytes(reader.get(OBJECT_GRAPH_KEY)[()])
+
+            def stored_info(key: str) -> tuple[tuple[int, ...], np.dtype] | None:
+                if key not in reader:
+                    return None
+                info = reader.info(key)
+                return tuple(info.shape), info.dtype
+
+            from ..frameworks.tensorflow_graph import read_deferred
+
+            # checks everything TensorFlow's graph binds before its read assigns anything
+            read_deferred(state, str(reader.path), graph, stored_info)
             return CheckpointLoadStatus(str(reader.path), every, [], unexpected)
         for key, target, assign in texts:
             stored = reader._get_string(key)
