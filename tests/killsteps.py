@@ -13,7 +13,13 @@ stdin, one a line, ``SEED SHARDS KILL_AT``: it forks a child that saves `state(S
 SHARDS shards at PATH (overwrite) and SIGKILLs itself just before step KILL_AT (0: never), and
 prints ``killed``, or ``done N`` with the number of steps the save took. Forking from one
 process that imported everything once keeps each round cheap; the child starts every thread
-it uses (no other library has started one before the fork).
+it uses (no other library has started one before the fork: TensorFlow, imported for KIND
+``tf-manager``, runs no op before it).
+
+KIND ``tf-manager``: PATH is the directory of a shardkit ``CheckpointManager(...,
+format="tensorflow", max_to_keep=2)`` over `tf_model`'s Keras model and Adam; the child
+reopens it (``restore_or_initialize``), then makes SEED saves in SHARDS data files, each of
+the variables set to `tf_values` of its checkpoint number first.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("raw", "zstd", "fallback", "tensorflow", "s3")
+KINDS = ("raw", "zstd", "fallback", "tensorflow", "s3", "tf-manager")
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -50,6 +56,48 @@ def same(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
                 v.tolist() if v.dtype.kind == "O" else v.tobytes()):
             return False
     return True
+
+
+def tf_model(keras: Any) -> tuple[Any, Any]:
+    """The Keras model and its Adam (built: its slots exist) the ``tf-manager`` kind saves."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+    opt = keras.optimizers.Adam(learning_rate=0.01)
+    model.compile(opt, "mse")
+    opt.build(model.trainable_variables)
+    return model, opt
+
+
+def tf_values(variables: list[Any], number: int) -> list[np.ndarray]:
+    """What each of `variables` (the model's, then the optimizer's) holds in checkpoint
+    `number`: the optimizer's iterations `number`, everything else drawn from it."""
+    rng = np.random.default_rng(number)
+    out = []
+    for v in variables:
+        dtype = np.dtype(v.dtype)
+        if dtype.kind == "i":
+            out.append(np.full(tuple(v.shape), number, dtype))
+        else:
+            out.append(rng.standard_normal(tuple(v.shape)).astype(dtype))
+    return out
+
+
+def _manager_saves(path: str, saves: int, shards: int) -> None:
+    import keras
+
+    import shardkit
+
+    model, opt = tf_model(keras)
+    variables = [*model.variables, *opt.variables]
+    ckpt = shardkit.Checkpoint(model=model, optimizer=opt)
+    manager = shardkit.CheckpointManager(ckpt, path, max_to_keep=2, format="tensorflow")
+    manager.restore_or_initialize()
+    options = shardkit.CheckpointOptions(
+        threads=1, durable=True, experimental_sharding_callback=shardkit.BalancedPolicy(shards))
+    for _ in range(saves):
+        for v, value in zip(variables, tf_values(variables, ckpt.save_counter + 1)):
+            v.assign(value)
+        manager.save(options=options)
 
 
 def _arm(kill_at: int, steps: list[str]) -> None:
@@ -97,6 +145,13 @@ def main(kind: str, path: str, options_json: str = "{}") -> None:
     import shardkit
 
     warnings.simplefilter("ignore")  # SplitTensorsWarning and the like: not what is tested
+    if kind == "tf-manager":
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import keras  # noqa: F401  (imported once here; no op runs before the fork)
+        import tensorflow  # noqa: F401
+
+        import shardkit.adapters.tensorbundle.writer
+        import shardkit.frameworks.tensorflow
     if kind == "s3":
         import s3fs  # noqa: F401  (imported once here, not in every child)
 
@@ -112,7 +167,10 @@ def main(kind: str, path: str, options_json: str = "{}") -> None:
             try:
                 steps: list[str] = []
                 _arm(kill_at, steps)
-                _save(kind, path, seed, shards)
+                if kind == "tf-manager":
+                    _manager_saves(path, seed, shards)
+                else:
+                    _save(kind, path, seed, shards)
                 os.write(done_w, f"{len(steps)} {' '.join(steps)}".encode())
                 code = 0
             finally:

@@ -276,3 +276,62 @@ def test_sigkill_before_every_step_of_an_s3_overwrite(s3):
         _kill_every_step(helper, 2, 2, url, after_kill, after_reset)
     finally:
         helper.close()
+
+
+def test_sigkill_before_every_step_of_a_tensorflow_format_manager_save(tf, keras, tmp_path):
+    """A shardkit `CheckpointManager(..., format="tensorflow")` in a process of its own (real
+    TensorFlow) SIGKILLed just before each step of one save in turn (data files, the index,
+    TensorFlow's state file, retention's deletions): afterwards TensorFlow's
+    ``latest_checkpoint`` names a complete checkpoint it restores bit-exact (weights, Adam's
+    slots, iterations, save counter), TensorFlow's manager lists only complete ones, and the
+    shardkit manager reopened on the directory resumes saving, leaving nothing behind."""
+    from tfhelpers import bits
+
+    directory = str(tmp_path / "run")
+    model, opt = killsteps.tf_model(keras)
+    variables = [*model.variables, *opt.variables]
+
+    def number(path: str) -> int:
+        return int(path.rsplit("-", 1)[1])
+
+    def check() -> int:
+        latest = tf.train.latest_checkpoint(directory)
+        assert latest is not None
+        root = tf.train.Checkpoint(model=model, optimizer=opt)
+        listed = tf.train.CheckpointManager(root, directory, max_to_keep=2).checkpoints
+        assert listed and listed[-1] == latest and len(listed) <= 2, listed
+        for path in listed:  # each complete: restored by TensorFlow, every value bit-exact
+            restored = tf.train.Checkpoint(model=model, optimizer=opt)
+            restored.restore(path).assert_consumed()
+            want = killsteps.tf_values(variables, number(path))
+            assert [bits(v.numpy()) for v in variables] == [bits(a) for a in want], path
+            assert int(restored.save_counter.numpy()) == number(path)
+        return number(latest)
+
+    def clean(latest: int) -> None:
+        expected = ["checkpoint"] + [f"ckpt-{i}{suffix}" for i in (latest - 1, latest)
+                                     for suffix in (".index", ".data-00000-of-00002",
+                                                    ".data-00001-of-00002")]
+        assert sorted(os.listdir(directory)) == sorted(expected)
+
+    helper = _Helper("tf-manager", directory)
+    try:
+        assert helper.save(2, 2).startswith("done")  # ckpt-1, ckpt-2
+        assert check() == 2
+        reply = helper.save(1, 2).split()  # ckpt-3: what one save with retention steps on
+        count, latest = int(reply[1]), 3
+        assert check() == latest and count > 5, reply
+        clean(latest)
+        outcomes = []
+        for k in range(1, count + 1):
+            assert helper.save(1, 2, kill_at=k) == "killed"
+            got = check()
+            assert got in (latest, latest + 1), (k, got)
+            outcomes.append(got - latest)
+            assert helper.save(1, 2).startswith("done")  # reopened: resumes from `got`
+            latest = got + 1
+            assert check() == latest, k
+            clean(latest)
+        assert outcomes[0] == 0 and outcomes[-1] == 1, outcomes
+    finally:
+        helper.close()

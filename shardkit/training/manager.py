@@ -350,10 +350,15 @@ class CheckpointManager:
     def _tf_record(self, new_path: str) -> None:
         """After `new_path` is committed: record it in the state file (replaced atomically),
         then delete the prefixes beyond `max_to_keep`, as TensorFlow's manager does (a
-        prefix kept by ``keep_checkpoint_every_n_hours`` leaves the state file but stays)."""
+        prefix kept by ``keep_checkpoint_every_n_hours`` leaves the state file but stays).
+
+        The prefixes to delete are recorded first (`state.write_removals`) and the record
+        removed once they are gone, so deletions a kill interrupted (after the state file
+        left them out: nothing else names them any more) are finished by the next save."""
         from ..adapters.tensorbundle import state as tfstate
 
         new = os.path.basename(new_path)
+        pending = tfstate.read_removals(self._directory)
         state = self._tf_state()
         kept = dict(zip(state.paths, state.timestamps or [self._created] * len(state.paths)))
         kept.pop(new, None)
@@ -367,14 +372,22 @@ class CheckpointManager:
                 last_preserved = stamp
                 continue
             doomed.append(name)
+        doomed += [n for n in pending if n not in kept and n not in doomed
+                   and self._pattern.fullmatch(n)]  # left by a killed retention
+        if doomed:
+            tfstate.write_removals(self._directory, doomed)
         tfstate.write_state(self._directory, tfstate.CheckpointState(
             new, list(kept), list(kept.values()), last_preserved))
+        failed = False
         for name in doomed:
             try:
                 tfstate.remove_prefix(self._directory, name)
             except OSError as e:  # the new checkpoint is committed: keep going
+                failed = True
                 warnings.warn(f"{name}: not deleted by retention: {e}", RetentionWarning,
                               stacklevel=3)
+        if (doomed or pending) and not failed:
+            tfstate.write_removals(self._directory, [])
 
     @staticmethod
     def _remove(path: str) -> None:

@@ -1,19 +1,25 @@
 """TensorFlow's ``checkpoint`` state file: the CheckpointState text proto a TensorFlow
 ``tf.train.CheckpointManager`` keeps in its directory, read and written as TensorFlow's
 ``checkpoint_management.update_checkpoint_state_internal`` writes it (paths relative to the
-directory, the newest last; the file replaced atomically), and a prefix's files deleted.
+directory, the newest last; the file replaced atomically), a prefix's files deleted, and the
+retention record (`write_removals`) that lets a manager finish deletions a kill interrupted.
+
+Both files are written in a locked temp directory (``.<file>.shardkit-tmp-<random>``) and
+renamed into place, so a process killed while writing one leaves a stale temp directory, which
+the next save in the directory removes (``storage.commit.cleanup_stale``), never a stray file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointNotFoundError, CorruptIndexError
 from ...format.common import shown
+from ...storage import commit
 from .names import INDEX_SUFFIX, STATE_FILE
 
 
@@ -104,25 +110,59 @@ def write_state(directory: str, state: CheckpointState, durable: bool = True) ->
                   all_model_checkpoint_timestamps=state.timestamps,
                   last_preserved_timestamp=state.last_preserved)
     data = text_format.MessageToString(proto).encode("utf-8")
-    target = state_path(directory)
-    temp = f"{target}.tmp{uuid.uuid4().hex}"
+    _replace(state_path(directory), data, durable)
+
+
+REMOVALS_FILE = ".checkpoint.shardkit-removing"
+"""The prefixes a manager's retention is about to delete, one a line, written before the state
+file leaves them out and removed once they are deleted."""
+
+
+def read_removals(directory: str) -> list[str]:
+    """The prefixes an interrupted retention in `directory` had still to delete (none when it
+    finished or never started)."""
     try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(temp, target)
+        with open(os.path.join(directory, REMOVALS_FILE), "rb") as f:
+            data = f.read(1 << 20)
+    except FileNotFoundError:
+        return []
+    names = data.decode("utf-8", "replace").splitlines()
+    return [n for n in names if n and "/" not in n and n not in (".", "..")]
+
+
+def write_removals(directory: str, names: list[str], durable: bool = True) -> None:
+    """Record `names` (prefixes in `directory`) as to be deleted, atomically; an empty list
+    removes the record."""
+    target = os.path.join(directory, REMOVALS_FILE)
+    if names:
+        _replace(target, "".join(f"{n}\n" for n in names).encode("utf-8"), durable)
+        return
+    try:
+        os.unlink(target)
+    except FileNotFoundError:
+        return
+    if durable:
+        commit.fsync_dir(directory)
+
+
+def _replace(target: str, data: bytes, durable: bool) -> None:
+    """Replace the file `target` with `data` atomically: written in a locked temp directory
+    next to it, renamed over it, the temp directory removed."""
+    tmp, fd = commit.locked_tmp(Path(target))
+    try:
+        staged = tmp / os.path.basename(target)
+        commit.write_new(staged, [data], durable)
+        os.replace(staged, target)
+        if durable:
+            commit.fsync_dir(os.path.dirname(target) or ".")
+        with contextlib.suppress(OSError):
+            os.rmdir(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temp)
+            commit.remove_tree(tmp)
         raise
-    if durable:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    finally:
+        os.close(fd)
 
 
 def is_committed(directory: str, name: str) -> bool:
@@ -148,5 +188,5 @@ def _is_data_suffix(rest: str) -> bool:
             and rest[9:].isdigit())
 
 
-__all__ = ["CheckpointState", "is_committed", "read_state", "remove_prefix", "state_path",
-           "write_state"]
+__all__ = ["REMOVALS_FILE", "CheckpointState", "is_committed", "read_removals", "read_state",
+           "remove_prefix", "state_path", "write_removals", "write_state"]
