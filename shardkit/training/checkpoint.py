@@ -235,7 +235,7 @@ class Checkpoint:
     def _joint_tensorflow(self) -> dict[str, dict[str, Any]]:
         """Each tracked TensorFlow object's variables under the keys of the joint graph
         (``{name: {key relative to name: variable}}``), and the save counter's: the keys
-        ``tf.train.Checkpoint(**objects).write`` gives, where each variable is named once, by
+        ``tf.train.Checkpoint(**objects).save`` gives, where each variable is named once, by
         its shortest path from the root (a compiled Keras model tracks its optimizer, whose
         ``_trainable_variables`` are the model's weights: they are ``optimizer/...`` only)."""
         flat = module("tensorflow").object_variables(self._tensorflow_root())
