@@ -313,3 +313,25 @@ def test_a_deferred_restore_checks_everything_before_it_assigns(tf, keras, tmp_p
         shardkit.restore_into(prefix, target)
     assert [bits(v.numpy()) for v in variables] == before
     assert not ours_opt.built
+
+
+def test_prefixes_found_without_a_state_file_stay_managed(tf, keras, tmp_path):
+    """A directory whose save was killed before its first state file (committed prefixes, no
+    ``checkpoint``): a manager created later lists them, and the state file its next save
+    writes has them managed by TensorFlow's manager too (stamped after last_preserved)."""
+    model, opt = _trained(keras, 19)
+    directory = str(tmp_path / "run")
+    first = shardkit.CheckpointManager(shardkit.Checkpoint(model=model, optimizer=opt),
+                                       directory, max_to_keep=3, format="tensorflow")
+    first.save()
+    os.unlink(os.path.join(directory, "checkpoint"))
+    time.sleep(0.05)
+    ckpt = shardkit.Checkpoint(model=model, optimizer=opt)
+    manager = shardkit.CheckpointManager(ckpt, directory, max_to_keep=3, format="tensorflow")
+    assert manager.restore_or_initialize() == os.path.join(directory, "ckpt-1")
+    manager.save()
+    kept = [os.path.join(directory, f"ckpt-{i}") for i in (1, 2)]
+    assert manager.checkpoints == kept
+    tf_manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=opt),
+                                            directory, max_to_keep=3)
+    assert tf_manager.checkpoints == kept

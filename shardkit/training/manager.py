@@ -324,8 +324,10 @@ class CheckpointManager:
         names.sort()
         paths = [n for _, n in names]
         stamps = [os.stat(os.path.join(self._directory, n + ".index")).st_mtime for n in paths]
-        return tfstate.CheckpointState(paths[-1] if paths else None, paths, stamps,
-                                       self._created)
+        # TensorFlow's manager manages only the checkpoints stamped after last_preserved: the
+        # prefixes found (a save killed before its first state file) are older than this one
+        preserved = min([self._created, *stamps]) - 1.0
+        return tfstate.CheckpointState(paths[-1] if paths else None, paths, stamps, preserved)
 
     def _tf_listing(self) -> list[tuple[int, str]]:
         from ..adapters.tensorbundle.state import is_committed
