@@ -21,7 +21,7 @@ from ..errors import (
 from ..optional import lazy_import
 from ..sharding.structure import check_record, tensor_keys
 from ..sharding.tensors import gc_paused
-from ..values.dtypes import SAFETENSORS_NAMES
+from ..values.dtypes import PACKED, SAFETENSORS_NAMES, packed_problem
 from ..values.keys import check_keys
 from ..values.slices import SliceSpec, check_tiling, parse_slice_spec
 
@@ -190,6 +190,11 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
     if largest.bit_length() * rank + 3 > 63 or rank > MAX_NDIM:
         for key, dtype, shape in zip(keys, dtypes, shapes):
             problem = shape_problem(shape, _ITEMSIZE[dtype])
+            if problem:
+                raise CorruptIndexError(f"{path}: tensor {shown(key)}{problem}")
+    if PACKED.intersection(dtypes):  # two elements a byte: an even count, whole and sliced
+        for key, dtype, shape in zip(keys, dtypes, shapes):
+            problem = packed_problem(dtype, shape)
             if problem:
                 raise CorruptIndexError(f"{path}: tensor {shown(key)}{problem}")
     _check_ids(device_ids, len(device_names), keys, "device", path, "shardkit.devices")
