@@ -296,3 +296,67 @@ def test_a_hostile_manifest_is_refused_naming_the_file(tmp_path):
     with pytest.raises(CorruptIndexError, match=rf"{manifest}: tensor 'w': F4 stores two elements"
                                                 r" a byte.*shape \[1, 3\] has 3"):
         shardkit.open(tmp_path / "c")
+
+
+def test_tensorflow_bundles_hold_float4_one_element_a_byte(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    state = {"w": codes((2, 7)), "f": np.ones(3, np.float32)}
+    shardkit.save(tmp_path / "sk", state, format="tensorflow")
+    reader = tf.train.load_checkpoint(str(tmp_path / "sk"))
+    assert reader.get_variable_to_dtype_map()["w"] == tf.dtypes.as_dtype(33)  # DT_FLOAT4_E2M1FN
+    assert same(np.asarray(reader.get_tensor("w")), state["w"])
+    data = next(tmp_path.glob("sk.data-*")).read_bytes()
+    assert state["w"].view(np.uint8).tobytes() in data  # a byte each, not packed
+    # TensorFlow's own bundle, of an odd count (which only shardkit's format refuses)
+    x = codes((3, 5), 4)
+    tf.raw_ops.SaveV2(prefix=str(tmp_path / "tf"), tensor_names=["x"], shape_and_slices=[""],
+                      tensors=[tf.convert_to_tensor(x)])
+    for mmap in (True, False):
+        with shardkit.open(tmp_path / "tf", mmap=mmap) as got:
+            assert same(got["x"], x) and got.verify() == 1
+            assert same(got.get_slice("x", np.s_[:, 1:4]), x[:, 1:4].copy())
+        target = {"x": np.zeros((3, 5), F4)}
+        shardkit.restore_into(tmp_path / "tf", target)
+        assert same(target["x"], x)
+    with pytest.raises(UnsupportedDTypeError, match=r"'x': F4 stores two elements a byte"):
+        shardkit.save(tmp_path / "again", shardkit.load(tmp_path / "tf"))
+    variable = tf.Variable(tf.convert_to_tensor(codes((2, 8))))  # TensorFlow values in
+    shardkit.save(tmp_path / "v", {"v": variable})
+    assert same(shardkit.load(tmp_path / "v")["v"], codes((2, 8)))
+
+
+def _collective_save(rank, world, path):
+    import torch
+
+    state = {"shared": codes((6, 10)), f"own{rank}": codes((4, 4), rank + 1)}
+    info = shardkit.save(path, state, process_group=torch.distributed.group.WORLD)
+    return info.files
+
+
+def test_a_collective_save_counts_float4_bytes_as_stored(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available():
+        pytest.skip("torch built without torch.distributed")
+    import distributed as harness  # tests/distributed.py
+
+    path = str(tmp_path / "c")
+    harness.raise_any(harness.run_ranks(_collective_save, 2, path))
+    loaded = shardkit.load(path)
+    assert same(loaded["shared"], codes((6, 10)))
+    assert same(loaded["own0"], codes((4, 4), 1)) and same(loaded["own1"], codes((4, 4), 2))
+    with shardkit.open(path) as reader:
+        assert reader.verify() == 3 and reader.index.total_size() == 30 + 8 + 8
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_an_async_checkpoint_save_and_restore(tmp_path, compression):
+    from shardkit.training.checkpoint import Checkpoint
+
+    weights = {"w": codes((4, 6)), "odd_rows": codes((2, 3), 1)}
+    options = CheckpointOptions(enable_async=True, compression=compression)
+    ckpt = Checkpoint(model=weights)
+    path = ckpt.save(str(tmp_path / "c"), options)
+    ckpt.sync()
+    fresh = {k: np.zeros_like(v) for k, v in weights.items()}
+    Checkpoint(model=fresh).read(str(path)).assert_consumed()
+    assert all(same(fresh[k], v) for k, v in weights.items())

@@ -77,7 +77,9 @@ def _get_packed(shards: ShardSet, key: str, t: Any, dtype: np.dtype, ranges: lis
                 box_shape: tuple[int, ...]) -> np.ndarray:
     """`get_slice` of a tensor of a `PACKED` dtype (two elements a byte): of each stored slice
     it intersects, the bytes that hold its span of elements (from the byte of the first, so a
-    span that starts at an odd element starts in a high nibble), unpacked into a new array."""
+    span that starts at an odd element starts in a high nibble), unpacked into a new array.
+    A source whose entries hold one element a byte (not `packed`: TensorFlow's bundle) gives
+    the span's bytes as they are."""
     out = np.empty(box_shape, dtype)
     pieces: list[tuple[tuple[slice, ...], tuple[slice, ...], Any, int, int, tuple[int, ...],
                        tuple[int, ...]]] = []
@@ -89,17 +91,19 @@ def _get_packed(shards: ShardSet, key: str, t: Any, dtype: np.dtype, ranges: lis
         out_index, lo, hi, local = plan
         strides = c_strides(spec.shape, 1)  # in elements (one a byte once unpacked)
         e0, e1 = byte_span(lo, hi, strides, 1)  # the elements [e0, e1) of the stored slice
-        b0, b1 = e0 // 2, (e1 + 1) // 2
         src, entry = shards.entry(key, s)
+        packed = getattr(src, "packed", True)  # a codec of its own may not say
+        b0, b1 = (e0 // 2, (e1 + 1) // 2) if packed else (e0, e1)
         data: Any = src.view(entry, b0, b1)
         if data is None:
             data = np.empty(b1 - b0, np.uint8)
             jobs.append((src, entry, b0, b1, data.data))
-        pieces.append((out_index, local, data, e0 - 2 * b0, e1 - e0, span_shape(lo, hi),
-                       strides))
+        pieces.append((out_index, local, data, e0 - 2 * b0 if packed else -1, e1 - e0,
+                       span_shape(lo, hi), strides))
     read_jobs(shards, jobs)
     for out_index, local, data, first, count, shape, strides in pieces:
-        run = unpack(data, dtype, (count,), first)
+        run = (unpack(data, dtype, (count,), first) if first >= 0
+               else np.frombuffer(data, np.uint8, count).view(dtype))
         box = np.ndarray(shape, dtype, buffer=run, strides=strides)
         out[out_index] = box[as_view(local)]
     return out
