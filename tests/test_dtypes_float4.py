@@ -3,6 +3,7 @@ the header's and the manifest's shapes counting elements, as safetensors stores 
 unpacked (numpy, jax) or as torch's packed float4_e2m1fn_x2, through every read mode."""
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -360,3 +361,17 @@ def test_an_async_checkpoint_save_and_restore(tmp_path, compression):
     fresh = {k: np.zeros_like(v) for k, v in weights.items()}
     Checkpoint(model=fresh).read(str(path)).assert_consumed()
     assert all(same(fresh[k], v) for k, v in weights.items())
+
+
+def test_inspect_shows_the_stored_bytes_of_each_slice(tmp_path, capsys):
+    from shardkit.tools.cli import main
+
+    options = CheckpointOptions(experimental_sharding_callback=get_policy(
+        "max-shard-size", max_shard_size=64))
+    with pytest.warns(UserWarning):
+        shardkit.save(tmp_path / "c", {"w": codes((16, 16))}, options=options)  # 128 bytes
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "F4" in out and "16 16 0,8:0,16" in out and "16 16 8,8:0,16" in out
+    assert re.findall(r"16 16 \d,8:0,16  (\d+ B)  \[", out) == ["64 B", "64 B"]  # not 128 B
+    assert main(["verify", str(tmp_path / "c")]) == 0
