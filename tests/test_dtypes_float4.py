@@ -211,7 +211,7 @@ CONFIGS = {"max-shard-size": {"max_shard_size": 5}, "bin-pack": {"max_shard_size
            "balanced": {"num_shards": 7}, "default": {"max_shard_size": 5, "threads": 3}}
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted({*POLICIES, "default"}))  # default: io.save's
 def test_policies_never_split_at_an_odd_element(tmp_path, name):
     state = {"a": codes((6, 10)), "b": codes((5, 6), 1), "odd_last": codes((4, 3), 2),
              "c": codes((2, 2, 4), 3), "f": np.arange(12, dtype=np.float32).reshape(3, 4)}
@@ -375,3 +375,30 @@ def test_inspect_shows_the_stored_bytes_of_each_slice(tmp_path, capsys):
     assert "F4" in out and "16 16 0,8:0,16" in out and "16 16 8,8:0,16" in out
     assert re.findall(r"16 16 \d,8:0,16  (\d+ B)  \[", out) == ["64 B", "64 B"]  # not 128 B
     assert main(["verify", str(tmp_path / "c")]) == 0
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_checkpoint_at_a_url(tmp_path, compression):
+    import os
+
+    from shardkit.storage import open_storage
+
+    pytest.importorskip("fsspec")
+    url = f"memory://shardkit-float4/{os.getpid()}-{compression}"
+    state = {"w": codes((4, 6)), "odd_rows": codes((2, 3), 1)}
+    options = CheckpointOptions(compression=compression)
+    shardkit.save(url, state, options=options)
+    try:
+        for key, value in shardkit.load(url).items():
+            assert same(value, state[key]), key
+        with shardkit.open(url) as reader:
+            assert reader.verify() == 2
+            assert same(reader.get_slice("w", np.s_[:, 1:4]), state["w"][:, 1:4].copy())
+        if compression is None:  # uploaded from the packed arrays: a local save's bytes
+            shardkit.save(tmp_path / "c", state, options=options)
+            store = open_storage(url)
+            shard = next(s for s in store.list("") if s.name.endswith(".safetensors"))
+            _, data = raw_header(shard_of(tmp_path / "c"))
+            assert store.read_range(shard.name, 0, shard.size).endswith(data)
+    finally:
+        open_storage(url).fs.rm(open_storage(url).root, recursive=True)
