@@ -11,7 +11,7 @@ from typing import Any, Final
 import numpy as np
 
 from ..sharding.tensors import columns_constructor
-from ..values.dtypes import entry_sizes, nbytes
+from ..values.dtypes import PACKED, entry_sizes, nbytes
 from ..values.slices import WHOLE, parse_slice_spec
 from .common import FORMAT_VERSION, entry_name, shown
 from .header import _first
@@ -225,6 +225,13 @@ class CheckpointIndex:
                 n if s == WHOLE else f"{n}:{s}" for n, s in zip(names, self.slice_spec)
             ] if any(self.slice_spec) else names
         return got
+
+    def has_packed(self) -> bool:
+        """Whether a tensor has a `values.dtypes.PACKED` dtype (F4: two elements a byte)."""
+        got = self._cache.get("packed")
+        if got is None:
+            got = self._cache["packed"] = bool(PACKED.intersection(self.dtypes))
+        return bool(got)
 
     def slice_counts(self) -> np.ndarray:
         """How many stored slices each tensor has."""

@@ -192,7 +192,8 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
             problem = shape_problem(shape, _ITEMSIZE[dtype])
             if problem:
                 raise CorruptIndexError(f"{path}: tensor {shown(key)}{problem}")
-    if PACKED.intersection(dtypes):  # two elements a byte: an even count, whole and sliced
+    packed = bool(PACKED.intersection(dtypes))
+    if packed:  # two elements a byte: an even count, whole and sliced
         for key, dtype, shape in zip(keys, dtypes, shapes):
             problem = packed_problem(dtype, shape)
             if problem:
@@ -251,6 +252,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         slice_xxh3, user_metadata, version, generation, strings,
     )
     index.structure, index.aliases = structure, aliases
+    index._cache["packed"] = packed  # known here: `has_packed` need not scan the dtypes again
     check_slices(index, path)
     return index
 

@@ -209,7 +209,9 @@ def _packed(shard: ShardColumns) -> ShardColumns:
 
     Raises:
         UnsupportedDTypeError: such an array has an odd element count."""
-    dtypes = shard.dtypes if shard.dtypes is not None else list(map(_dtype_of, shard.arrays))
+    if shard.dtypes is None:  # taken from the arrays once, for `_layout` too
+        shard.dtypes = list(map(_dtype_of, shard.arrays))
+    dtypes = shard.dtypes
     kinds = {d: safetensors_name(d) for d in set(dtypes)}
     if not PACKED.intersection(kinds.values()):
         return shard

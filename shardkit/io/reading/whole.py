@@ -25,7 +25,7 @@ def get_tensors(shards: ShardSet, keys: Sequence[str] | None, rows: np.ndarray |
     (an alias and the tensor it names) get the one array read for it, as they were one memory
     when saved. Tensors of a `PACKED` dtype are new arrays, unpacked (`get_one`)."""
     index = shards.index
-    if not PACKED.intersection(index.dtypes):
+    if not index.has_packed():
         return _get_tensors(shards, keys, rows)
     keys = index.all_keys() if keys is None else list(dict.fromkeys(keys))
     rows = shards.rows_of(keys)
