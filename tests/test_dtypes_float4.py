@@ -402,3 +402,11 @@ def test_a_checkpoint_at_a_url(tmp_path, compression):
             assert store.read_range(shard.name, 0, shard.size).endswith(data)
     finally:
         open_storage(url).fs.rm(open_storage(url).root, recursive=True)
+
+
+def test_profile_counts_the_stored_bytes():
+    from shardkit.tools.profiling import profile
+
+    got = profile({"w": codes((16, 16)), "f": np.ones(8, np.float32)},
+                  {"bin-pack": get_policy("bin-pack", max_shard_size=64)})
+    assert sum(got[0].shard_bytes) == 128 + 32 and max(got[0].shard_bytes) <= 64
