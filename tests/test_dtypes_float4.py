@@ -324,6 +324,8 @@ def test_tensorflow_bundles_hold_float4_one_element_a_byte(tmp_path):
     variable = tf.Variable(tf.convert_to_tensor(codes((2, 8))))  # TensorFlow values in
     shardkit.save(tmp_path / "v", {"v": variable})
     assert same(shardkit.load(tmp_path / "v")["v"], codes((2, 8)))
+    back = shardkit.load(tmp_path / "v", framework="tensorflow")["v"]  # and out
+    assert back.dtype == tf.dtypes.as_dtype(33) and same(back.numpy(), codes((2, 8)))
 
 
 def _collective_save(rank, world, path):
