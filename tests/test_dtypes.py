@@ -14,6 +14,7 @@ EXPECTED = {
     "C64": (np.complex64, 8), "F8_E4M3FNUZ": (ml_dtypes.float8_e4m3fnuz, 1),
     "F8_E5M2FNUZ": (ml_dtypes.float8_e5m2fnuz, 1), "C128": (np.complex128, 16),
     "F8_E8M0": (ml_dtypes.float8_e8m0fnu, 1),
+    "F4": (ml_dtypes.float4_e2m1fn, 1),  # the numpy array's item size; stored two a byte
 }
 
 

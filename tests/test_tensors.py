@@ -132,7 +132,7 @@ def test_string_and_object_arrays_point_to_metadata():
     with pytest.raises(UnsupportedDTypeError) as info:
         shardable_tensors({"c": np.zeros(1, np.clongdouble)})
     assert "metadata" not in str(info.value)  # numbers, not objects: no such hint
-    for array in (np.zeros(2, ml_dtypes.float4_e2m1fn), np.zeros(2, ml_dtypes.int4)):
+    for array in (np.zeros(2, ml_dtypes.float6_e2m3fn), np.zeros(2, ml_dtypes.int4)):
         with pytest.raises(UnsupportedDTypeError, match=rf"{array.dtype} cannot be stored") as e:
             shardable_tensors({"q": array})
         assert "metadata" not in str(e.value)  # ml_dtypes' numbers, though of kind "V"

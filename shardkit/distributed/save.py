@@ -28,7 +28,7 @@ from ..io.writer import SavedTensors, default_threads, shard_columns
 from ..sharding.callback import shard_tensors
 from ..sharding.tensors import ShardableTensor, flatten_columns
 from ..values.devices import DeviceSpec
-from ..values.dtypes import itemsize, safetensors_name
+from ..values.dtypes import PACKED, itemsize, safetensors_name, stored_nbytes
 from ..values.sharing import shared_rows
 from ..values.slices import WHOLE, format_slice_spec
 
@@ -96,8 +96,8 @@ def held(state: Any, rank: int) -> Held:
             dev = device
         else:
             dev = DeviceSpec("worker", 0, rank, dev.device_type, dev.device_index)
-        rows.append((key, spec, safetensors_name(array.dtype), shape, int(array.nbytes), array,
-                     dev))
+        rows.append((key, spec, safetensors_name(array.dtype), shape, stored_nbytes(array),
+                     array, dev))
     shared = shared_rows([row[5] for row in rows], [row[1] for row in rows])
     aliases = {rows[i][0]: rows[j][0] for i, j in shared.items()}
     if shared:
@@ -231,6 +231,9 @@ def plan(columns: Sequence[Columns]) -> Plan:
     sizes = np.fromiter(map(math.prod, shapes.values), np.int64, len(shapes.values))
     items = np.fromiter(map(itemsize, dtypes.values), np.int64, len(dtypes.values))
     expected = sizes[shid[tensor_first]] * items[did[tensor_first]]
+    packed = [i for i, name in enumerate(dtypes.values) if name in PACKED]
+    if packed:  # two elements a byte (`values.dtypes.nbytes`)
+        expected = np.where(np.isin(did[tensor_first], packed), expected // 2, expected)
     wrong = np.flatnonzero(covered != expected)
     if wrong.size:
         k = int(wrong[0])

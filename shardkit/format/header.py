@@ -19,7 +19,14 @@ import numpy as np
 from .._kernels import _table
 from ..errors import CorruptHeaderError, EntryLayoutError, TruncatedShardError
 from ..sharding.tensors import columns_constructor, gc_paused
-from ..values.dtypes import SAFETENSORS_NAMES, safetensors_name
+from ..values.dtypes import (
+    PACKED,
+    SAFETENSORS_NAMES,
+    entry_sizes,
+    nbytes,
+    packed_problem,
+    safetensors_name,
+)
 from .common import (
     _ITEMSIZE,
     _LEGACY_HEAD,
@@ -105,7 +112,12 @@ def _layout_columns(entries: Sequence[tuple[str, np.dtype, Sequence[int]]]) -> _
             if name in seen:
                 raise ValueError(f"entry name {name!r} appears twice in one shard")
             seen.add(name)
-    nbytes = list(map(operator.mul, map(math.prod, shapes), sizes))
+    if PACKED.intersection(name for name, _ in kinds.values()):
+        for name, dtype_name, shape in zip(names, dtype_names, shapes):
+            problem = packed_problem(dtype_name, shape)  # no whole number of bytes
+            if problem:
+                raise ValueError(f"entry {name!r}{problem}")
+    nbytes = entry_sizes(dtype_names, shapes)
     if len(set(sizes)) == 1:  # one item size: the order is the input order
         order: Sequence[int] = range(len(names))
     else:
@@ -132,8 +144,7 @@ def entries_at(names: list[str], dtype_names: list[str], shapes: list[tuple[int,
                begins: list[int]) -> dict[str, EntryLayout]:
     """Entries by name, from columns: each starts at its begin and is as long as its dtype
     and shape make it."""
-    sizes = map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtype_names))
-    ends = list(map(operator.add, begins, sizes))
+    ends = list(map(operator.add, begins, entry_sizes(dtype_names, shapes)))
     return dict(zip(names, entry_layouts(names, dtype_names, shapes, begins, ends)))
 
 
@@ -313,8 +324,7 @@ def _decode_entries_fast(header: dict[str, Any], region: int) -> dict[str, Entry
         begins, ends = zip(*offsets)
         if not set(map(type, begins)) | set(map(type, ends)) <= _INT_ONLY or min(begins) < 0:
             raise _Slow
-        sizes = list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtypes)))
-        if list(map(operator.sub, ends, begins)) != sizes:
+        if list(map(operator.sub, ends, begins)) != entry_sizes(dtypes, shapes):
             raise _Slow
         b = np.array(begins, dtype=np.int64)
         e = np.array(ends, dtype=np.int64)
@@ -354,7 +364,7 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
         raise CorruptHeaderError(
             f"{where}: shape must be a list of non-negative integers, found {shown(shape)}"
         )
-    problem = shape_problem(shape, _ITEMSIZE[dtype])
+    problem = shape_problem(shape, _ITEMSIZE[dtype]) or packed_problem(dtype, shape)
     if problem:
         raise CorruptHeaderError(f"{where}{problem}")
     offs = e["data_offsets"]
@@ -365,7 +375,7 @@ def _decode_entry_checked(name: str, e: Any, i: int, path: str) -> EntryLayout:
     if begin < 0 or end < begin:
         raise EntryLayoutError(f"{where}: data_offsets [{shown(begin)}, {shown(end)}] are not 0 "
                                f"<= begin <= end")
-    expected = math.prod(shape) * _ITEMSIZE[dtype]
+    expected = nbytes(dtype, shape)
     if end - begin != expected:
         raise EntryLayoutError(
             f"{where}: data_offsets [{shown(begin)}, {shown(end)}] span {shown(end - begin)} "
@@ -472,7 +482,7 @@ def _match_header(
     unique = set(names)
     if len(unique) != len(names) or METADATA_KEY in unique:
         return None
-    ends = list(accumulate(map(operator.mul, map(math.prod, shapes), sizes)))
+    ends = list(accumulate(entry_sizes(dtype_names, shapes)))
     if region != (ends[-1] if ends else 0):
         return None
     begins = [0, *ends[:-1]] if ends else []

@@ -4,8 +4,6 @@ section 2). `index_encoding` writes it, `index_decoding` reads and checks it."""
 
 from __future__ import annotations
 
-import math
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -13,8 +11,9 @@ from typing import Any, Final
 import numpy as np
 
 from ..sharding.tensors import columns_constructor
+from ..values.dtypes import PACKED, entry_sizes, nbytes
 from ..values.slices import WHOLE, parse_slice_spec
-from .common import _ITEMSIZE, FORMAT_VERSION, entry_name, shown
+from .common import FORMAT_VERSION, entry_name, shown
 from .header import _first
 
 
@@ -52,7 +51,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        return nbytes(self.dtype, self.shape)
 
     @property
     def is_split(self) -> bool:
@@ -227,6 +226,13 @@ class CheckpointIndex:
             ] if any(self.slice_spec) else names
         return got
 
+    def has_packed(self) -> bool:
+        """Whether a tensor has a `values.dtypes.PACKED` dtype (F4: two elements a byte)."""
+        got = self._cache.get("packed")
+        if got is None:
+            got = self._cache["packed"] = bool(PACKED.intersection(self.dtypes))
+        return bool(got)
+
     def slice_counts(self) -> np.ndarray:
         """How many stored slices each tensor has."""
         got = self._cache.get("counts")
@@ -252,8 +258,7 @@ class CheckpointIndex:
         known = self._cache.get("total_size")
         if known is not None:
             return int(known)
-        return sum(map(operator.mul, map(math.prod, self.shapes),
-                       map(_ITEMSIZE.__getitem__, self.dtypes)))
+        return sum(entry_sizes(self.dtypes, self.shapes))
 
 
 _INDEX_FIELDS: Final = tuple(f for f in CheckpointIndex.__slots__ if f != "_cache")

@@ -21,7 +21,7 @@ from ..errors import (
 from ..optional import lazy_import
 from ..sharding.structure import check_record, tensor_keys
 from ..sharding.tensors import gc_paused
-from ..values.dtypes import SAFETENSORS_NAMES
+from ..values.dtypes import PACKED, SAFETENSORS_NAMES, packed_problem
 from ..values.keys import check_keys
 from ..values.slices import SliceSpec, check_tiling, parse_slice_spec
 
@@ -192,6 +192,12 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
             problem = shape_problem(shape, _ITEMSIZE[dtype])
             if problem:
                 raise CorruptIndexError(f"{path}: tensor {shown(key)}{problem}")
+    packed = bool(PACKED.intersection(dtypes))
+    if packed:  # two elements a byte: an even count, whole and sliced
+        for key, dtype, shape in zip(keys, dtypes, shapes):
+            problem = packed_problem(dtype, shape)
+            if problem:
+                raise CorruptIndexError(f"{path}: tensor {shown(key)}{problem}")
     _check_ids(device_ids, len(device_names), keys, "device", path, "shardkit.devices")
     _check_ids(slice_tensor, n, None, "tensor", path, "shardkit.tensors.key")
     _check_ids(slice_shard, len(shards), None, "shard", path, "shardkit.shards")
@@ -246,6 +252,7 @@ def _index_of(doc: dict[str, Any], path: str) -> CheckpointIndex:
         slice_xxh3, user_metadata, version, generation, strings,
     )
     index.structure, index.aliases = structure, aliases
+    index._cache["packed"] = packed  # known here: `has_packed` need not scan the dtypes again
     check_slices(index, path)
     return index
 

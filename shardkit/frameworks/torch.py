@@ -20,9 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, InvalidArgumentTypeError, RestoreMismatchError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    RestoreMismatchError,
+    UnsupportedDTypeError,
+)
 from ..values.devices import DeviceSpec
-from ..values.dtypes import carrier, framework_dtypes
+from ..values.dtypes import as_dtype, carrier, framework_dtypes, packed_name
+from ..values.nibbles import pack, unpack
 from . import to_host as checked_to_host
 
 
@@ -40,8 +46,15 @@ def owns(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+# torch's packed float4: two elements a byte along the last axis (the element shape is the
+# tensor's with its last dimension doubled); numpy holds them unpacked, as float4_e2m1fn
+_FLOAT4_X2 = getattr(torch, "float4_e2m1fn_x2", None)
+
+
 def host_dtype(dtype: Any) -> np.dtype:
     """The numpy (or ml_dtypes) dtype that holds a torch dtype's values."""
+    if dtype is not None and dtype == _FLOAT4_X2:
+        return as_dtype("float4_e2m1fn")
     got = framework_dtypes(torch).get(dtype)
     return got if got is not None else torch.empty(0, dtype=dtype).numpy().dtype
 
@@ -56,6 +69,12 @@ def to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
     t = t.detach()
     if dev.type != "cpu":
         t = t.cpu()
+    if t.dtype == _FLOAT4_X2:  # unpacked: a copy of (..., 2 * last) elements
+        if t.dim() == 0:
+            raise ValueError("a 0-d float4_e2m1fn_x2 tensor has no last axis to unpack along")
+        shape = (*t.shape[:-1], 2 * t.shape[-1])
+        data = t.contiguous().view(torch.uint8).numpy()
+        return unpack(data, host_dtype(t.dtype), shape), dev_spec
     if t.dtype in reinterpret:
         wide, np_dtype = reinterpret[t.dtype]
         if t.dim() == 0:
@@ -79,6 +98,8 @@ def from_host(array: np.ndarray, key: str = "") -> torch.Tensor:
     memory, negative strides). `key` is unused (the converter signature)."""
     if not array.flags.writeable:
         array = array.copy()
+    if packed_name(array.dtype) is not None:
+        return _float4_x2(array, key)
     special = _special()[1].get(array.dtype)
     try:
         if special is None:
@@ -91,6 +112,19 @@ def from_host(array: np.ndarray, key: str = "") -> torch.Tensor:
 
 
 _from_numpy = torch.from_numpy
+
+
+def _float4_x2(array: np.ndarray, key: str) -> torch.Tensor:
+    """A float4_e2m1fn array as torch's only float4 dtype, float4_e2m1fn_x2: packed two a byte
+    along the last axis, that axis halved (a new tensor)."""
+    if _FLOAT4_X2 is None or array.ndim == 0 or array.shape[-1] % 2:
+        why = ("this torch has no float4_e2m1fn_x2" if _FLOAT4_X2 is None else
+               f"its shape {list(array.shape)} has no even last dimension")
+        raise UnsupportedDTypeError(
+            f"{key!r}: torch holds float4_e2m1fn only as float4_e2m1fn_x2, two elements a byte "
+            f"along the last axis, and {why}; read it with framework='numpy'")
+    packed = pack(array).reshape(*array.shape[:-1], array.shape[-1] // 2)
+    return _from_numpy(packed).view(_FLOAT4_X2)
 
 
 def converter(device: Any = None) -> Any:
@@ -132,8 +166,9 @@ def _device(device: Any) -> torch.device | None:
 
 
 def _in_host_memory(t: Any) -> bool:
-    """A CPU tensor whose memory is its value (not a lazy conjugate or negation)."""
-    return bool(t.device.type == "cpu" and not (t.is_conj() or t.is_neg()))
+    """A CPU tensor whose memory is its value (not a lazy conjugate or negation, not packed)."""
+    return bool(t.device.type == "cpu" and not (t.is_conj() or t.is_neg())
+                and t.dtype != _FLOAT4_X2)
 
 
 def restore_target(leaf: Any, key: str) -> tuple[np.ndarray, Any] | None:

@@ -46,6 +46,7 @@ from ..sharding.tensors import (
     shardable_tensors,
 )
 from ..storage import is_url, open_storage
+from ..values.dtypes import stored_nbytes
 from ..values.slices import WHOLE
 from ..values.strings import StringColumns
 from .flow import RankSave, StorageOutput, run_save
@@ -167,7 +168,7 @@ class DefaultShardingPolicy(ShardingCallback):
 register_policy("default", DefaultShardingPolicy)  # get_policy("default"), plan --policy default
 
 _tensor_of = operator.attrgetter("tensor")
-_nbytes_of = operator.attrgetter("nbytes")
+_nbytes_of = stored_nbytes  # half the array's bytes for float4_e2m1fn
 _key_of = operator.attrgetter("checkpoint_key")
 _spec_of = operator.attrgetter("slice_spec")
 

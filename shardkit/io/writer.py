@@ -22,12 +22,13 @@ import numpy as np
 
 from .. import format as fmt
 from .._kernels import _gather, _table
-from ..errors import ShardkitError
+from ..errors import ShardkitError, UnsupportedDTypeError
 from ..optional import require
 from ..sharding.callback import TaskShard
 from ..sharding.tensors import ShardableTensor
 from ..storage import ShardFile, Storage, open_storage
-from ..values.dtypes import safetensors_name
+from ..values.dtypes import PACKED, packed_problem, safetensors_name
+from ..values.nibbles import pack
 from ..values.slices import parse_slice_spec
 from ..values.strings import StringColumns
 from .options import CheckpointOptions
@@ -176,6 +177,7 @@ def plan_shards(shards: Sequence[ShardColumns], codec: str, generation: str, fir
     meta = fmt.shard_metadata(generation)
     plans = []
     for i, shard in enumerate(shards):
+        shard = _packed(shard)
         keys, specs, arrays = shard.keys, shard.specs, shard.arrays
         names, dtype_names, shapes, begins, ends, order = _layout(shard)
         rows: range | list[int] | None = shard.rows
@@ -198,6 +200,32 @@ def plan_shards(shards: Sequence[ShardColumns], codec: str, generation: str, fir
             np.zeros(len(keys), np.uint64), rows,
         ))
     return plans
+
+
+def _packed(shard: ShardColumns) -> ShardColumns:
+    """`shard` with the arrays of a `PACKED` dtype (float4_e2m1fn) replaced by their stored
+    bytes (`values.nibbles.pack`, two elements a byte), their dtypes and element shapes kept;
+    `shard` itself when it holds none.
+
+    Raises:
+        UnsupportedDTypeError: such an array has an odd element count."""
+    if shard.dtypes is None:  # taken from the arrays once, for `_layout` too
+        shard.dtypes = list(map(_dtype_of, shard.arrays))
+    dtypes = shard.dtypes
+    kinds = {d: safetensors_name(d) for d in set(dtypes)}
+    if not PACKED.intersection(kinds.values()):
+        return shard
+    shapes = shard.shapes if shard.shapes is not None else list(map(_shape_of, shard.arrays))
+    arrays = list(shard.arrays)
+    for j, (d, a) in enumerate(zip(dtypes, arrays)):
+        if kinds[d] in PACKED:
+            problem = packed_problem(kinds[d], a.shape)
+            if problem:
+                raise UnsupportedDTypeError(
+                    f"{fmt.entry_name(shard.keys[j], shard.specs[j])!r}{problem}")
+            arrays[j] = pack(a)
+    return ShardColumns(shard.task, shard.keys, shard.specs, arrays, dtypes,
+                        _table.array_nbytes(arrays), shapes, shard.rows)
 
 
 def _layout(shard: ShardColumns) -> tuple[

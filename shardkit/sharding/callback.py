@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 import operator
 from collections.abc import Mapping, MutableMapping, Sequence
 from itertools import accumulate, chain, repeat
@@ -13,6 +14,7 @@ import numpy as np
 from ..errors import ShardingValidationError, ShardkitError, SliceSpecError
 from ..frameworks import loaded
 from ..values.devices import DeviceSpec
+from ..values.dtypes import packed_name
 from ..values.slices import SliceSpec, check_tiling, parse_slice_spec
 from .tensors import ShardableTensor, gc_paused
 
@@ -334,6 +336,10 @@ def _check_entry(
     if dtype != original.dtype:
         _fail("no dtype change", description, key, spec, f"dtype {original.dtype}",
               f"dtype {dtype}")
+    if box is not None and math.prod(box.lengths) % 2 and packed_name(original.dtype):
+        _fail("slices of a packed tensor hold an even count of elements", description, key,
+              spec, f"an even element count: {original.dtype} is stored two elements a byte",
+              f"shape {list(box.lengths)}, {math.prod(box.lengths)} elements")
     index = None
     if box is not None:
         origin = _region(original).offsets

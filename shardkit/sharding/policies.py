@@ -30,6 +30,7 @@ import numpy as np
 
 from .._kernels import _packing, _sizes
 from ..errors import PolicyError, SliceSpecError
+from ..values.dtypes import packed_name
 from ..values.slices import format_slice_spec, parse_slice_spec
 from .callback import Shard, ShardingCallback
 from .tensors import ShardableTensor, gc_paused
@@ -198,11 +199,16 @@ class MaxShardSizePolicy(_SizedPolicy):
         if not n:
             return []
         shapes = [t.tensor.shape for t in ts]
-        ranks = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
+        paired = _paired(ts)
+        planned = shapes if not paired else [
+            _planning_shape(t)[0] if i in paired else s for i, (t, s) in enumerate(zip(ts, shapes))]
+        ranks = np.fromiter(map(len, planned), dtype=np.int64, count=n)
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(ranks, out=indptr[1:])
-        dims = np.fromiter(itertools.chain.from_iterable(shapes), np.int64, int(indptr[-1]))
+        dims = np.fromiter(itertools.chain.from_iterable(planned), np.int64, int(indptr[-1]))
         itemsizes = np.fromiter((t.tensor.itemsize for t in ts), np.int64, count=n)
+        for i in paired:
+            itemsizes[i] = _planning_shape(ts[i])[1]
         try:
             owner, shard_of, geom, regular = _packing.max_shard_fill(
                 indptr, dims, itemsizes, self.max_shard_size
@@ -219,7 +225,7 @@ class MaxShardSizePolicy(_SizedPolicy):
         shard_list, geom_list = shard_of.tolist(), geom.tolist()
         whole_specs: dict[Any, str] = {}
         p = g = 0
-        for t, shape, count, keep in zip(ts, shapes, counts, own_spec):
+        for i, (t, shape, count, keep) in enumerate(zip(ts, planned, counts, own_spec)):
             r = len(shape)
             if count == 1:
                 if keep:
@@ -236,7 +242,10 @@ class MaxShardSizePolicy(_SizedPolicy):
             else:
                 pieces = []
                 for k in range(p, p + count):
-                    cut = _cut(t, geom_list[g : g + r], geom_list[g + r : g + 2 * r])
+                    offsets, lengths = geom_list[g : g + r], geom_list[g + r : g + 2 * r]
+                    if i in paired:
+                        offsets, lengths = _elements(offsets, lengths)
+                    cut = _cut(t, offsets, lengths)
                     pieces.append((shard_list[k], *cut))
                     g += 2 * r
             p += count
@@ -392,7 +401,30 @@ def get_policy(name: str, **config: Any) -> ShardingCallback:
 
 
 def _nbytes(ts: list[ShardableTensor]) -> np.ndarray:
-    return np.fromiter((t.tensor.nbytes for t in ts), dtype=np.int64, count=len(ts))
+    return np.fromiter((t.nbytes for t in ts), dtype=np.int64, count=len(ts))
+
+
+def _paired(ts: list[ShardableTensor]) -> set[int]:
+    """The inputs of a packed dtype (float4_e2m1fn, two elements a byte): the policies plan
+    them by `_planning_shape`, so that no piece holds an odd count of elements."""
+    dtypes = {d for d in set(map(operator.attrgetter("dtype"), ts)) if packed_name(d)}
+    return {i for i, t in enumerate(ts) if t.dtype in dtypes} if dtypes else set()
+
+
+def _planning_shape(t: ShardableTensor) -> tuple[tuple[int, ...], int]:
+    """The shape and item size a policy plans a packed tensor `t` by: pairs of elements along
+    its last axis, one byte each (any box of pairs is a box of an even count of elements:
+    `_elements` maps it back); one indivisible item of all its bytes (shape ``()``) when its
+    last axis is odd: such a tensor is never split."""
+    shape = t.tensor.shape
+    if shape and shape[-1] % 2 == 0:
+        return (*shape[:-1], shape[-1] // 2), 1
+    return (), t.nbytes
+
+
+def _elements(offsets: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A box of `_planning_shape`'s pairs as a box of elements: the last axis doubled."""
+    return ([*offsets[:-1], 2 * offsets[-1]], [*lengths[:-1], 2 * lengths[-1]])
 
 
 def _tensor_of(ts: list[ShardableTensor], e: Exception) -> str:
@@ -535,16 +567,21 @@ def _add_whole(shards: Shards, ts: list[ShardableTensor], ids: list[int]) -> Non
 
 def _split_large(ts: list[ShardableTensor], sizes: np.ndarray, cap: int) -> _Plan:
     """Split every splittable tensor larger than `cap` bytes into regions of at most `cap`."""
-    big = [int(i) for i in np.flatnonzero(sizes > cap) if ts[int(i)].tensor.ndim > 0]
+    paired = _paired(ts)
+    big = [int(i) for i in np.flatnonzero(sizes > cap)
+           if ts[int(i)].tensor.ndim > 0 and (i not in paired or _planning_shape(ts[i])[0])]
     if not big:
         return _Plan(sizes, {})
     split: dict[int, list[tuple[str, Any]]] = {}
     piece_sizes: dict[int, list[int]] = {}
     for i in big:
         t = ts[i]
-        regions = _split_box(t.tensor.shape, t.tensor.itemsize, cap)
+        shape, item = _planning_shape(t) if i in paired else (t.tensor.shape, t.tensor.itemsize)
+        regions = _split_box(shape, item, cap)
+        piece_sizes[i] = [math.prod(lengths) * item for _, lengths in regions]
+        if i in paired:
+            regions = [_elements(off, lengths) for off, lengths in regions]
         split[i] = [_cut(t, off, lengths) for off, lengths in regions]
-        piece_sizes[i] = [math.prod(lengths) * t.tensor.itemsize for _, lengths in regions]
     counts = np.ones(len(ts), dtype=np.int64)
     for i in big:
         counts[i] = len(split[i])

@@ -16,10 +16,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._kernels import _table
-from ..errors import InvalidArgumentTypeError, InvalidKeyError, InvalidKeyTypeError
+from ..errors import (
+    InvalidArgumentTypeError,
+    InvalidKeyError,
+    InvalidKeyTypeError,
+    UnsupportedDTypeError,
+)
 from ..frameworks import gc_paused, kind_of, memory_key, module, string_to_host, to_host
 from ..values.devices import DeviceSpec
-from ..values.dtypes import storable
+from ..values.dtypes import nbytes as dtype_nbytes
+from ..values.dtypes import packed_name, packed_problem, storable, stored_nbytes
 from ..values.keys import check_keys, key_problem
 from ..values.sharing import shared_rows
 from ..values.slices import WHOLE
@@ -69,8 +75,8 @@ class ShardableTensor:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of `tensor`."""
-        return self.tensor.nbytes
+        """The bytes of `tensor` where it is stored (half its array's for float4_e2m1fn)."""
+        return stored_nbytes(self.tensor)
 
 
 DeviceArg = str | DeviceSpec | Callable[[str], "str | DeviceSpec"] | None
@@ -192,6 +198,7 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
             arrays = [arrays[i] for i in keep]
             devices = [devices[i] for i in keep]
             described = [dtypes[i] for i in keep], nbytes[keep], [shapes[i] for i in keep]
+    described = _packed_sizes(keys, *described)
     if fixed is not None:
         devices = [fixed] * len(keys)
     elif device is not None:
@@ -205,6 +212,26 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
 
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
+
+
+def _packed_sizes(keys: list[str], dtypes: list[np.dtype], nbytes: np.ndarray,
+                  shapes: list[tuple[int, ...]]
+                  ) -> tuple[list[np.dtype], np.ndarray, list[tuple[int, ...]]]:
+    """The columns with the stored size of tensors of a `PACKED` dtype (float4_e2m1fn: two
+    elements a byte, half their arrays' bytes); UnsupportedDTypeError naming the key of one
+    with an odd element count, which has no whole number of bytes."""
+    names = {d: name for d in set(dtypes) if (name := packed_name(d)) is not None}
+    if not names:
+        return dtypes, nbytes, shapes
+    nbytes = nbytes.copy()
+    for i, dt in enumerate(dtypes):
+        name = names.get(dt)
+        if name is not None:
+            problem = packed_problem(name, shapes[i])
+            if problem:
+                raise UnsupportedDTypeError(f"{keys[i]!r}{problem}")
+            nbytes[i] = dtype_nbytes(name, shapes[i])
+    return dtypes, nbytes, shapes
 
 
 def _string_leaf(value: Any, key: str, strings: Any, device: DeviceArg) -> bool:

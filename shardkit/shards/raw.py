@@ -43,7 +43,8 @@ class ShardSource:
     `entries` maps entry name -> EntryLayout (offsets relative to the data region); `read_into`
     copies bytes ``[begin, end)`` of an entry into the writable buffer `dest`, `read_tasks` many
     such requests as tasks for the read pool (a codec decodes each chunk once), both thread-safe,
-    ranges of whole items. `view` is a zero-copy (private, writable) buffer or None;
+    ranges of whole items (`packed`: how an F4 entry holds its elements). `view` is a
+    zero-copy (private, writable) buffer or None;
     `whole_arrays` whole entries by offset, or None when only `read_tasks` reads them;
     `verify_entries` hashes entries (and checks a codec's frames); `matches_index`: the header
     was recognised as the index's (not checked again).
@@ -54,6 +55,9 @@ class ShardSource:
     entries: dict[str, EntryLayout]
     begins: list[int] | None = None
     matches_index = False
+    # entries of a `values.dtypes.PACKED` dtype (F4) hold two elements a byte, as safetensors
+    # stores them; False: one a byte, as TensorFlow's bundle does
+    packed = True
 
     def read_into(self, entry: EntryLayout, begin: int, end: int, dest: Any) -> None:
         raise NotImplementedError

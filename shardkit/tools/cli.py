@@ -329,9 +329,8 @@ def _add_inspect_parser(sub: Any) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import math
-
     from ..io.reader import open_checkpoint
+    from ..values.dtypes import nbytes as dtype_nbytes
     from ..values.slices import parse_slice_spec
     from .profiling import human_size, plural
 
@@ -369,7 +368,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     where = f"[{s.shard}] {s.entry}" if s.entry != key else f"[{s.shard}]"
                     if s.spec:  # this slice's own bytes
                         lengths = parse_slice_spec(s.spec, info.shape).lengths
-                        nbytes = math.prod(lengths) * info.dtype.itemsize
+                        nbytes = dtype_nbytes(info.dtype_name, lengths)
                 rows.append((key, info.dtype_name, str(list(info.shape)), s.spec or "(whole)",
                              human_size(nbytes), where))
                 key = ""  # further slices of the same tensor: key shown once

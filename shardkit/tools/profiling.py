@@ -17,6 +17,7 @@ from typing import Any
 from ..optional import require
 from ..sharding.callback import ShardingCallback, shard_tensors
 from ..sharding.tensors import ShardableTensor, shardable_tensors
+from ..values.dtypes import stored_nbytes
 
 __all__ = ["PolicyProfile", "format_table", "human_size", "plot_shard_sizes", "profile"]
 
@@ -106,7 +107,7 @@ def profile(
         start = time.perf_counter()
         task_shards = shard_tensors(callback, tensors)
         seconds = time.perf_counter() - start
-        sizes = [sum(a.nbytes for slices in shard.values() for a in slices.values())
+        sizes = [sum(stored_nbytes(a) for slices in shard.values() for a in slices.values())
                  for _, shard in task_shards]
         returned: Counter[str] = Counter()
         for _, shard in task_shards:

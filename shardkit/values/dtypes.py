@@ -1,9 +1,13 @@
 """The dtypes shardkit stores: safetensors names <-> numpy / ml_dtypes types <-> the frameworks'
-dtypes (torch, TensorFlow; jax uses numpy's), and item sizes. The one dtype table."""
+dtypes (torch, TensorFlow; jax uses numpy's), item sizes and the bytes of a stored tensor
+(`nbytes`, `entry_sizes`: the one size rule). The one dtype table."""
 
 from __future__ import annotations
 
+import math
+import operator
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -41,7 +45,12 @@ _ML_DTYPES: Final[dict[str, tuple[str, int]]] = {  # name -> (ml_dtypes' type, i
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
     "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
     "F8_E8M0": ("float8_e8m0fnu", 1),
+    "F4": ("float4_e2m1fn", 1),  # one code a byte in numpy; stored two a byte (`PACKED`)
 }
+PACKED: Final[frozenset[str]] = frozenset({"F4"})
+"""Dtypes stored two elements a byte (4-bit codes; element 0 in the low nibble), as safetensors
+stores them: a tensor of such a dtype needs an even element count. Their numpy arrays (and
+`itemsize`) hold one element a byte; `nbytes` is the stored size."""
 _ML_NAMES: Final[frozenset[str]] = frozenset(attr for attr, _ in _ML_DTYPES.values())
 _BY_DTYPE: Final[dict[np.dtype, str]] = {dt: name for name, dt in _BY_NAME.items()}
 
@@ -127,9 +136,71 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def itemsize(name: str) -> int:
-    """Item size in bytes of a safetensors dtype name (without importing ml_dtypes)."""
+    """Item size in bytes of a safetensors dtype name (without importing ml_dtypes): the
+    numpy array's (1 for the `PACKED` F4, whose stored size is `nbytes`)."""
     size = _ITEMSIZE.get(name) if isinstance(name, str) else None
     return size if size is not None else numpy_dtype(name).itemsize
+
+
+def nbytes(name: str, shape: Sequence[int]) -> int:
+    """The bytes a tensor takes where it is stored: ``prod(shape) * itemsize(name)``, half the
+    element count for a `PACKED` dtype. The one size rule (`entry_sizes` is its bulk form).
+
+    Args:
+        name: a safetensors dtype name ("F32", "F4"...).
+        shape: the tensor's shape, in elements.
+    Returns:
+        The size in bytes; -1 for an odd count of a packed dtype, which no stored tensor has
+        (`packed_problem` says why), so that it never equals an entry's size.
+    Raises:
+        UnsupportedDTypeError: `name` is no dtype name.
+    """
+    count = math.prod(shape)
+    if name in PACKED:
+        return -1 if count % 2 else count // 2
+    return count * itemsize(name)
+
+
+def entry_sizes(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[int]:
+    """`nbytes` of every (dtype name, shape) pair, in bulk (the products run in C).
+
+    Args:
+        names: safetensors dtype names, all known.
+        shapes: one shape per name.
+    Returns:
+        The sizes in bytes, in order (-1 for an odd count of a packed dtype, as `nbytes`).
+    Raises:
+        KeyError: a name is no dtype name.
+    """
+    sizes = list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, names)))
+    if "F4" in names:  # the one packed dtype (`PACKED`)
+        for i, name in enumerate(names):
+            if name in PACKED:
+                sizes[i] = -1 if sizes[i] % 2 else sizes[i] // 2
+    return sizes
+
+
+def packed_name(dtype: np.dtype) -> str | None:
+    """The safetensors name of `dtype` if it is a `PACKED` one (float4_e2m1fn: "F4"), else
+    None (without importing ml_dtypes: no array of its dtypes exists before)."""
+    if not _add_ml_dtypes(False):
+        return None
+    name = _BY_DTYPE.get(dtype)
+    return name if name in PACKED else None
+
+
+def stored_nbytes(array: np.ndarray) -> int:
+    """The bytes `array` takes stored: ``array.nbytes``, half of it for a `PACKED` dtype."""
+    return array.nbytes // 2 if packed_name(array.dtype) is not None else array.nbytes
+
+
+def packed_problem(name: str, shape: Sequence[int]) -> str:
+    """Why a tensor of dtype `name` and `shape` cannot be stored packed, worded after "tensor
+    'k'" / "entry 'e'"; "" if nothing (and for every dtype that is not `PACKED`)."""
+    if name not in PACKED or not math.prod(shape) % 2:
+        return ""
+    return (f": {name} stores two elements a byte, so it needs an even element count; shape "
+            f"{list(shape)} has {math.prod(shape)} (safetensors refuses it too)")
 
 
 _FRAMEWORK_TABLES: dict[str, dict[Any, np.dtype]] = {}

@@ -33,5 +33,6 @@ DTYPE_OF: Final[dict[int, str]] = {
     DATA_TYPES["DT_COMPLEX64"]: "C64", DATA_TYPES["DT_COMPLEX128"]: "C128",
     DATA_TYPES["DT_FLOAT8_E4M3FNUZ"]: "F8_E4M3FNUZ",
     DATA_TYPES["DT_FLOAT8_E5M2FNUZ"]: "F8_E5M2FNUZ", DATA_TYPES["DT_STRING"]: STRING,
+    DATA_TYPES["DT_FLOAT4_E2M1FN"]: "F4",  # one element a byte in a bundle, not packed
 }
 DATATYPE_OF: Final[dict[str, int]] = {v: k for k, v in DTYPE_OF.items()}

@@ -7,18 +7,23 @@ map into an aligned array; aligned entries are zero-copy views as for shardkit's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ...format import EntryLayout, ShardInfo, entries_at
+from ...format import EntryLayout, ShardInfo, entry_layouts
 from ...shards.raw import RawShard
+from ...values.dtypes import itemsize
 
 
 class BundleData(RawShard):
     """One ``<prefix>.data-0000i-of-0000n`` file; `entries` from the ``.index`` (offsets from
-    the start of the file: there is no header)."""
+    the start of the file: there is no header). TensorFlow stores float4_e2m1fn one element a
+    byte, as numpy holds it: its entries are not `packed`."""
+
+    packed = False
 
     def __init__(self, path: str, info: ShardInfo, begins: list[int],
                  layout: Callable[[], tuple[list[str], list[str], list[tuple[int, ...]],
@@ -39,7 +44,11 @@ class BundleData(RawShard):
     @property
     def entries(self) -> dict[str, EntryLayout]:  # type: ignore[override]
         if self._entries is None:
-            self._entries = entries_at(*self._layout())
+            names, dtype_names, shapes, begins = self._layout()
+            sizes = {d: itemsize(d) for d in set(dtype_names)}  # the bundle's size rule
+            ends = [b + math.prod(s) * sizes[d] for b, s, d in zip(begins, shapes, dtype_names)]
+            self._entries = dict(zip(names, entry_layouts(names, dtype_names, shapes, begins,
+                                                          ends)))
         return self._entries
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:

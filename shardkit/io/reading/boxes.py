@@ -11,7 +11,8 @@ import numpy as np
 
 from ...errors import InvalidArgumentError
 from ...format import SliceInfo
-from ...values.dtypes import numpy_dtype
+from ...values.dtypes import PACKED, numpy_dtype
+from ...values.nibbles import unpack
 from ...values.slices import SliceSpec
 from ...values.slicing import (
     MAX_PIECES,
@@ -37,6 +38,8 @@ def get_slice(shards: ShardSet, key: str, index: Any) -> np.ndarray:
     box_shape = tuple(len(r) for r in ranges)
     if math.prod(box_shape) == 0:
         return np.empty(final_shape, dtype)
+    if t.dtype in PACKED:
+        return _get_packed(shards, key, t, dtype, ranges, box_shape).reshape(final_shape)
     item = dtype.itemsize
     pieces: list[tuple[tuple[slice, ...], np.ndarray, bool]] = []
     jobs: list[ReadJob] = []
@@ -68,6 +71,42 @@ def get_slice(shards: ShardSet, key: str, index: Any) -> np.ndarray:
     for out_index, piece, _ in pieces:
         out[out_index] = piece
     return out.reshape(final_shape)
+
+
+def _get_packed(shards: ShardSet, key: str, t: Any, dtype: np.dtype, ranges: list[range],
+                box_shape: tuple[int, ...]) -> np.ndarray:
+    """`get_slice` of a tensor of a `PACKED` dtype (two elements a byte): of each stored slice
+    it intersects, the bytes that hold its span of elements (from the byte of the first, so a
+    span that starts at an odd element starts in a high nibble), unpacked into a new array.
+    A source whose entries hold one element a byte (not `packed`: TensorFlow's bundle) gives
+    the span's bytes as they are."""
+    out = np.empty(box_shape, dtype)
+    pieces: list[tuple[tuple[slice, ...], tuple[slice, ...], Any, int, int, tuple[int, ...],
+                       tuple[int, ...]]] = []
+    jobs: list[ReadJob] = []
+    for s, spec in zip(t.slices, shards.slice_specs(key, t)):
+        plan = plan_piece(ranges, spec)
+        if plan is None:
+            continue
+        out_index, lo, hi, local = plan
+        strides = c_strides(spec.shape, 1)  # in elements (one a byte once unpacked)
+        e0, e1 = byte_span(lo, hi, strides, 1)  # the elements [e0, e1) of the stored slice
+        src, entry = shards.entry(key, s)
+        packed = getattr(src, "packed", True)  # a codec of its own may not say
+        b0, b1 = (e0 // 2, (e1 + 1) // 2) if packed else (e0, e1)
+        data: Any = src.view(entry, b0, b1)
+        if data is None:
+            data = np.empty(b1 - b0, np.uint8)
+            jobs.append((src, entry, b0, b1, data.data))
+        pieces.append((out_index, local, data, e0 - 2 * b0 if packed else -1, e1 - e0,
+                       span_shape(lo, hi), strides))
+    read_jobs(shards, jobs)
+    for out_index, local, data, first, count, shape, strides in pieces:
+        run = (unpack(data, dtype, (count,), first) if first >= 0
+               else np.frombuffer(data, np.uint8, count).view(dtype))
+        box = np.ndarray(shape, dtype, buffer=run, strides=strides)
+        out[out_index] = box[as_view(local)]
+    return out
 
 
 def slices_in_box(shards: ShardSet, key: str, offsets: Sequence[int], lengths: Sequence[int]
@@ -119,6 +158,9 @@ def _plan_box(shards: ShardSet, key: str, start: tuple[int, ...], out: np.ndarra
     if out.dtype != dtype:
         raise InvalidArgumentError(
             f"{key!r}: a box read needs a {dtype} array, got {out.dtype}")
+    if t.dtype in PACKED:  # no byte of a map is an element: get_slice's reads and unpacking
+        rest.append((out, key, SliceSpec(t.shape, start, out.shape)))
+        return
     if len(t.slices) == 1 and out.shape == t.shape and not any(start):
         # the usual whole tensor in one entry: no box arithmetic
         src, entry = shards.entry(key, t.slices[0])

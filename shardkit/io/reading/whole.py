@@ -12,7 +12,8 @@ import numpy as np
 
 from ...shards.files import READ_CHUNK
 from ...shards.raw import ShardSource
-from ...values.dtypes import numpy_dtype
+from ...values.dtypes import PACKED, numpy_dtype
+from .boxes import get_slice
 from .jobs import ReadJob, bytes_of, read_jobs, run_reads, whole_entry
 from .shards import ShardSet
 
@@ -22,7 +23,27 @@ def get_tensors(shards: ShardSet, keys: Sequence[str] | None, rows: np.ndarray |
     """The whole tensors `keys` (None: every tensor and alias; `rows`: their index rows, when
     the caller has them), each key once, in the order first asked. Keys of one stored tensor
     (an alias and the tensor it names) get the one array read for it, as they were one memory
-    when saved."""
+    when saved. Tensors of a `PACKED` dtype are new arrays, unpacked (`get_one`)."""
+    index = shards.index
+    if not index.has_packed():
+        return _get_tensors(shards, keys, rows)
+    keys = index.all_keys() if keys is None else list(dict.fromkeys(keys))
+    rows = shards.rows_of(keys)
+    dtypes = index.dtypes
+    packed = [dtypes[r] in PACKED for r in rows.tolist()]
+    got = _get_tensors(shards, [k for k, p in zip(keys, packed) if not p],
+                       rows[~np.asarray(packed, bool)])
+    by_row: dict[int, np.ndarray] = {}
+    for key, row, p in zip(keys, rows.tolist(), packed):
+        if p:
+            got[key] = by_row[row] if row in by_row else by_row.setdefault(
+                row, get_one(shards, key))
+    return {k: got[k] for k in keys}
+
+
+def _get_tensors(shards: ShardSet, keys: Sequence[str] | None, rows: np.ndarray | None = None
+                 ) -> dict[str, np.ndarray]:
+    """`get_tensors` of tensors of no `PACKED` dtype."""
     index = shards.index
     if keys is None:
         got = _get_distinct(shards, None, None)
@@ -160,6 +181,8 @@ def get_one(shards: ShardSet, key: str) -> np.ndarray:
     """The whole tensor `key`, assembled from its stored slices."""
     t = shards.tensor(key)
     dtype = numpy_dtype(t.dtype)
+    if t.dtype in PACKED:  # two elements a byte: unpacked into a new array, also from a map
+        return get_slice(shards, key, ())
     if len(t.slices) == 1:  # spec "" or a box covering the whole tensor (tiling checked)
         src, entry = shards.entry(key, t.slices[0])
         return whole_entry(shards, src, entry, dtype, t.shape)
@@ -203,7 +226,7 @@ def read_direct(shards: ShardSet, targets: Sequence[tuple[str, np.ndarray]]) -> 
     jobs: list[ReadJob] = []
     for key, target in targets:
         t = shards.tensor(key)
-        if (len(t.slices) > 1 or not target.flags.c_contiguous
+        if (len(t.slices) > 1 or t.dtype in PACKED or not target.flags.c_contiguous
                 or not target.flags.writeable or target.dtype != numpy_dtype(t.dtype)):
             continue
         src, entry = shards.entry(key, t.slices[0])

@@ -41,7 +41,8 @@ class SkzShard:
 
     Has the members of the reader's ``shards.raw.ShardSource``: `entries`, `read_into`,
     `read_tasks` (a task per chunk), `view` and `whole_arrays` (always None: the bytes are
-    compressed), `verify_entries` (`shards.skz.verify`), `matches_index` (False), `close`.
+    compressed), `verify_entries` (`shards.skz.verify`), `matches_index` (False), `packed` (True),
+    `close`.
     `read_many` decodes every chunk of a set of ranges once and scatters it to all of them;
     `verify_frames` checks every frame. A frame whose bytes do not match its checksum raises
     ChecksumError naming the shard file, the frame and the entries stored in it.
@@ -87,6 +88,7 @@ class SkzShard:
 
     matches_index = False
     begins = None
+    packed = True  # F4 entries hold two elements a byte, as in a raw shard
 
     def view(self, entry: EntryLayout, begin: int, end: int) -> memoryview | None:
         return None
