@@ -344,3 +344,83 @@ def test_dcp_manifest_name_in_the_not_found_message(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(shardkit.errors.CheckpointNotFoundError, match=r"__0\.metadata"):
         shardkit.open(str(tmp_path / "x"))
+
+
+# --------------------------------- torch.save archives: what torch's own reader refuses
+
+
+def _pt(tmp_path, data: bytes) -> str:
+    pt = tmp_path / "t.pt"
+    pt.write_bytes(data)
+    return str(pt)
+
+
+def _saved_bytes() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(6.0)}, buf)
+    return buf.getvalue()
+
+
+def _with_record(data: bytes, name: str, value: bytes | None) -> bytes:
+    """The archive `data` with record `name` holding `value` (None: left out)."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            if info.filename.endswith("/" + name):
+                if value is not None:
+                    dst.writestr(info.filename, value)
+            else:
+                dst.writestr(info.filename, src.read(info))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("value, shown_as", [(None, "missing"), (b"0\n", r"b'0\\n'"),
+                                             (b"11\n", r"b'11\\n'"), (b"x\n", r"b'x\\n'")])
+def test_archive_version_torch_refuses(tmp_path, value, shown_as):
+    data = _with_record(_saved_bytes(), "version", value)
+    with pytest.raises(CorruptIndexError, match=rf"version record is {shown_as}, not a "
+                       r"version torch reads \(1 to 10"):
+        shardkit.open(_pt(tmp_path, data))
+
+
+@pytest.mark.parametrize("value", [b"1\n", b"3", b" 10\n", b"3x"])
+def test_archive_versions_torch_reads(tmp_path, value):
+    data = _with_record(_saved_bytes(), "version", value)
+    torch.load(_pt(tmp_path, data), weights_only=True)  # torch reads it: so does shardkit
+    _same(shardkit.load(_pt(tmp_path, data))["w"], torch.arange(6.0))
+
+
+def test_archive_record_sizes_disagree(tmp_path):
+    data = bytearray(_saved_bytes())
+    cd = data.find(b"PK\x01\x02" + bytes(4))
+    while data[cd + 46 : cd + 46 + 14] != b"archive/data/0":
+        cd = data.find(b"PK\x01\x02", cd + 4)
+    data[cd + 24] += 1  # the stored record's size, one more than its compressed size
+    with pytest.raises(CorruptIndexError, match=r"record 'archive/data/0' .* is 24 bytes "
+                       "stored for 25 .* sizes disagree"):
+        shardkit.open(_pt(tmp_path, bytes(data)))
+
+
+def test_archive_record_outside_its_directory(tmp_path):
+    data = bytearray(_saved_bytes())
+    at = data.rfind(b"archive/byteorder")  # its central directory entry's name
+    data[at] = ord("X")
+    with pytest.raises(CorruptIndexError, match=r"record 'Xrchive/byteorder' is not in the "
+                       "archive's directory 'archive/'"):
+        shardkit.open(_pt(tmp_path, bytes(data)))
+
+
+def test_metadata_layout_torch_does_not_know(tmp_path):
+    path = str(tmp_path / "d")
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=path)
+    file = os.path.join(path, ".metadata")
+    data = open(file, "rb").read()
+    assert data.count(b"\x8c\rtorch.strided") == 1
+    open(file, "wb").write(data.replace(b"\x8c\rtorch.strided", b"\x8c\rtorch.stride!"))
+    with pytest.raises(CorruptIndexError, match=r"layout 'torch.stride!' is not one of torch's"):
+        shardkit.open(path)

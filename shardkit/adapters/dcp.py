@@ -256,7 +256,8 @@ def decode_metadata(directory: CheckpointDirectory, name: str, data: bytes) -> D
         names = rank_metadata_files(directory) or [name]
     table = _Table()
     placed: list[tuple[str, int, tuple[int, ...], tuple[int, ...], Record]] = []
-    rows: dict[str, tuple[int, set[tuple[int, ...]], str]] = {}  # key -> row, offsets, file
+    # key -> its row, the sizes of its chunks by offsets, the file that named it first
+    rows: dict[str, tuple[int, dict[tuple[int, ...], tuple[int, ...]], str]] = {}
     version = None
     for file in names:
         path = directory.join(file)
@@ -289,7 +290,7 @@ def decode_metadata(directory: CheckpointDirectory, name: str, data: bytes) -> D
                 raise CorruptIndexError(f"{path}: key {shown(key)} is a tensor here and an "
                                         "object in an earlier rank's metadata file")
             if key not in rows:
-                rows[key] = (len(table.keys), set(), file)
+                rows[key] = (len(table.keys), {}, file)
                 table.keys.append(key)
                 table.dtypes.append(dtype)
                 table.shapes.append(shape)
@@ -300,9 +301,13 @@ def decode_metadata(directory: CheckpointDirectory, name: str, data: bytes) -> D
                     f"of size {list(table.shapes[row])} and dtype {table.dtypes[row]} in "
                     f"{first}")
             for offsets, sizes in _chunks(key, meta, shape, path):
-                if offsets in seen:  # saved by an earlier rank too (replicated)
+                if offsets in seen:  # listed again, or saved by an earlier rank (replicated)
+                    if seen[offsets] != sizes:
+                        raise CorruptIndexError(
+                            f"{path}: key {shown(key)}: the chunk at {list(offsets)} is of "
+                            f"sizes {list(sizes)} and {list(seen[offsets])}")
                     continue
-                seen.add(offsets)
+                seen[offsets] = sizes
                 info = storage.get((key, offsets))
                 if info is None:
                     raise CorruptIndexError(f"{path}: key {shown(key)}: chunk at "
