@@ -424,3 +424,27 @@ def test_metadata_layout_torch_does_not_know(tmp_path):
     open(file, "wb").write(data.replace(b"\x8c\rtorch.strided", b"\x8c\rtorch.stride!"))
     with pytest.raises(CorruptIndexError, match=r"layout 'torch.stride!' is not one of torch's"):
         shardkit.open(path)
+
+
+def test_dcp_at_a_url_is_refused_naming_why(tmp_path):
+    # a DCP directory uploaded to S3 (moto's server): the fsspec storage reads shardkit's own
+    # checkpoints only, and says so for DCP by name, never half-reading it
+    pytest.importorskip("moto")
+    s3fs = pytest.importorskip("s3fs")
+    from s3server import S3Server
+
+    path = str(tmp_path / "d")
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=path)
+    server = S3Server().start()
+    try:
+        shardkit.set_storage_options("s3://", **server.options)
+        bucket = server.bucket()
+        fs = s3fs.S3FileSystem(**server.options)
+        for name in os.listdir(path):
+            fs.put(os.path.join(path, name), f"{bucket}/dcp/{name}")
+        with pytest.raises(shardkit.errors.ShardkitError, match=r"__0_0\.distcp: only shardkit "
+                           r"checkpoints are read from URLs \(a HuggingFace, PyTorch DCP"):
+            shardkit.open(f"s3://{bucket}/dcp")
+    finally:
+        shardkit.set_storage_options("s3://")
+        server.stop()
