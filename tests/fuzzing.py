@@ -161,14 +161,27 @@ def tensorflow_reads(prefix: str) -> dict[str, np.ndarray] | None:
     return out
 
 
-def oracle_serve() -> None:
-    """Read ``prefix<TAB>answer`` lines from stdin; write `tensorflow_reads(prefix)` to the
-    pickle `answer` (``{"data": ...}``) and print one line when it is there. Each read runs in
+ORACLE_READS: list[Callable[[str], dict[str, np.ndarray] | None]] = [tensorflow_reads]
+"""The reading an oracle process answers with (`oracle_serve`'s `kind`): TensorFlow's of a
+bundle, or torch's of a DCP directory (`dcp_fuzzing.torch_dcp_reads`)."""
+
+
+def oracle_serve(kind: str = "tensorflow") -> None:
+    """Read ``prefix<TAB>answer`` lines from stdin; write `tensorflow_reads(prefix)` (with
+    `kind` "torch": `dcp_fuzzing.torch_dcp_reads`) to the pickle `answer` (``{"data": ...}``)
+    and print one line when it is there. Each read runs in
     a forked child, so a bundle that aborts or hangs TensorFlow (counted as refused) costs
     that child only, not TensorFlow's import again. A refusal the reader did not answer itself
     says how in ``"how"``: ``"died"`` (TensorFlow aborted the child, e.g. a failed CHECK) or
     ``"hang"`` (over TIMEOUT), so that a run can count the mutants judged by the time limit."""
-    import tensorflow  # noqa: F401  (imported once, before the first mutant)
+    if kind == "torch":
+        import dcp_fuzzing
+        import torch
+
+        torch.set_num_threads(1)  # no intra-op thread pool to inherit half-made in a fork
+        ORACLE_READS[0] = dcp_fuzzing.torch_dcp_reads
+    else:
+        import tensorflow  # noqa: F401  (imported once, before the first mutant)
 
     print("ready", flush=True)
     child = _fork_ahead(_oracle_read)
@@ -202,7 +215,7 @@ def _oracle_read(line: str, w: int) -> None:
     prefix, _, answer = line.partition("\t")
     partial = answer + ".part"
     with open(partial, "wb") as f:
-        pickle.dump({"data": tensorflow_reads(prefix)}, f)
+        pickle.dump({"data": ORACLE_READS[0](prefix)}, f)
     os.rename(partial, answer)
     os.write(w, b"1")
 
@@ -211,10 +224,13 @@ class TensorFlowOracle:
     """A process running `oracle_serve` (TensorFlow imported once, away from the test process:
     a hostile bundle may abort TensorFlow). Started at once, so that TensorFlow's import runs
     while the test prepares its seeds. `timeout` bounds one answer (`oracle_serve` bounds each
-    read by the same TIMEOUT, so this is reached only when the server itself is stuck)."""
+    read by the same TIMEOUT, so this is reached only when the server itself is stuck).
+    `kind` "torch": torch's reading of DCP directories instead (`dcp_fuzzing.torch_dcp_reads`,
+    torch imported in that process only)."""
 
-    def __init__(self, timeout: float = TIMEOUT) -> None:
+    def __init__(self, timeout: float = TIMEOUT, kind: str = "tensorflow") -> None:
         self.timeout = timeout
+        self.kind = kind
         self.proc: subprocess.Popen[str] | None = None
         self._start()
 
@@ -227,7 +243,7 @@ class TensorFlowOracle:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import fuzzing; fuzzing.oracle_serve()"],
+            [sys.executable, "-c", f"import fuzzing; fuzzing.oracle_serve({self.kind!r})"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             text=True, bufsize=1)
         self._ready = False
@@ -245,7 +261,7 @@ class TensorFlowOracle:
         if not self._ready:  # TensorFlow's import: generous, the machine may be loaded
             self._ready = self._line(max(600.0, self.timeout)) == "ready\n"
             if not self._ready:
-                raise RuntimeError("the TensorFlow oracle did not start")
+                raise RuntimeError(f"the {self.kind} oracle did not start")
         self.proc.stdin.write(f"{prefix}\t{answer}\n")
         self.proc.stdin.flush()
         if self._line(2 * self.timeout) != "done\n":

@@ -334,3 +334,27 @@ def test_help_says_files_are_accepted(command, capsys):
     assert "checkpoint directory or file (shardkit's, HuggingFace's, a .safetensors file, a " \
         "PyTorch DCP directory, a torch.save .pt file, a TensorFlow checkpoint's prefix or " \
         ".index file)" in text
+
+
+def test_inspect_shows_which_key_is_an_alias_of_which(tmp_path, capsys):
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path = tmp_path / "tied"
+    save(path, {"emb": w, "bias": np.ones(3), "head": w, "nested": {"again": w}})
+    assert main(["inspect", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tensors, aliases = lines.index("tensors:"), next(
+        i for i, line in enumerate(lines) if line.startswith("aliases"))
+    assert "tied weights" in lines[aliases]
+    stored = [line.split()[0] for line in lines[tensors + 2 : aliases] if line.strip()]
+    assert stored == ["emb", "bias"]  # the aliases are not listed as tensors of their own
+    assert lines[aliases + 1].split() == ["key", "alias", "of"]
+    assert [line.split() for line in lines[aliases + 2 :]] == [["head", "emb"],
+                                                             ["nested/again", "emb"]]
+    header, row = lines[aliases + 1], lines[aliases + 3]
+    assert row.index("emb") == header.index("alias of")  # the columns line up
+
+
+def test_inspect_without_aliases_has_no_alias_table(checkpoint, capsys):
+    assert main(["inspect", str(checkpoint)]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("aliases")]

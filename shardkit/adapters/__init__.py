@@ -29,7 +29,7 @@ from ..format import (
 from ..optional import lazy_import
 from ..shards.files import BUNDLE_INDEX_SUFFIX, TORCH_SAVE_SUFFIXES, CheckpointDirectory
 from .base import FormatAdapter, ParsedHeader
-from .dcp import DCP, METADATA_FILE, TORCH_SAVE
+from .dcp import DCP, METADATA_FILE, RANK_METADATA_FILE, TORCH_SAVE
 from .huggingface import HUGGINGFACE, SAFETENSORS
 from .shardkit import SHARDKIT
 from .tensorbundle.adapter import TENSORBUNDLE, state_target
@@ -66,6 +66,8 @@ def detect(directory: CheckpointDirectory, single: str | None = None
         return SAFETENSORS, HF_SINGLE_FILE, None
     if directory.has(METADATA_FILE):  # torch.distributed.checkpoint's FileSystemWriter
         return DCP, METADATA_FILE, None
+    if directory.has(RANK_METADATA_FILE):  # the same, saved with use_collectives=False
+        return DCP, RANK_METADATA_FILE, None
     if directory.has(TF_STATE_FILE):  # tf.train.CheckpointManager's directory: its latest
         latest = state_target(directory)
         if latest is not None:
@@ -79,8 +81,9 @@ def detect(directory: CheckpointDirectory, single: str | None = None
     raise CheckpointNotFoundError(
         f"no checkpoint at {directory.path}: {MANIFEST_FILE} is missing (nor is there an "
         f"{LEGACY_MANIFEST_FILE} of format 2.0/2.1, or a {HF_SINGLE_FILE}, or PyTorch DCP's "
-        f"{METADATA_FILE}, or TensorFlow's {TF_STATE_FILE} state file; an unfinished save "
-        "leaves no manifest; the directory is not a complete shardkit checkpoint)"
+        f"{METADATA_FILE} (or {RANK_METADATA_FILE}), or TensorFlow's {TF_STATE_FILE} state "
+        "file; an unfinished save leaves no manifest; the directory is not a complete shardkit "
+        "checkpoint)"
     )
 
 

@@ -50,7 +50,8 @@ class FormatAdapter:
 
     `name`: short name ("shardkit", "huggingface", "safetensors"); `description`: what
     ``shardkit inspect`` calls it; `checksums`: whether the layout can store checksums (the
-    table's ``slice_xxh3`` is all None when it cannot). `read_index` decodes the layout whose
+    table's ``slice_xxh3`` is all None when it cannot); `separator`: what joins the components
+    of its keys (``prefix=`` selects whole components). `read_index` decodes the layout whose
     table comes from file `name` of `directory` (a manifest, whose bytes are `data`, or a
     single safetensors file, `data` None), opening any other file through `directory`. Every
     failure is a ShardkitError subclass naming the file (and key). An adapter that parses shard
@@ -60,6 +61,7 @@ class FormatAdapter:
     name: str = ""
     description: str = ""
     checksums: bool = False
+    separator: str = "/"  # between a key's components, for ``prefix=``
 
     def read_index(self, directory: CheckpointDirectory, name: str, data: bytes | None,
                    headers: dict[int, ParsedHeader] | None = None) -> CheckpointIndex:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -40,8 +40,10 @@ from ..format import (
     ShardInfo,
     check_shard_file_name,
     check_slices,
+    read_safetensors_header,
     shown,
 )
+from ..optional import lazy_import
 from ..sharding.tensors import DEFAULT_DEVICE
 from ..shards.files import CheckpointDirectory, CheckpointFile
 from ..values.dtypes import itemsize
@@ -57,8 +59,17 @@ from .torchsave import (
     read_archive,
 )
 
+if TYPE_CHECKING:
+    import orjson
+else:
+    orjson = lazy_import("orjson", "a DCP safetensors file's sharding info")
+
 METADATA_FILE: Final = ".metadata"
 """DCP's index file (torch.distributed.checkpoint.filesystem._metadata_fn)."""
+RANK_METADATA_FILE: Final = "__0.metadata"
+"""Rank 0's index file of a DCP checkpoint saved with ``use_collectives=False``."""
+SHARDING_INFO: Final = "DCP_SHARDING_INFO"
+"""The ``__metadata__`` field of DCP's safetensors files: per key its chunk's offsets."""
 CRC32: Final = "crc32"
 OBJECTS: Final = "dcp.objects"
 _NOT_UNPICKLED: Final = ("a non-tensor item (a pickled Python object) of the PyTorch DCP "
@@ -194,12 +205,38 @@ def _chunks(key: str, meta: Record, shape: tuple[int, ...], path: str
     yield from kept
 
 
+def rank_metadata_files(directory: CheckpointDirectory) -> list[str]:
+    """The per-rank metadata files of a DCP checkpoint saved with ``use_collectives=False``
+    (``__0.metadata``, ``__1.metadata``, ...: ranks 0 up to the first one missing)."""
+    names: list[str] = []
+    while directory.has(f"__{len(names)}{METADATA_FILE}"):
+        names.append(f"__{len(names)}{METADATA_FILE}")
+    return names
+
+
+def _metadata(name: str, data: bytes, path: str) -> tuple[dict[Any, Any], dict[Any, Record],
+                                                           Any]:
+    """(state_dict_metadata, `_storage_map`, version) of the ``.metadata`` bytes `data`."""
+    md = load_pickle(data, METADATA_GLOBALS, path)
+    if type(md).__name__ != "Metadata" or not isinstance(md, Record):
+        raise CorruptIndexError(f"{path}: holds {shown(type(md).__name__)}, not DCP's Metadata")
+    items = md.get("state_dict_metadata")
+    if not isinstance(items, dict):
+        raise CorruptIndexError(f"{path}: state_dict_metadata is not a dict")
+    return items, _storage_map(md, path), md.get("version")
+
+
 def decode_metadata(directory: CheckpointDirectory, name: str, data: bytes) -> DcpIndex:
     """The table of the DCP checkpoint whose ``.metadata`` bytes are `data`.
 
+    A checkpoint saved without rank coordination (``dcp.save(..., use_collectives=False)``)
+    has a metadata file per rank (``__<rank>.metadata``, each naming that rank's chunks) and
+    no ``.metadata``: `name` ``__0.metadata`` reads every rank's (`rank_metadata_files`) as
+    one table, a chunk that several ranks saved (a replicated tensor) taken from the lowest.
+
     Args:
         directory: the checkpoint's directory, its ``.distcp`` files opened through it.
-        name: the metadata file's name (``.metadata``).
+        name: the metadata file's name (``.metadata``, or ``__0.metadata``).
         data: its bytes.
 
     Returns:
@@ -209,44 +246,74 @@ def decode_metadata(directory: CheckpointDirectory, name: str, data: bytes) -> D
         UnsafePickleError: ``.metadata`` or a chunk's ``data.pkl`` names a global outside
             `torchsave.METADATA_GLOBALS` / `torchsave.ARCHIVE_GLOBALS`.
         CorruptIndexError: a malformed index, a chunk past its file's end, a chunk that is
-            not a torch.save archive of the tensor the index describes.
+            not a torch.save archive or safetensors entry of the tensor the index describes,
+            ranks' metadata files that disagree on a key's size or dtype.
         UnknownCodecError: a chunk stored with a transform (DCP's compressing extensions), a
             dtype or memory layout shardkit cannot map; named by key.
     """
-    path = directory.join(name)
-    md = load_pickle(data, METADATA_GLOBALS, path)
-    if type(md).__name__ != "Metadata" or not isinstance(md, Record):
-        raise CorruptIndexError(f"{path}: holds {shown(type(md).__name__)}, not DCP's Metadata")
-    items = md.get("state_dict_metadata")
-    if not isinstance(items, dict):
-        raise CorruptIndexError(f"{path}: state_dict_metadata is not a dict")
-    storage = _storage_map(md, path)
+    names = [name]
+    if name != METADATA_FILE:
+        names = rank_metadata_files(directory) or [name]
     table = _Table()
     placed: list[tuple[str, int, tuple[int, ...], tuple[int, ...], Record]] = []
-    for key, meta in items.items():
-        if not isinstance(key, str):
-            raise CorruptIndexError(f"{path}: key {shown(key)} is not a string")
-        kind = type(meta).__name__
-        if kind == "BytesStorageMetadata":
-            table.objects[key] = _NOT_UNPICKLED
-            continue
-        if kind != "TensorStorageMetadata" or not isinstance(meta, Record):
-            raise CorruptIndexError(f"{path}: key {shown(key)} is described by {shown(kind)}, "
-                                    "not TensorStorageMetadata or BytesStorageMetadata")
-        shape = meta.get("size")
-        if not isinstance(shape, tuple):
-            raise CorruptIndexError(f"{path}: key {shown(key)}: size {shown(shape)} is not a "
-                                    "torch.Size")
-        row = len(table.keys)
-        table.keys.append(key)
-        table.dtypes.append(_dtype(key, meta.get("properties"), path))
-        table.shapes.append(shape)
-        for offsets, sizes in _chunks(key, meta, shape, path):
-            info = storage.get((key, offsets))
-            if info is None:
-                raise CorruptIndexError(f"{path}: key {shown(key)}: chunk at {list(offsets)} "
-                                        "has no entry in storage_data")
-            placed.append((key, row, offsets, sizes, info))
+    # key -> its row, the sizes of its chunks by offsets, the file that named it first
+    rows: dict[str, tuple[int, dict[tuple[int, ...], tuple[int, ...]], str]] = {}
+    version = None
+    for file in names:
+        path = directory.join(file)
+        if file != name:
+            got = directory.read_manifest(file, MAX_INDEX_BYTES)
+            if got is None:
+                raise CorruptIndexError(f"{path}: rank metadata file vanished while read")
+            data = got
+        items, storage, version = _metadata(file, data, path)
+        for key, meta in items.items():
+            if not isinstance(key, str):
+                raise CorruptIndexError(f"{path}: key {shown(key)} is not a string")
+            kind = type(meta).__name__
+            if kind == "BytesStorageMetadata":
+                if key in rows:
+                    raise CorruptIndexError(f"{path}: key {shown(key)} is an object here and a "
+                                            f"tensor in {rows[key][2]}")
+                table.objects[key] = _NOT_UNPICKLED
+                continue
+            if kind != "TensorStorageMetadata" or not isinstance(meta, Record):
+                raise CorruptIndexError(f"{path}: key {shown(key)} is described by "
+                                        f"{shown(kind)}, not TensorStorageMetadata or "
+                                        "BytesStorageMetadata")
+            shape = meta.get("size")
+            if not isinstance(shape, tuple):
+                raise CorruptIndexError(f"{path}: key {shown(key)}: size {shown(shape)} is not "
+                                        "a torch.Size")
+            dtype = _dtype(key, meta.get("properties"), path)
+            if key in table.objects:
+                raise CorruptIndexError(f"{path}: key {shown(key)} is a tensor here and an "
+                                        "object in an earlier rank's metadata file")
+            if key not in rows:
+                rows[key] = (len(table.keys), {}, file)
+                table.keys.append(key)
+                table.dtypes.append(dtype)
+                table.shapes.append(shape)
+            row, seen, first = rows[key]
+            if (table.shapes[row], table.dtypes[row]) != (shape, dtype):
+                raise CorruptIndexError(
+                    f"{path}: key {shown(key)} is of size {list(shape)} and dtype {dtype} here, "
+                    f"of size {list(table.shapes[row])} and dtype {table.dtypes[row]} in "
+                    f"{first}")
+            for offsets, sizes in _chunks(key, meta, shape, path):
+                if offsets in seen:  # listed again, or saved by an earlier rank (replicated)
+                    if seen[offsets] != sizes:
+                        raise CorruptIndexError(
+                            f"{path}: key {shown(key)}: the chunk at {list(offsets)} is of "
+                            f"sizes {list(sizes)} and {list(seen[offsets])}")
+                    continue
+                seen[offsets] = sizes
+                info = storage.get((key, offsets))
+                if info is None:
+                    raise CorruptIndexError(f"{path}: key {shown(key)}: chunk at "
+                                            f"{list(offsets)} has no entry in storage_data")
+                placed.append((key, row, offsets, sizes, info))
+    path = directory.join(name)
     by_file: dict[Any, list[tuple[str, int, tuple[int, ...], tuple[int, ...], Record]]] = {}
     for p in placed:
         by_file.setdefault(p[4].get("relative_path"), []).append(p)
@@ -257,17 +324,72 @@ def decode_metadata(directory: CheckpointDirectory, name: str, data: bytes) -> D
     for i, file in enumerate(files):
         with closing(directory.open_shard(file, path)) as f:
             sizes_of.append(f.size)
+            headers: dict[int, _Header | None] = {}
             for key, row, offsets, sizes, info in by_file[file]:
-                _chunk(table, f, i, key, row, offsets, sizes, info, path)
-    version = md.get("version")
+                _chunk(table, f, i, key, row, offsets, sizes, info, path, headers)
     metadata = {"dcp.version": version} if isinstance(version, str) else {}
     return table.index(files, sizes_of, "(none: a PyTorch Distributed Checkpoint)", path,
                        metadata)
 
 
+_Header = tuple[dict[str, EntryLayout], dict[str, str], int]
+
+
+def _safetensors_at(f: CheckpointFile, start: int, headers: dict[int, _Header | None]
+                    ) -> _Header | None:
+    """The header of the safetensors file at byte `start` of `f` (its begins made offsets from
+    the start of `f`), else None: a torch.save archive (a zip's local header, ``PK``) is there.
+
+    ``FileSystemWriter(serialization_format=SerializationFormat.SAFETENSORS)`` writes a rank's
+    non-tensor items first, then one safetensors file of its tensor chunks, and gives every
+    chunk the offset where that begins (its length: the chunk's bytes). Cached in `headers`.
+    """
+    if start in headers:
+        return headers[start]
+    head = f.read(start, start + 9)
+    found = None
+    if len(head) == 9 and not head.startswith(b"PK") and head[8:9] == b"{":
+        entries, meta, data_start = read_safetensors_header(
+            lambda a, b: f.read(start + a, start + b), f.size - start, f.path)
+        found = entries, meta, start + data_start
+    headers[start] = found
+    return found
+
+
+def _in_safetensors(header: _Header, f: CheckpointFile, key: str, offsets: tuple[int, ...],
+                    sizes: tuple[int, ...], dtype_name: str, length: Any) -> int:
+    """Where the chunk of `key` at `offsets` begins in the safetensors file `f`: its entry,
+    named by the key, of the chunk's dtype and sizes, at the offsets DCP recorded for it in
+    the header's ``DCP_SHARDING_INFO``."""
+    entries, meta, data_start = header  # data_start: from the start of `f`
+    where = f"{f.path}: key {shown(key)} chunk at {list(offsets)}"
+    entry = entries.get(key)
+    if entry is None:
+        raise CorruptIndexError(f"{where}: the safetensors file has no entry {shown(key)}")
+    if entry.dtype_name != dtype_name or entry.shape != sizes:
+        raise CorruptIndexError(f"{where}: its safetensors entry is {entry.dtype_name} "
+                                f"{list(entry.shape)}, the index says {dtype_name} "
+                                f"{list(sizes)}")
+    if length != entry.nbytes:
+        raise CorruptIndexError(f"{where}: the index says {shown(length)} bytes, its "
+                                f"safetensors entry holds {entry.nbytes}")
+    info = meta.get(SHARDING_INFO)
+    if info is not None:
+        try:
+            saved = orjson.loads(info)[key]["saved_offsets"]
+        except (orjson.JSONDecodeError, TypeError, KeyError):
+            saved = None
+        if saved != list(offsets):
+            raise CorruptIndexError(f"{where}: the file's {SHARDING_INFO} gives "
+                                    f"{shown(saved)} as its offsets")
+    return data_start + entry.begin
+
+
 def _chunk(table: _Table, f: CheckpointFile, shard: int, key: str, row: int,
-           offsets: tuple[int, ...], sizes: tuple[int, ...], info: Record, path: str) -> None:
-    """One chunk's archive located in file `f` and its slice added to `table`."""
+           offsets: tuple[int, ...], sizes: tuple[int, ...], info: Record, path: str,
+           headers: dict[int, _Header | None]) -> None:
+    """One chunk's archive (or entry of a safetensors file, `_safetensors_at`) located in file
+    `f` and its slice added to `table`."""
     where = f"{f.path}: key {shown(key)} chunk at {list(offsets)}"
     transforms = info.get("transform_descriptors")
     if transforms:
@@ -279,20 +401,25 @@ def _chunk(table: _Table, f: CheckpointFile, shard: int, key: str, row: int,
     if type(start) is not int or type(length) is not int or start < 0 or length < 0:
         raise CorruptIndexError(f"{path}: key {shown(key)}: chunk at {list(offsets)} has "
                                 f"offset {shown(start)} and length {shown(length)}")
+    shape = table.shapes[row]
+    # a tensor of no items keeps one chunk (`_chunks`), which stands for all of it
+    whole = (all(o == 0 for o in offsets) and sizes == shape) or not math.prod(shape)
+    spec = WHOLE if whole else format_slice_spec(shape, offsets, sizes)
     if start > f.size - length:
         raise CorruptIndexError(
             f"{path}: key {shown(key)}: chunk at {list(offsets)} is bytes [{start}, "
             f"{start + length}) of {f.path}, past its end ({f.size} bytes: truncated?)")
+    header = _safetensors_at(f, start, headers)
+    if header is not None:  # the safetensors file of its rank's chunks begins at `start`
+        begin = _in_safetensors(header, f, key, offsets, sizes, table.dtypes[row], length)
+        table.rows.append((shard, begin, row, spec, None))
+        return
     archive = read_archive(f.read, start, length, where)
     tensor = archive.value
     if isinstance(tensor, TensorRef) and tensor.size != sizes:
         raise CorruptIndexError(f"{where}: the archive holds a tensor of size "
                                 f"{list(tensor.size)}, the index says {list(sizes)}")
     begin, crc = _placed(tensor, where, key, table.dtypes[row], archive.records)
-    shape = table.shapes[row]
-    # a tensor of no items keeps one chunk (`_chunks`), which stands for all of it
-    whole = (all(o == 0 for o in offsets) and sizes == shape) or not math.prod(shape)
-    spec = WHOLE if whole else format_slice_spec(shape, offsets, sizes)
     table.rows.append((shard, begin, row, spec, crc))
 
 
@@ -351,6 +478,7 @@ class _Placed(FormatAdapter):
     """A layout whose index places every entry in its file (no shard header)."""
 
     checksums = True
+    separator = "."  # DCP's fully qualified names: model.layers.0.weight
 
     def open_source(self, index: CheckpointIndex, i: int, path: str, info: ShardInfo, *,
                     mmap: bool, file: Any) -> Any:
@@ -409,5 +537,6 @@ class TorchSaveFile(_Placed):
 
 DCP: Final = DistributedCheckpoint()
 TORCH_SAVE: Final = TorchSaveFile()
-__all__ = ["DCP", "METADATA_FILE", "TORCH_SAVE", "DcpIndex", "DistributedCheckpoint",
-           "TorchSaveFile", "decode_metadata", "decode_torch_save"]
+__all__ = ["DCP", "METADATA_FILE", "RANK_METADATA_FILE", "TORCH_SAVE", "DcpIndex",
+           "DistributedCheckpoint", "TorchSaveFile", "decode_metadata", "decode_torch_save",
+           "rank_metadata_files"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import reprlib
 import struct
 import zipfile
@@ -158,6 +159,18 @@ def _first(value: Any) -> Any:  # an Enum called with its value (DCP's _MEM_FORM
     return value
 
 
+LAYOUTS: Final = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr",
+                            "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc",
+                            "torch._mkldnn", "torch.jagged"})
+"""The names ``torch.serialization._get_layout`` knows (torch 2.13's ``torch.layout`` values)."""
+
+
+def _layout(name: Any) -> str:
+    if name not in LAYOUTS:
+        raise CorruptIndexError(f"tensor layout {shown(name)} is not one of torch's")
+    return name
+
+
 _DCP_META: Final = "torch.distributed.checkpoint.metadata"
 _DCP_FS: Final = "torch.distributed.checkpoint.filesystem"
 METADATA_GLOBALS: Final[dict[tuple[str, str], Any]] = {
@@ -168,7 +181,7 @@ METADATA_GLOBALS: Final[dict[tuple[str, str], Any]] = {
     (_DCP_FS, "_StorageInfo"): _named("_StorageInfo"),
     (_DCP_FS, "_StoragePrefix"): _named("_StoragePrefix"),
     ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): str,
+    ("torch.serialization", "_get_layout"): _layout,
     **{("pathlib", n): _path for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath",
                                        "PureWindowsPath")},
     ("collections", "OrderedDict"): dict,
@@ -302,6 +315,10 @@ class Archive:
 
 
 _LOCAL: Final = struct.Struct("<4s5H3I2H")
+MAX_ARCHIVE_VERSION: Final = 10
+"""The newest archive version torch 2.13's reader takes (its kMaxSupportedFileFormatVersion); an
+archive's ``version`` record is parsed as torch parses it (leading blanks, a sign, digits)."""
+_VERSION: Final = re.compile(rb"\s*[+-]?[0-9]+")
 _BLOCK: Final = 4096
 
 
@@ -332,6 +349,14 @@ def read_archive(read: Callable[[int, int], bytes], base: int, length: int,
                                 f"archive ({e}; the file truncated, or not torch.save's "
                                 "serialization)") from None
     infos = zf.infolist()
+    for info in infos:  # what torch's zip reader (miniz) refuses in a central directory
+        if ((info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size)
+                or info.header_offset + _LOCAL.size + info.compress_size > length):
+            raise CorruptIndexError(
+                f"{where}: record {shown(info.filename)} of the archive at bytes [{base}, "
+                f"{base + length}) is {info.compress_size} bytes stored for "
+                f"{info.file_size} at {info.header_offset}: its sizes disagree or run past "
+                "the archive's end (damaged, or not torch.save's serialization)")
     pkl = next((i for i in infos if i.filename.endswith("/data.pkl")
                 and i.filename.count("/") == 1), None)
     if pkl is None:
@@ -343,21 +368,32 @@ def read_archive(read: Callable[[int, int], bytes], base: int, length: int,
                                 f"{MAX_PICKLE_BYTES} shardkit reads")
     try:
         order = zf.read(prefix + "byteorder") if prefix + "byteorder" in zf.NameToInfo else b""
+        version = zf.read(prefix + "version") if prefix + "version" in zf.NameToInfo else None
         data = zf.read(pkl)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
         raise CorruptIndexError(f"{where}: a record of the archive at bytes [{base}, "
                                 f"{base + length}) cannot be read ({e}; the index points at "
                                 "other bytes, or the file is damaged)") from None
+    number = _VERSION.match(version) if version is not None else None
+    if number is None or not 1 <= int(number.group()) <= MAX_ARCHIVE_VERSION:
+        raise CorruptIndexError(
+            f"{where}: the archive's {prefix}version record is "
+            f"{'missing' if version is None else shown(version[:20])}, not a version torch "
+            f"reads (1 to {MAX_ARCHIVE_VERSION}; torch.save writes 3): not torch.save's "
+            "serialization, or damaged")
     if order not in (b"", b"little"):
         raise CorruptIndexError(f"{where}: the archive is {shown(order.decode(errors='replace'))}"
                                 "-endian; shardkit reads little-endian tensors only")
     value = load_pickle(data, ARCHIVE_GLOBALS, f"{where}: {pkl.filename}")
     records: dict[str, tuple[int, int, int]] = {}
-    for info in infos:
+    for info in infos:  # every record's local header, as torch's reader reads each record
         name = info.filename
-        if not name.startswith(prefix + "data/"):
-            continue
-        if info.compress_type != zipfile.ZIP_STORED:
+        if not name.startswith(prefix):
+            raise CorruptIndexError(f"{where}: record {shown(name)} is not in the archive's "
+                                    f"directory {shown(prefix)} (damaged, or not torch.save's "
+                                    "serialization)")
+        is_data = name.startswith(prefix + "data/")
+        if is_data and info.compress_type != zipfile.ZIP_STORED:
             raise CorruptIndexError(f"{where}: record {name} is compressed (method "
                                     f"{info.compress_type}); torch.save stores records as is")
         head = window._read(base + info.header_offset,
@@ -367,11 +403,12 @@ def read_archive(read: Callable[[int, int], bytes], base: int, length: int,
                                     f"{base + info.header_offset}")
         fields = _LOCAL.unpack(head)
         begin = info.header_offset + _LOCAL.size + fields[9] + fields[10]
-        if begin + info.file_size > length:
+        if begin + info.compress_size > length:
             raise CorruptIndexError(f"{where}: record {name}'s bytes [{base + begin}, "
-                                    f"{base + begin + info.file_size}) are past the archive's "
-                                    f"end ({base + length})")
-        records[name[len(prefix) + 5 :]] = (base + begin, info.file_size, info.CRC)
+                                    f"{base + begin + info.compress_size}) are past the "
+                                    f"archive's end ({base + length})")
+        if is_data:
+            records[name[len(prefix) + 5 :]] = (base + begin, info.file_size, info.CRC)
     return Archive(value, records)
 
 

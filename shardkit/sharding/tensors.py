@@ -139,7 +139,7 @@ def host_columns(state: Mapping[str, Any], device: DeviceArg = None,
         taken: list[int] = []
         tf_rows: list[int] = []  # TensorFlow values: converted in one batch
         first_of: dict[tuple[Any, ...], int] = {}  # `memory_key` -> its first row
-        again: dict[int, int] = {}  # a row holding the very object of an earlier row
+        again: dict[int, int] = {}  # a row holding the memory of an earlier row (`memory_key`)
         for i, (key, value) in enumerate(zip(keys, list(arrays))):
             if not (type(value) is ndarray and value.dtype in stored):
                 same = None if aliases is None else memory_key(value)

@@ -174,7 +174,8 @@ class RemoteDirectory:
         small files take it: fetched whole (`LocalCopy`)."""
         if self.generation is None:
             raise ShardkitError(f"{self.join(name)}: only shardkit checkpoints are read from "
-                                "URLs (a HuggingFace or single-file layout needs a local copy)")
+                                "URLs (a HuggingFace, PyTorch DCP or single-file layout needs "
+                                "a local copy)")
         obj = object_name(name, self.generation)
         found = self.store.fetch(obj, 1 << 62)
         if found is None:

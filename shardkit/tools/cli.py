@@ -320,7 +320,8 @@ def _add_inspect_parser(sub: Any) -> None:
         sub, "inspect", cmd_inspect, "list a checkpoint's shards and tensors",
         "Print a checkpoint's format version, sharding callback and user metadata, a table\n"
         "of its shard files (task, codec, size) and a table of its tensors (dtype, shape,\n"
-        "stored slices, size, the shard each slice is in). Reads the manifest only\n"
+        "stored slices, size, the shard each slice is in), then its aliases (tied weights:\n"
+        "each alias key and the stored tensor it names). Reads the manifest only\n"
         "(model.safetensors.index.json; index.json for checkpoints of format 2.0/2.1) and,\n"
         "for HuggingFace and safetensors layouts, which have no dtypes in their index, the\n"
         "shard headers.",
@@ -358,7 +359,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_table(INSPECT_SHARD_COLUMNS, shard_rows)
         print("\ntensors:")
         rows = []
+        aliases = index.aliases or {}
         for key in reader.keys():
+            if key in aliases:  # listed below, with the tensor it names
+                continue
             info = reader.info(key)
             for s in info.slices:
                 nbytes = info.nbytes  # a whole tensor's, or a string tensor's block
@@ -373,11 +377,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                              human_size(nbytes), where))
                 key = ""  # further slices of the same tensor: key shown once
         _print_table(INSPECT_TENSOR_COLUMNS, rows)
+        if aliases:
+            print("\naliases (tied weights: other names of a stored tensor, not stored again):")
+            _print_table(INSPECT_ALIAS_COLUMNS, list(aliases.items()))
     return 0
 
 
 INSPECT_SHARD_COLUMNS = ("#", "file", "task", "codec", "size")
 INSPECT_TENSOR_COLUMNS = ("key", "dtype", "shape", "slice", "size", "shard / entry")
+INSPECT_ALIAS_COLUMNS = ("key", "alias of")
 
 
 def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

@@ -133,21 +133,24 @@ class ShardSet:
         return self.index.all_keys()
 
     def keys_under(self, prefix: str) -> tuple[str, list[str]]:
-        """(`prefix` ending in one "/", the keys under it, in saved order) for a ``prefix=``
-        argument: "model" and "model/" both select ``model/...`` (a key component boundary:
-        never ``modelx/...``, nor the key "model" itself). KeyNotFoundError, naming the prefix
-        and the nearest prefixes stored, when no key is under it."""
+        """(`prefix` ending in one separator, the keys under it, in saved order) for a
+        ``prefix=`` argument: "model" and "model/" both select ``model/...`` (a key component
+        boundary: never ``modelx/...``, nor the key "model" itself). The separator is the
+        layout's (`FormatAdapter.separator`: ``.`` in DCP's and torch.save's flattened names,
+        where "model" selects ``model.0.weight``). KeyNotFoundError, naming the prefix and the
+        nearest prefixes stored, when no key is under it."""
         if not isinstance(prefix, str):
             raise InvalidArgumentTypeError(f"prefix must be a str, got {prefix!r}")
-        start = prefix.rstrip("/") + "/"
-        if start == "/":
+        sep = self.layout.separator
+        start = prefix.rstrip(sep) + sep
+        if start == sep:
             raise InvalidArgumentError(f"prefix must name a key component, got {prefix!r}")
         keys = self.stored_keys()
         under = [k for k in keys if k.startswith(start)]
         if not under:
-            depth = start.count("/")
-            stored = dict.fromkeys("/".join(k.split("/", depth)[:depth]) + "/"
-                                   for k in keys if k.count("/") >= depth)
+            depth = start.count(sep)
+            stored = dict.fromkeys(sep.join(k.split(sep, depth)[:depth]) + sep
+                                   for k in keys if k.count(sep) >= depth)
             close = difflib.get_close_matches(start, list(stored), n=3, cutoff=0.5)
             near = close or list(stored)[:3]
             hint = f"; prefixes stored: {', '.join(map(repr, near))}" if near else ""
