@@ -26,6 +26,7 @@ from ..frameworks import dtensor_type, string_to_host, to_host
 from ..io.flow import RankSave
 from ..io.writer import SavedTensors, default_threads, shard_columns
 from ..sharding.callback import shard_tensors
+from ..sharding.structure import merge_records
 from ..sharding.tensors import ShardableTensor, flatten_columns
 from ..values.devices import DeviceSpec
 from ..values.dtypes import itemsize, safetensors_name
@@ -330,22 +331,27 @@ class CollectiveRank(RankSave):
         """What the ``index`` collective sends of this rank's index: per stored slice (shard
         by shard, in data-region order) the position of its piece in the rank's `Held` and its
         shard, as int32 bytes; the slice specs only if the callback split a piece; the
-        checksums; the shards; the rank's aliases. Keys, dtypes and shapes rank 0 knows from
-        the plan already."""
+        checksums; the shards; the rank's aliases; its structure record (the ranks' records
+        are merged: DCP's planner, for one, gives each non-tensor value to one rank). Keys,
+        dtypes and shapes rank 0 knows from the plan already."""
         index = written[0]
         local = np.asarray(self.written, np.int64)[np.asarray(index.slice_tensor, np.int64)]
         own = list(map(self.mine.specs.__getitem__, local.tolist()))
         split = None if own == index.slice_spec else index.slice_spec
         return (local.astype(np.int32).tobytes(),
                 np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
-                [(s.file, s.task, s.codec, s.bytes) for s in index.shards], self.mine.aliases)
+                [(s.file, s.task, s.codec, s.bytes) for s in index.shards], self.mine.aliases,
+                self.structure)
 
     def merge(self, parts: list[Any], output: Any, generation: str | None
               ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
         assert generation is not None
-        merged = merge(self.pieces, parts, description=self.description,
+        merged = merge(self.pieces, [p[:-1] for p in parts], description=self.description,
                        user_metadata=output.user_metadata, generation=generation)
-        merged.structure = output.structure  # rank 0's record
+        pieces = self.pieces  # a plain rank's record: the keys it holds stand for it
+        keys = [pieces.keys[pieces.start[r]:pieces.start[r + 1]] + list(p[-2])
+                for r, p in enumerate(parts)]
+        merged.structure = merge_records([p[-1] for p in parts], keys)
         return merged, fmt.index_chunks(merged)
 
 

@@ -53,10 +53,11 @@ class RankSave:
     split: Sequence[str] = ()  # the keys the callback split (for the warning)
 
     def __init__(self, state: Any, opts: CheckpointOptions,
-                 default_policy: Callable[[int], ShardingCallback], *, share: bool = True
-                 ) -> None:
+                 default_policy: Callable[[int], ShardingCallback], *, share: bool = True,
+                 structure: list[Any] | None = None) -> None:
         self.state, self.opts, self.default_policy = state, opts, default_policy
         self.share = share  # store tensors of one memory once (`values.sharing`)
+        self.structure = structure  # this rank's structure record of its state
         self.threads = opts.threads or default_threads()  # a rank of many: its share
 
     def callback(self) -> ShardingCallback:

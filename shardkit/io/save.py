@@ -280,7 +280,7 @@ def save(
         else:
             from ..distributed.save import CollectiveRank
 
-            rank = CollectiveRank(state, opts, DefaultShardingPolicy)
+            rank = CollectiveRank(state, opts, DefaultShardingPolicy, structure=structure)
         target, files, nbytes, generation = run_save(coord, rank, output, os.fspath(path),
                                                      overwrite)
     opts.run_write_callbacks(target)
