@@ -22,6 +22,9 @@ came first after the saves, which with 4 loads and 5 rounds it did twice and DCP
 - ``shardkit load``: ``shardkit.restore_into`` into preallocated DTensors of the same placement;
 - ``dcp load``: ``torch.distributed.checkpoint.load`` into preallocated DTensors of the same
   placement (default ``FileSystemReader``);
+- ``dcp+shardkit save`` / ``dcp+shardkit load``: ``dcp.save`` and ``dcp.load`` as above, through
+  shardkit's storage backend (``shardkit.training.dcp.StorageWriter`` / ``StorageReader``: DCP's
+  planners, shardkit's save flow and reader);
 - ``shardkit reshard``/``dcp reshard``: the world-`N` checkpoint restored on rank 0 alone into
   preallocated full (plain) tensors, DCP with ``no_dist=True``; the other ranks wait.
 
@@ -35,7 +38,8 @@ third in a round slower (measured: three identical 1.47 GB writers in a row took
 The loads therefore read checkpoints written once, untimed, before the first round (page cache
 warm, for both). The first round of each group checks that every restore is byte for byte.
 Prints the medians, and the ratios against the targets: save >= 2x DCP and >= 0.9x the floor,
-load >= 3x DCP, reshard >= 3x DCP. With ``--check`` the exit status is 1 when one is missed.
+load >= 3x DCP, reshard >= 3x DCP; through the backend, dcp.save >= 1.5x and dcp.load >= 2x
+DCP's own storage. With ``--check`` the exit status is 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ TARGETS = {  # (contender, reference, least ratio reference time / contender tim
     "save vs floor": ("shardkit save", "safetensors floor", 0.9),
     "load vs dcp": ("shardkit load", "dcp load", 3.0),
     "reshard vs dcp": ("shardkit reshard", "dcp reshard", 3.0),
+    "dcp save, shardkit writer": ("dcp+shardkit save", "dcp save", 1.5),
+    "dcp load, shardkit reader": ("dcp+shardkit load", "dcp load", 2.0),
 }
 
 
@@ -128,6 +134,7 @@ class Rank:
         self.state = {k: dtensor(s, True) for k, s in shapes}
         self.sk_targets = {k: dtensor(s, False) for k, s in shapes}
         self.dcp_targets = {k: dtensor(s, False) for k, s in shapes}
+        self.skdcp_targets = {k: dtensor(s, False) for k, s in shapes}
         self.full = ({k: torch.zeros(s) for k, s in shapes} if rank == 0 else {})
         self.local_bytes = sum(t.to_local().nbytes for t in self.state.values())
 
@@ -142,6 +149,13 @@ class Rank:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self.state, checkpoint_id=self.path("dcp"))
+
+    def dcp_shardkit_save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from shardkit.training.dcp import StorageWriter
+
+        dcp.save(self.state, storage_writer=StorageWriter(self.path("dcp-shardkit")))
 
     def safetensors_floor(self) -> None:
         from safetensors.torch import save_file
@@ -164,6 +178,13 @@ class Rank:
         import torch.distributed.checkpoint as dcp
 
         dcp.load(self.dcp_targets, checkpoint_id=self.path("dcp-read"))
+
+    def dcp_shardkit_load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from shardkit.training.dcp import StorageReader
+
+        dcp.load(self.skdcp_targets, storage_reader=StorageReader(self.path("shardkit-read")))
 
     def shardkit_reshard(self) -> None:
         import shardkit
@@ -195,8 +216,9 @@ class Rank:
         """Byte-for-byte: the restored targets (and rank 0's full tensors) against the state."""
         import torch
 
-        if what in ("shardkit load", "dcp load"):
-            targets = self.sk_targets if what == "shardkit load" else self.dcp_targets
+        if what in ("shardkit load", "dcp load", "dcp+shardkit load"):
+            targets = {"shardkit load": self.sk_targets, "dcp load": self.dcp_targets,
+                       "dcp+shardkit load": self.skdcp_targets}[what]
             for k, t in self.state.items():
                 if not torch.equal(targets[k].to_local(), t.to_local()):
                     raise AssertionError(f"{what}: {k} differs on rank {self.rank}")
@@ -210,10 +232,11 @@ class Rank:
                 self.full[k].zero_()
 
 
-SAVES = ["shardkit save", "dcp save", "safetensors floor"]
-LOADS = ["shardkit load", "dcp load", "shardkit reshard", "dcp reshard"]
-_METHOD = {name: name.replace(" ", "_") for name in SAVES + LOADS}
-_WROTE = {"shardkit save": "shardkit", "dcp save": "dcp", "safetensors floor": "floor"}
+SAVES = ["shardkit save", "dcp save", "safetensors floor", "dcp+shardkit save"]
+LOADS = ["shardkit load", "dcp load", "shardkit reshard", "dcp reshard", "dcp+shardkit load"]
+_METHOD = {name: name.replace(" ", "_").replace("+", "_") for name in SAVES + LOADS}
+_WROTE = {"shardkit save": "shardkit", "dcp save": "dcp", "safetensors floor": "floor",
+          "dcp+shardkit save": "dcp-shardkit"}
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:

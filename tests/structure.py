@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, ...] | list[tuple[str, ...]]] = [
     ("training/",),
     ("io/snapshot.py",),
     ("io/save.py",),
-    ("distributed/save.py", "distributed/routing.py"),
+    ("distributed/save.py", "distributed/routing.py", "distributed/whole.py"),
     ("io/flow.py",),
     ("io/writer.py",),
     ("io/restore.py",),

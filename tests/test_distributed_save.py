@@ -148,9 +148,10 @@ def _check_saved(path: str, world: int, results: list) -> None:
         reader.verify()
     with shardkit.open(path) as reader:
         index = reader.index
-    # the default policy ran with rank 0's share of the cores the ranks share on this machine
+    # the default policy cut the whole layout for the writer threads of all ranks: each rank's
+    # share of the cores the ranks share on this machine
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert f"threads={max(1, min(8, (cores or 1) // world))}," in index.callback
+    assert f"threads={max(1, min(8, (cores or 1) // world)) * world}," in index.callback
     # every shard is written by one rank and named in one global numbering
     tasks = sorted({s.task for s in index.shards})
     assert set(tasks) <= set(range(world))
@@ -188,8 +189,10 @@ def _replicated_state(rank: int, world: int, path: str) -> tuple:
     sizes = [1000, 900, 800, 700, 600, 500, 400, 300, 200, 100, 50, 25]
     state = {f"r{i}": torch.full((n,), float(i)) for i, n in enumerate(sizes)}
     state[f"only{rank}"] = torch.zeros(100)
+    policy = shardkit.DefaultShardingPolicy(threads=5)  # given: each rank writes its own files
     info = shardkit.save(path, state, process_group=torch.distributed.group.WORLD,
-                         options=shardkit.CheckpointOptions(threads=5))
+                         options=shardkit.CheckpointOptions(threads=5,
+                                                            experimental_sharding_callback=policy))
     return info.files
 
 
@@ -213,6 +216,7 @@ def test_replicated_data_written_once_with_balanced_bytes(tmp_path):
 def _failures(rank: int, world: int, root: str) -> dict:
     """Several failing saves over the same process group; each must fail on every rank the
     same way and leave the earlier checkpoint at the path intact."""
+    import shardkit.distributed.whole as whole
     import shardkit.storage.native as writer  # the native write path
     from shardkit._kernels import _gather
     from shardkit.distributed.torch import TorchCoordinator
@@ -265,11 +269,18 @@ def _failures(rank: int, world: int, root: str) -> dict:
             raise OSError(errno.EIO, "injected write failure")
         return real_region(region, *a)
 
-    writer._write_region = failing_region
+    real_pwrite = whole._pwrite_all  # the whole-tensor layout's writes
+
+    def failing_pwrite(jobs):
+        if rank == 1:
+            raise OSError(errno.EIO, "injected write failure")
+        return real_pwrite(jobs)
+
+    writer._write_region, whole._pwrite_all = failing_region, failing_pwrite
     try:
         attempt("write", {"z": torch.ones(100), f"k{rank}": torch.ones(2)})
     finally:
-        writer._write_region = real_region
+        writer._write_region, whole._pwrite_all = real_region, real_pwrite
 
     real_prealloc = _gather.preallocate
 
@@ -426,6 +437,7 @@ KILL_ROUNDS = 20
 
 
 def _kill_round(rank: int, world: int, i: int, path: str, parent_generation: str) -> tuple:
+    import shardkit.distributed.whole as whole
     import shardkit.storage.native as writer  # the native write path
     from shardkit.sharding.policies import ShardByTaskPolicy
 

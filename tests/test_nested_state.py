@@ -175,20 +175,35 @@ def test_restore_into_an_optimizer_state_dict(tmp_path):
 
 
 def _collective(rank: int, world: int, path: str) -> None:
-    state = {"w": np.full(2, float(rank)) if rank == 0 else np.full(3, 1.0),
-             "meta": {"ranks": world, "tag": None, "names": ("a", "b")}}
-    if rank == 1:
-        state = {"v": state["w"], "meta": state["meta"]}
+    import pytest
     import torch.distributed as dist
 
+    from shardkit.errors import DistributedSaveError
+
+    state = {"w": np.full(2, float(rank)) if rank == 0 else np.full(3, 1.0),
+             "meta": {"ranks": world, "tag": None, "names": ("a", "b")}}
+    if rank == 1:  # values of one rank only, as DCP's planner hands them out
+        state = {"v": state["w"], "meta": state["meta"], "opt": {"lr": 0.5, "off": None}}
+    else:
+        state["note"] = "rank 0's"
     shardkit.save(path, state, process_group=dist.group.WORLD)
+    plain = {"w": np.zeros(2)} if rank == 0 else {"v": np.ones(1), "x": None}
+    shardkit.save(path + "-mixed", plain, process_group=dist.group.WORLD)  # rank 0 plain
+    clash = {"x": None if rank == 0 else "text"}
+    with pytest.raises(DistributedSaveError, match="'x' is a none on rank 0 and a str on rank 1"):
+        shardkit.save(path + "-clash", clash, process_group=dist.group.WORLD)
 
 
-def test_the_collective_save_records_rank_0s_structure(tmp_path):
+def test_the_collective_save_records_every_ranks_structure(tmp_path):
     harness.raise_any(harness.run_ranks(_collective, 2, str(tmp_path / "c"), timeout=120))
     back = shardkit.load(tmp_path / "c", nested=True)
+    assert list(back) == ["w", "meta", "note", "v", "opt"]
     assert back["meta"] == {"ranks": 2, "tag": None, "names": ("a", "b")}
-    assert back["w"].tolist() == [0.0, 0.0]
+    assert back["opt"] == {"lr": 0.5, "off": None} and back["note"] == "rank 0's"
+    assert back["w"].tolist() == [0.0, 0.0] and back["v"].tolist() == [1.0, 1.0, 1.0]
+    mixed = shardkit.load(tmp_path / "c-mixed", nested=True)
+    assert list(mixed) == ["w", "v", "x"] and mixed["x"] is None
+    assert not (tmp_path / "c-clash").exists()
 
 
 LOOP = textwrap.dedent("""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain, count
@@ -25,12 +26,16 @@ from ..errors import DistributedStateError
 from ..frameworks import dtensor_type, string_to_host, to_host
 from ..io.flow import RankSave
 from ..io.writer import SavedTensors, default_threads, shard_columns
-from ..sharding.callback import shard_tensors
+from ..sharding.callback import callback_description, shard_tensors
+from ..sharding.structure import merge_records
 from ..sharding.tensors import ShardableTensor, flatten_columns
+from ..storage import is_url
 from ..values.devices import DeviceSpec
 from ..values.dtypes import PACKED, itemsize, safetensors_name, stored_nbytes
 from ..values.sharing import shared_rows
 from ..values.slices import WHOLE, format_slice_spec
+from .whole import Layout, checksums, directory_identity, write_pieces
+from .whole import layout as whole_layout
 
 
 @dataclass(slots=True)
@@ -302,22 +307,54 @@ class CollectiveRank(RankSave):
     pieces (`held`), every rank computes the same `plan` from the gathered columns, it runs
     the callback on the pieces it writes, and rank 0 merges the ranks' index columns."""
 
+    layout: Layout | None = None  # the whole-tensor layout, when the save writes one
+    target = ""  # the checkpoint's path or URL, as `save` was given it
+
     def hold(self, rank: int) -> Any:
         self.rank, mine = rank, held(self.state, rank)
         names: dict[int, str] = {}  # each device converted once
         devices = [names.get(id(d)) or names.setdefault(id(d), d.to_string()) for d in mine.devices]
         self.mine = mine
+        where = None if is_url(self.target) else directory_identity(self.target)
         return columns(mine.keys, mine.specs, mine.dtypes, mine.shapes, mine.nbytes,
-                       devices), machine()
+                       devices), machine(), where
 
     def assign(self, gathered: list[Any]) -> None:
-        self.pieces = plan([g[0] for g in gathered])
-        self.written = self.pieces.mine[self.rank]
-        self.threads = self.opts.threads or writer_threads([g[1] for g in gathered], self.rank)
+        self.pieces = pieces = plan([g[0] for g in gathered])
+        self.written = pieces.mine[self.rank]
+        machines = [g[1] for g in gathered]
+        self.threads = self.opts.threads or writer_threads(machines, self.rank)
+        why = self._why_slices(machines, [g[2] for g in gathered])
+        if why is None:  # every rank computes the same layout: the policy sees every tensor
+            policy = self.default_policy(sum(self.opts.threads or writer_threads(machines, r)
+                                             for r in range(len(machines))))
+            self.description = callback_description(policy)
+            first = pieces.tensor_first
+            dtypes, shapes = pieces.dtypes.take(first), pieces.shapes.take(first)
+            sizes = [math.prod(s) * itemsize(d) for d, s in zip(dtypes, shapes)]
+            self.layout = whole_layout(dtypes, shapes, policy.bounds(sizes))
+        elif not self.opts.experimental_sharding_callback:
+            self.split_reason = why  # the default policy, whose tensors stay whole alone
+
+    def _why_slices(self, machines: list[tuple[str, frozenset[int]]],
+                    places: list[Any]) -> str | None:
+        """Why this save stores per-rank slices instead of whole tensors; None: it does not."""
+        if self.opts.experimental_sharding_callback is not None:
+            return "a sharding callback was given (it runs on each rank's own pieces)"
+        if self.opts.compression is not None:
+            return "compression is on (.skz shards are written by one rank each)"
+        if is_url(self.target):
+            return "the checkpoint is on object storage (each rank uploads its own shards)"
+        if len({m[0] for m in machines}) > 1 or None in places or len(set(places)) > 1:
+            return "the ranks do not share one file system (not one machine and directory)"
+        return None
 
     def shard(self) -> int:
         """The callback (the default policy with this rank's writer threads) on this rank's
-        tensors only, validated here."""
+        tensors only, validated here; in the whole-tensor layout, rank 0 counts its files."""
+        if self.layout is not None:
+            self.saved = SavedTensors([], [], [], [])
+            return len(self.layout.files) if self.rank == 0 else 0
         callback = self.callback()
         mine = self.mine
         tensors = [ShardableTensor(mine.arrays[i], mine.arrays[i].dtype, mine.devices[i],
@@ -327,29 +364,91 @@ class CollectiveRank(RankSave):
             self.shards = shard_columns(shard_tensors(callback, tensors))
         self.saved = SavedTensors.of(tensors, mine.aliases)
         self.saved.shapes = [mine.shapes[i] for i in self.written]  # global, slices or not
+        if self.split_reason:
+            self.split = sorted({mine.keys[i] for i in self.written if mine.specs[i] != WHOLE})
         return len(self.shards)
 
+    def write(self, output: Any, where: Any, generation: str | None, first: int,
+              count: int) -> Any:
+        """This rank's shards (`RankSave.write`), or in the whole-tensor layout its pieces'
+        bytes at their places in the shared files (rank 0: and every header)."""
+        lay = self.layout
+        if lay is None:
+            return super().write(output, where, generation, first, count)
+        assert generation is not None
+        directory = os.fspath(where)
+        pieces, mine = self.pieces, self.mine
+        keys = [pieces.keys[i] for i in pieces.tensor_first.tolist()]
+        dtypes = pieces.dtypes.take(pieces.tensor_first)
+        shapes = pieces.shapes.take(pieces.tensor_first)
+        headers = {n: lay.header(f, keys, dtypes, shapes, generation)
+                   for n, f in enumerate(lay.files)}
+        self.starts = {n: sum(map(len, h)) for n, h in headers.items()}
+        rows = pieces.tensor_row[pieces.start[self.rank] + np.asarray(self.written, np.int64)]
+        mine_pieces = [(int(r), mine.specs[i], mine.arrays[i])
+                       for r, i in zip(rows.tolist(), self.written)]
+        return write_pieces(directory, lay, headers if self.rank == 0 else {}, self.starts,
+                            mine_pieces, self.threads, self.opts.durable)
+
     def part(self, written: Any) -> tuple[Any, ...]:
+        if self.layout is not None:  # the layout says where everything is
+            return (written, self.mine.aliases, self.structure)
+        return self._slice_part(written)
+
+    def _slice_part(self, written: Any) -> tuple[Any, ...]:
         """What the ``index`` collective sends of this rank's index: per stored slice (shard
         by shard, in data-region order) the position of its piece in the rank's `Held` and its
         shard, as int32 bytes; the slice specs only if the callback split a piece; the
-        checksums; the shards; the rank's aliases. Keys, dtypes and shapes rank 0 knows from
-        the plan already."""
+        checksums; the shards; the rank's aliases; its structure record (the ranks' records
+        are merged: DCP's planner, for one, gives each non-tensor value to one rank). Keys,
+        dtypes and shapes rank 0 knows from the plan already."""
         index = written[0]
         local = np.asarray(self.written, np.int64)[np.asarray(index.slice_tensor, np.int64)]
         own = list(map(self.mine.specs.__getitem__, local.tolist()))
         split = None if own == index.slice_spec else index.slice_spec
         return (local.astype(np.int32).tobytes(),
                 np.asarray(index.slice_shard, np.int32).tobytes(), split, index.slice_xxh3,
-                [(s.file, s.task, s.codec, s.bytes) for s in index.shards], self.mine.aliases)
+                [(s.file, s.task, s.codec, s.bytes) for s in index.shards], self.mine.aliases,
+                self.structure)
 
     def merge(self, parts: list[Any], output: Any, generation: str | None
               ) -> tuple[fmt.CheckpointIndex, list[bytes]]:
         assert generation is not None
-        merged = merge(self.pieces, parts, description=self.description,
-                       user_metadata=output.user_metadata, generation=generation)
-        merged.structure = output.structure  # rank 0's record
+        if self.layout is not None:
+            merged = self._whole_index(output, parts, generation)
+        else:
+            merged = merge(self.pieces, [p[:-1] for p in parts], description=self.description,
+                           user_metadata=output.user_metadata, generation=generation)
+        pieces = self.pieces  # a plain rank's record: the keys it holds stand for it
+        keys = [pieces.keys[pieces.start[r]:pieces.start[r + 1]] + list(p[-2])
+                for r, p in enumerate(parts)]
+        merged.structure = merge_records([p[-1] for p in parts], keys)
         return merged, fmt.index_chunks(merged)
+
+
+    def _whole_index(self, output: Any, parts: list[Any], generation: str
+                     ) -> fmt.CheckpointIndex:
+        """The index of the whole-tensor layout, its checksums read from the files."""
+        lay, pieces = self.layout, self.pieces
+        assert lay is not None
+        first = pieces.tensor_first
+        keys = [pieces.keys[i] for i in first.tolist()]
+        dtypes, shapes = pieces.dtypes.take(first), pieces.shapes.take(first)
+        directory = output.staging_directory()
+        digests = (checksums(directory, lay, self.starts, self.threads) if self.opts.checksum
+                   else [[None] * len(f.rows) for f in lay.files])
+        index = fmt.CheckpointIndex(
+            self.description,
+            [fmt.ShardInfo(f.name, 0, "raw", self.starts[n] + f.data_size, generation)
+             for n, f in enumerate(lay.files)],
+            keys, dtypes, shapes, pieces.devices.take(first),
+            [r for f in lay.files for r in f.rows], [WHOLE] * len(keys),
+            [n for n, f in enumerate(lay.files) for _ in f.rows],
+            [d for file_digests in digests for d in file_digests],
+            dict(output.user_metadata), fmt.FORMAT_VERSION, generation)
+        index.set_total_size(sum(f.data_size for f in lay.files))
+        index.aliases = merged_aliases(keys, [p[-2] for p in parts])
+        return index
 
 
 def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
@@ -365,11 +464,7 @@ def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
     specs: list[str] = []
     xxh3: list[str | None] = []
     shards: list[fmt.ShardInfo] = []
-    aliases: dict[str, str] = {}
-    tied_on: dict[str, int] = {}  # alias -> the first rank that holds it as one
-    for r, (local, shard, split, digests, infos, named) in enumerate(parts):
-        aliases = {**named, **aliases}
-        tied_on = {**dict.fromkeys(named, r), **tied_on}
+    for r, (local, shard, split, digests, infos, _) in enumerate(parts):
         element = np.frombuffer(local, np.int32).astype(np.int64) + pieces.start[r]
         rows.append(pieces.tensor_row[element])
         shard_of.append(np.frombuffer(shard, np.int32).astype(np.int64) + len(shards))
@@ -385,13 +480,26 @@ def merge(pieces: Plan, parts: Sequence[tuple[Any, ...]], *, description: str,
         np.concatenate(rows).tolist() if rows else [], specs,
         np.concatenate(shard_of).tolist() if shard_of else [], xxh3,
         dict(user_metadata), fmt.FORMAT_VERSION, generation)
-    if aliases:
-        both = set(keys).intersection(aliases)
-        if both:
-            key = min(both)
-            raise DistributedStateError(
-                f"{key!r} is the memory of {aliases[key]!r} on rank {tied_on[key]} (tied "
-                "weights, stored once) but a tensor of its own on another rank: tie it on every "
-                "rank or on none")
-        index.aliases = aliases
+    index.aliases = merged_aliases(keys, [part[5] for part in parts])
     return index
+
+
+def merged_aliases(keys: list[str], named: Sequence[dict[str, str]]) -> dict[str, str] | None:
+    """The ranks' aliases (alias -> stored key, in rank order; the lowest rank's where they
+    differ), or None. DistributedStateError for a key one rank holds as an alias (tied) and
+    the index stores as a tensor: its pieces would not tile."""
+    aliases: dict[str, str] = {}
+    tied_on: dict[str, int] = {}  # alias -> the first rank that holds it as one
+    for r, mine in enumerate(named):
+        aliases = {**mine, **aliases}
+        tied_on = {**dict.fromkeys(mine, r), **tied_on}
+    if not aliases:
+        return None
+    both = set(keys).intersection(aliases)
+    if both:
+        key = min(both)
+        raise DistributedStateError(
+            f"{key!r} is the memory of {aliases[key]!r} on rank {tied_on[key]} (tied "
+            "weights, stored once) but a tensor of its own on another rank: tie it on every "
+            "rank or on none")
+    return aliases

@@ -59,6 +59,23 @@ def host_dtype(dtype: Any) -> np.dtype:
     return got if got is not None else torch.empty(0, dtype=dtype).numpy().dtype
 
 
+def torch_dtype(dtype: np.dtype, key: str = "") -> torch.dtype:
+    """The torch dtype of the numpy (or ml_dtypes) dtype of stored tensor `key`.
+
+    Raises:
+        UnsupportedDTypeError: torch has no such dtype.
+    """
+    got = _torch_dtypes().get(np.dtype(dtype))
+    if got is None:
+        raise UnsupportedDTypeError(f"{key!r}: torch has no dtype for {dtype}")
+    return got
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_dtypes() -> dict[np.dtype, Any]:
+    return {v: k for k, v in framework_dtypes(torch).items()}
+
+
 def to_host(t: Any) -> tuple[np.ndarray, DeviceSpec]:
     """A host array of tensor `t` (a view of its memory on the CPU) and its device."""
     reinterpret = _special()[0]

@@ -14,6 +14,7 @@ staging, every rank raises the same error):
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -51,12 +52,14 @@ class RankSave:
     description = ""
     strings: StringColumns | None = None
     split: Sequence[str] = ()  # the keys the callback split (for the warning)
+    split_reason = ""  # why they were stored as slices, when it was not the callback's doing
 
     def __init__(self, state: Any, opts: CheckpointOptions,
-                 default_policy: Callable[[int], ShardingCallback], *, share: bool = True
-                 ) -> None:
+                 default_policy: Callable[[int], ShardingCallback], *, share: bool = True,
+                 structure: list[Any] | None = None) -> None:
         self.state, self.opts, self.default_policy = state, opts, default_policy
         self.share = share  # store tensors of one memory once (`values.sharing`)
+        self.structure = structure  # this rank's structure record of its state
         self.threads = opts.threads or default_threads()  # a rank of many: its share
 
     def callback(self) -> ShardingCallback:
@@ -72,6 +75,12 @@ class RankSave:
 
     def shard(self) -> int:
         raise NotImplementedError
+
+    def write(self, output: StorageOutput | BundleOutput, where: Storage | str,
+              generation: str | None, first: int, count: int) -> Any:
+        """Write this rank's shards, numbered `first` on of `count`, into `where` (rank 0:
+        the staging's Storage; another rank: its URL)."""
+        return output.write(where, generation, self, first, count)
 
     def part(self, written: Any) -> Any:
         return written
@@ -93,7 +102,12 @@ class StorageOutput:
         self.store.check_target(overwrite)
 
     def stage(self, overwrite: bool) -> Staging:
-        return self.store.stage(overwrite=overwrite, durable=self.opts.durable)
+        self.staging = self.store.stage(overwrite=overwrite, durable=self.opts.durable)
+        return self.staging
+
+    def staging_directory(self) -> str:
+        """The local directory `stage` made (rank 0, while the save is staged)."""
+        return os.fspath(self.staging.store)
 
     def write(self, where: Storage | str, generation: str | None, rank: RankSave, first: int,
               count: int) -> tuple[fmt.CheckpointIndex, list[bytes]]:
@@ -213,7 +227,7 @@ def run_save(coord: Coordinator, rank: RankSave, output: StorageOutput | BundleO
         where = url if steps.staging is None else steps.staging.store
         first, count = sum(c for c, _ in counts[:me]), sum(c for c, _ in counts)
         return steps.step(
-            "index", lambda: rank.part(output.write(where, generation, rank, first, count)),
+            "index", lambda: rank.part(rank.write(output, where, generation, first, count)),
             lambda parts: output.commit(steps.staging, rank.merge(parts, output, generation)),
             root_op="commit")
     finally:

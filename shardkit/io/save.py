@@ -104,7 +104,7 @@ class DefaultShardingPolicy(ShardingCallback):
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
         tensors = list(shardable_tensors)
         arrays = list(map(_tensor_of, tensors))
-        bounds = self._bounds(list(map(_nbytes_of, arrays)))
+        bounds = self.bounds(list(map(_nbytes_of, arrays)))
         keys = list(map(_key_of, tensors))
         specs = list(map(_spec_of, tensors))
         if len(set(keys)) == len(keys):  # no key split over several inputs: one dict each
@@ -121,7 +121,7 @@ class DefaultShardingPolicy(ShardingCallback):
                 shards.append(current)
         return shards
 
-    def _bounds(self, sizes: list[int] | np.ndarray) -> list[tuple[int, int]]:
+    def bounds(self, sizes: list[int] | np.ndarray) -> list[tuple[int, int]]:
         """``(start, stop)`` of each shard over the tensors in the order given."""
         n = len(sizes)
         total = int(np.sum(sizes)) if n else 0
@@ -150,7 +150,7 @@ class DefaultShardingPolicy(ShardingCallback):
 
     @staticmethod
     def _equal_share_bounds(sizes: np.ndarray, total: int, count: int) -> list[tuple[int, int]]:
-        """The loop of `_bounds` without the cap, vectorised: shard k starts at the first
+        """The loop of `bounds` without the cap, vectorised: shard k starts at the first
         tensor after the previous start whose midpoint passes ``k * total / count``."""
         n = len(sizes)
         if n == 0:
@@ -281,14 +281,15 @@ def save(
         else:
             from ..distributed.save import CollectiveRank
 
-            rank = CollectiveRank(state, opts, DefaultShardingPolicy)
+            rank = CollectiveRank(state, opts, DefaultShardingPolicy, structure=structure)
+            rank.target = os.fspath(path)
         target, files, nbytes, generation = run_save(coord, rank, output, os.fspath(path),
                                                      overwrite)
     opts.run_write_callbacks(target)
     info = SaveInfo(target, files, nbytes, time.perf_counter() - started, generation)
     if rank.split and format == "shardkit" and _WARN_SPLIT.get():  # weight_map lacks them
-        warnings.warn(SplitTensorsWarning(_split_message(list(rank.split), info.path)),
-                      stacklevel=2)
+        warnings.warn(SplitTensorsWarning(_split_message(list(rank.split), info.path,
+                                                         rank.split_reason)), stacklevel=2)
     return info
 
 
@@ -327,8 +328,14 @@ def _no_split_warning() -> Iterator[None]:
         _WARN_SPLIT.reset(token)
 
 
-def _split_message(split: list[str], path: str) -> str:
+def _split_message(split: list[str], path: str, reason: str = "") -> str:
     count = f"{len(split)} tensor{'s' if len(split) != 1 else ''}"
+    if reason:  # a collective save that could not write them whole
+        return (
+            f"{path}: the collective save stored {count} as per-rank slices (e.g. "
+            f"{split[0]!r}) because {reason}; HuggingFace loaders (from_pretrained, "
+            f"safetensors) cannot read a tensor stored as slices (shardkit reads it as usual): "
+            f"`shardkit convert {path} <new path>` writes every tensor whole")
     return (
         f"{path}: the sharding callback stored {count} as slices (e.g. {split[0]!r}); "
         f"HuggingFace loaders (from_pretrained, safetensors) cannot read a tensor stored as "
@@ -386,7 +393,7 @@ def _default_shards(
         else:  # this task's tensors, in the order given
             k, a_, d_, s_ = pick_rows(rows, keys, arrays, dtypes, shapes)
             n_ = nbytes[rows]
-        for a, b in policy._bounds(n_):
+        for a, b in policy.bounds(n_):
             shards.append(ShardColumns(
                 task, k[a:b], [WHOLE] * (b - a), a_[a:b], dtypes=d_[a:b], nbytes=n_[a:b],
                 shapes=s_[a:b], rows=range(a, b) if len(groups) == 1 else rows[a:b]))

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptIndexError
+from ..errors import CorruptIndexError, DistributedStateError
 from .tensors import SEPARATOR, _key_part, unflatten
 
 Row = list[Any]
@@ -218,6 +218,62 @@ def _row_path(row: Any, where: str) -> list[Any]:
             raise CorruptIndexError(f"{where}: structure record path {_shown(row[0])} holds "
                                     f"{_shown(k)}, not a str or int key")
     return row[0]
+
+
+def merge_records(records: list[list[Row] | None], keys: list[list[str]]) -> list[Row] | None:
+    """One record for the states of many ranks (a collective save), each rank's `records`
+    entry its record, or None for a plain state, whose `keys` (its stored tensors' keys)
+    stand for it: the union of the ranks' trees, dict items in order of first appearance
+    (rank 0's first), the items of sequences by position. None when no rank has a record.
+
+    Raises:
+        DistributedStateError: two ranks record different kinds at one path.
+    """
+    if all(r is None for r in records):
+        return None
+    rows: dict[tuple[Any, ...], Row] = {}
+    children: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+    owner: dict[tuple[Any, ...], int] = {}
+    for rank, record in enumerate(records):
+        if rank and record is not None and record == records[0]:
+            continue  # the usual case: every rank holds the same non-tensor values
+        for row in _plain_rows(keys[rank]) if record is None else record:
+            path = tuple(row[0])
+            have = rows.get(path)
+            if have is None:
+                rows[path], owner[path] = row, rank
+                if path:
+                    children.setdefault(path[:-1], []).append(path)
+            elif have[1:] != row[1:]:
+                raise DistributedStateError(
+                    f"{_joined(list(path)) or 'the state'!r} is a {have[1]} on rank "
+                    f"{owner[path]} and a {row[1]} on rank {rank}: every rank must hold "
+                    "the same value kind under one key")
+    out: list[Row] = []
+    stack: list[tuple[Any, ...]] = [()]
+    while stack:
+        path = stack.pop()
+        row = rows[path]
+        out.append(row)
+        below = children.get(path, [])
+        if row[1] != "dict":
+            below = sorted(below, key=lambda p: p[-1])
+        stack.extend(reversed(below))
+    return out
+
+
+def _plain_rows(keys: list[str]) -> list[Row]:
+    """The record of a plain state (dicts of tensors) with these keys."""
+    rows: list[Row] = [[[], "dict"]]
+    seen: set[tuple[str, ...]] = set()
+    for key in keys:
+        parts = key.split(SEPARATOR)
+        for n in range(1, len(parts)):
+            if tuple(parts[:n]) not in seen:
+                seen.add(tuple(parts[:n]))
+                rows.append([parts[:n], "dict"])
+        rows.append([parts, "tensor"])
+    return rows
 
 
 def tensor_keys(rows: list[Row]) -> list[str]:
