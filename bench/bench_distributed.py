@@ -12,9 +12,11 @@ round, which absorbs what the saves left behind (writeback the host goes on with
 ``os.sync``: measured, shardkit's load took 0.12-0.15 s in most rounds and 0.23-0.32 s when it
 came first after the saves, which with 4 loads and 5 rounds it did twice and DCP's load once):
 
-- ``shardkit save``: ``shardkit.save(path, dtensor_state)``, the collective save (every rank
-  writes its own shards, one commit); ``durable=True`` (the default: files and directories
-  fsynced);
+- ``shardkit save``: ``shardkit.save(path, dtensor_state)``, the collective save (every tensor
+  whole, in HuggingFace's layout: each rank writes its own rows into the shared files, one
+  commit); ``durable=True`` (the default: files and directories fsynced);
+- ``shardkit slices save``: the same with the default policy given as a callback, which makes
+  each rank write its own shards of per-rank slices (the layout before whole tensors);
 - ``dcp save``: ``torch.distributed.checkpoint.save`` with the default ``FileSystemWriter``
   (``sync_files=True``: every file fsynced);
 - ``safetensors floor``: each rank writes its local shards with ``safetensors.torch.save_file``
@@ -37,7 +39,8 @@ third in a round slower (measured: three identical 1.47 GB writers in a row took
 5.3 s; deleting each one's files, discarded with the ``discard`` mount option, evens them out).
 The loads therefore read checkpoints written once, untimed, before the first round (page cache
 warm, for both). The first round of each group checks that every restore is byte for byte.
-Prints the medians, and the ratios against the targets: save >= 2x DCP and >= 0.9x the floor,
+Prints the medians, and the ratios against the targets: save >= 2x DCP, >= 0.9x the floor and
+>= 0.9x the per-rank slices,
 load >= 3x DCP, reshard >= 3x DCP; through the backend, dcp.save >= 1.5x and dcp.load >= 2x
 DCP's own storage. With ``--check`` the exit status is 1 when one is missed.
 """
@@ -66,6 +69,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 TARGETS = {  # (contender, reference, least ratio reference time / contender time)
     "save vs dcp": ("shardkit save", "dcp save", 2.0),
+    "whole vs slices": ("shardkit save", "shardkit slices save", 0.9),
     "save vs floor": ("shardkit save", "safetensors floor", 0.9),
     "load vs dcp": ("shardkit load", "dcp load", 3.0),
     "reshard vs dcp": ("shardkit reshard", "dcp reshard", 3.0),
@@ -150,6 +154,13 @@ class Rank:
 
         dcp.save(self.state, checkpoint_id=self.path("dcp"))
 
+    def shardkit_slices_save(self) -> None:
+        import shardkit
+
+        policy = shardkit.DefaultShardingPolicy()  # a callback given: per-rank slices
+        shardkit.save(self.path("slices"), self.state,
+                      options=shardkit.CheckpointOptions(experimental_sharding_callback=policy))
+
     def dcp_shardkit_save(self) -> None:
         import torch.distributed.checkpoint as dcp
 
@@ -232,11 +243,12 @@ class Rank:
                 self.full[k].zero_()
 
 
-SAVES = ["shardkit save", "dcp save", "safetensors floor", "dcp+shardkit save"]
+SAVES = ["shardkit save", "dcp save", "safetensors floor", "dcp+shardkit save",
+         "shardkit slices save"]
 LOADS = ["shardkit load", "dcp load", "shardkit reshard", "dcp reshard", "dcp+shardkit load"]
 _METHOD = {name: name.replace(" ", "_").replace("+", "_") for name in SAVES + LOADS}
 _WROTE = {"shardkit save": "shardkit", "dcp save": "dcp", "safetensors floor": "floor",
-          "dcp+shardkit save": "dcp-shardkit"}
+          "dcp+shardkit save": "dcp-shardkit", "shardkit slices save": "slices"}
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:

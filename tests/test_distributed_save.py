@@ -442,7 +442,7 @@ def _kill_round(rank: int, world: int, i: int, path: str, parent_generation: str
     from shardkit.sharding.policies import ShardByTaskPolicy
 
     victim = i % world
-    where = ("callback", "write")[(i // world) % 2]
+    where = ("callback", "write", "whole")[(i // world) % 3]  # "whole": the default layout
 
     class Killing(ShardByTaskPolicy):
         def __call__(self, tensors):
@@ -458,12 +458,21 @@ def _kill_round(rank: int, world: int, i: int, path: str, parent_generation: str
             os.kill(os.getpid(), signal.SIGKILL)
 
         writer._write_region = write_then_die
+    if rank == victim and where == "whole":
+        real_runs = whole._pwrite_all
+
+        def runs_then_die(jobs):
+            real_runs(jobs[: len(jobs) // 2 + 1])  # some bytes are in the shared files
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        whole._pwrite_all = runs_then_die
     state = {"w": torch.arange(1000.0), f"own{rank}": torch.ones(5000)}
     started = time.monotonic()
+    callback = None if where == "whole" else Killing()
     try:
         shardkit.save(path, state, process_group=torch.distributed.group.WORLD,
                       overwrite=True, timeout=10,
-                      options=shardkit.CheckpointOptions(experimental_sharding_callback=Killing()))
+                      options=shardkit.CheckpointOptions(experimental_sharding_callback=callback))
         outcome = "saved"
     except (DistributedTimeoutError, DistributedSaveError) as e:
         outcome = type(e).__name__

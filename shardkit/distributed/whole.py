@@ -1,5 +1,5 @@
 """Whole tensors from many ranks: the collective save's HuggingFace layout (docs/FORMAT.md,
-"Collective saves"). Every tensor is one entry of a safetensors shard, as a single process
+section 2.2). Every tensor is one entry of a safetensors shard, as a single process
 writes it, though its pieces live on several ranks, and no rank ever holds a piece it does not
 own.
 
