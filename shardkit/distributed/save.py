@@ -435,7 +435,8 @@ class CollectiveRank(RankSave):
         keys = [pieces.keys[i] for i in first.tolist()]
         dtypes, shapes = pieces.dtypes.take(first), pieces.shapes.take(first)
         directory = output.staging_directory()
-        digests = (checksums(directory, lay, self.starts, self.threads) if self.opts.checksum
+        digests = (checksums(directory, lay, self.starts, len(usable_cores()))
+                   if self.opts.checksum
                    else [[None] * len(f.rows) for f in lay.files])
         index = fmt.CheckpointIndex(
             self.description,

@@ -171,29 +171,41 @@ def _pwrite_all(jobs: Sequence[tuple[int, int, memoryview]]) -> None:
 def checksums(directory: str, lay: Layout, starts: dict[int, int], threads: int
               ) -> list[list[str]]:
     """The xxh3-64 of every entry of every file (hex), read back from the files once every
-    rank wrote its pieces."""
+    rank wrote its pieces: entries hashed in parallel on `threads` threads (rank 0 may take the
+    machine's cores: the other ranks wait for it)."""
     import xxhash
 
-    def file_digests(number: int) -> list[str]:
-        f = lay.files[number]
-        size = starts[number] + f.data_size
-        with open(os.path.join(directory, f.name), "rb") as fh:
-            if size == 0 or f.data_size == 0:
-                return [xxhash.xxh3_64_hexdigest(b"") for _ in f.rows]
-            with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as m:
-                view = memoryview(m)
-                try:
-                    return [xxhash.xxh3_64_hexdigest(view[starts[number] + int(b):
-                                                          starts[number] + int(e)])
-                            for b, e in zip(f.begins, f.ends)]
-                finally:
-                    view.release()
+    maps: list[tuple[Any, mmap.mmap | None, memoryview | None]] = []
+    try:
+        for number, f in enumerate(lay.files):
+            fh = open(os.path.join(directory, f.name), "rb")
+            size = starts[number] + f.data_size
+            m = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) if f.data_size else None
+            maps.append((fh, m, memoryview(m) if m is not None else None))
+        jobs = [(number, int(b) + starts[number], int(e) + starts[number])
+                for number, f in enumerate(lay.files) for b, e in zip(f.begins, f.ends)]
 
-    numbers = range(len(lay.files))
-    if threads > 1 and len(lay.files) > 1:
-        with ThreadPoolExecutor(min(threads, len(lay.files))) as pool:
-            return list(pool.map(file_digests, numbers))
-    return [file_digests(n) for n in numbers]
+        def digest(job: tuple[int, int, int]) -> str:
+            view = maps[job[0]][2]
+            return xxhash.xxh3_64_hexdigest(b"" if view is None else view[job[1]:job[2]])
+
+        if threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(threads) as pool:
+                flat = list(pool.map(digest, jobs))
+        else:
+            flat = list(map(digest, jobs))
+    finally:
+        for fh, m, view in maps:
+            if view is not None:
+                view.release()
+            if m is not None:
+                m.close()
+            fh.close()
+    out, at = [], 0
+    for f in lay.files:
+        out.append(flat[at:at + len(f.rows)])
+        at += len(f.rows)
+    return out
 
 
 def directory_identity(path: str) -> tuple[int, int] | None:
