@@ -31,10 +31,10 @@ from ..sharding.structure import merge_records
 from ..sharding.tensors import ShardableTensor, flatten_columns
 from ..storage import is_url
 from ..values.devices import DeviceSpec
-from ..values.dtypes import PACKED, itemsize, safetensors_name, stored_nbytes
+from ..values.dtypes import PACKED, entry_sizes, itemsize, safetensors_name, stored_nbytes
 from ..values.sharing import shared_rows
 from ..values.slices import WHOLE, format_slice_spec
-from .whole import Layout, checksums, directory_identity, write_pieces
+from .whole import Layout, checksums, directory_identity, packed_runs, write_pieces
 from .whole import layout as whole_layout
 
 
@@ -326,12 +326,12 @@ class CollectiveRank(RankSave):
         self.threads = self.opts.threads or writer_threads(machines, self.rank)
         why = self._why_slices(machines, [g[2] for g in gathered])
         if why is None:  # every rank computes the same layout: the policy sees every tensor
-            policy = self.default_policy(sum(self.opts.threads or writer_threads(machines, r)
+            policy: Any = self.default_policy(sum(self.opts.threads or writer_threads(machines, r)
                                              for r in range(len(machines))))
             self.description = callback_description(policy)
             first = pieces.tensor_first
             dtypes, shapes = pieces.dtypes.take(first), pieces.shapes.take(first)
-            sizes = [math.prod(s) * itemsize(d) for d, s in zip(dtypes, shapes)]
+            sizes = entry_sizes(dtypes, shapes)  # the one size rule (float4: packed)
             self.layout = whole_layout(dtypes, shapes, policy.bounds(sizes))
         elif not self.opts.experimental_sharding_callback:
             self.split_reason = why  # the default policy, whose tensors stay whole alone
@@ -347,6 +347,12 @@ class CollectiveRank(RankSave):
             return "the checkpoint is on object storage (each rank uploads its own shards)"
         if len({m[0] for m in machines}) > 1 or None in places or len(set(places)) > 1:
             return "the ranks do not share one file system (not one machine and directory)"
+        pieces = self.pieces
+        for i in (i for i, d in enumerate(pieces.dtypes.ids.tolist())
+                  if pieces.dtypes.values[d] in PACKED):
+            if not packed_runs(tuple(pieces.shapes[i]), pieces.specs[i]):
+                return (f"a piece of {pieces.keys[i]!r} ({pieces.dtypes[i]}, two elements a "
+                        "byte) does not start and end on a byte")
         return None
 
     def shard(self) -> int:

@@ -27,7 +27,9 @@ import numpy as np
 
 from .. import format as fmt
 from .._kernels import _gather
-from ..values.dtypes import itemsize
+from ..values.dtypes import entry_sizes, packed_name
+from ..values.dtypes import itemsize as numpy_itemsize
+from ..values.nibbles import pack
 from ..values.slices import WHOLE, parse_slice_spec
 
 
@@ -67,8 +69,8 @@ def layout(dtypes: Sequence[str], shapes: Sequence[tuple[int, ...]],
     """The files of tensors (index rows, of these dtype names and global shapes) cut into
     shards at `cuts` (``(start, stop)`` of each shard over the rows)."""
     n = len(dtypes)
-    items = np.fromiter(map(itemsize, dtypes), np.int64, n)
-    sizes = np.fromiter(map(math.prod, shapes), np.int64, n) * items
+    sizes = np.asarray(entry_sizes(dtypes, shapes), np.int64).reshape(n)
+    items = np.fromiter((max(1, numpy_itemsize(d)) for d in dtypes), np.int64, n)
     file_of = np.zeros(n, np.int64)
     entry_of = np.zeros(n, np.int64)
     files = []
@@ -128,7 +130,9 @@ def write_pieces(directory: str, lay: Layout, headers: dict[int, list[bytes]],
             f = lay.files[number]
             base = starts[number] + int(f.begins[entry])
             offsets, run = runs(_shape_of_row(array, spec), spec, array.dtype.itemsize)
-            data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            if packed_name(array.dtype) is not None:  # two elements a byte (`packed_runs`)
+                offsets, run, array = offsets // 2, run // 2, pack(array)
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
             jobs += [(fds[number], base + int(o), data[k * run:(k + 1) * run])
                      for k, o in enumerate(offsets.tolist())]
         if threads > 1 and len(jobs) > 1:
@@ -143,6 +147,13 @@ def write_pieces(directory: str, lay: Layout, headers: dict[int, list[bytes]],
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def packed_runs(shape: tuple[int, ...], spec: str) -> bool:
+    """Whether a piece of a tensor packed two elements a byte (float4) starts and ends every
+    run on a byte: each run's element offset and count even."""
+    offsets, run = runs(shape, spec, 1)
+    return not run % 2 and not (offsets % 2).any()
 
 
 def _shape_of_row(array: np.ndarray, spec: str) -> tuple[int, ...]:

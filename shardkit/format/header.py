@@ -122,9 +122,10 @@ def _layout_columns(entries: Sequence[tuple[str, np.dtype, Sequence[int]]]) -> _
         order: Sequence[int] = range(len(names))
     else:
         order = sorted(range(len(names)), key=[-z for z in sizes].__getitem__)  # stable
-        names, dtype_names, shapes, nbytes = (
-            [column[i] for i in order] for column in (names, dtype_names, shapes, nbytes)
-        )
+        names = [names[i] for i in order]
+        dtype_names = [dtype_names[i] for i in order]
+        shapes = [shapes[i] for i in order]
+        nbytes = [nbytes[i] for i in order]
     ends = list(accumulate(nbytes))
     return names, dtype_names, shapes, [0, *ends[:-1]], ends, order
 

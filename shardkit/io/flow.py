@@ -17,7 +17,7 @@ import contextlib
 import os
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from .. import format as fmt
 from ..coordinator import Coordinator, LocalCoordinator
@@ -76,7 +76,7 @@ class RankSave:
     def shard(self) -> int:
         raise NotImplementedError
 
-    def write(self, output: StorageOutput | BundleOutput, where: Storage | str,
+    def write(self, output: Any, where: Storage | str,
               generation: str | None, first: int, count: int) -> Any:
         """Write this rank's shards, numbered `first` on of `count`, into `where` (rank 0:
         the staging's Storage; another rank: its URL)."""
@@ -107,7 +107,7 @@ class StorageOutput:
 
     def staging_directory(self) -> str:
         """The local directory `stage` made (rank 0, while the save is staged)."""
-        return os.fspath(self.staging.store)
+        return os.fspath(cast(Any, self.staging.store))  # a LocalStorage: a path
 
     def write(self, where: Storage | str, generation: str | None, rank: RankSave, first: int,
               count: int) -> tuple[fmt.CheckpointIndex, list[bytes]]:

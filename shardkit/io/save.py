@@ -122,7 +122,13 @@ class DefaultShardingPolicy(ShardingCallback):
         return shards
 
     def bounds(self, sizes: list[int] | np.ndarray) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each shard over the tensors in the order given."""
+        """Where this policy cuts tensors of these byte sizes into shards.
+
+        Args:
+            sizes: the stored bytes of each tensor, in the order given.
+        Returns:
+            ``(start, stop)`` of each shard over the tensors.
+        """
         n = len(sizes)
         total = int(np.sum(sizes)) if n else 0
         if total < SINGLE_SHARD_BELOW:

@@ -21,7 +21,7 @@ import io
 import os
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -165,7 +165,7 @@ def rank_state(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], li
                     "lookup_object)")
             value, nbytes = lookup(item.index), 0
         else:
-            tensor = planner.resolve_data(item)
+            tensor = cast(torch.Tensor, planner.resolve_data(item))
             data = item.tensor_data
             assert data is not None
             shape, offsets = tuple(data.size), tuple(data.chunk.offsets)
@@ -268,7 +268,9 @@ class StorageReader(_DCPReader):
             chunk = item.storage_index.offset or ()
             begin = [int(a) + int(b) for a, b in zip(chunk, item.storage_offsets)]
             target = planner.resolve_tensor(item).detach()
-            host, writeback = restore_target(target, value.key)
+            placed = restore_target(target, value.key)
+            assert placed is not None  # a torch tensor always has one
+            host, writeback = placed
             if host.dtype != value.dtype:  # converted, as DCP's own reader does (`copy_`)
                 host, writeback = np.empty(host.shape, value.dtype), target
             boxes.append((value.key, begin, host))
@@ -317,7 +319,7 @@ def _with_tensors(value: Any) -> Any:
     if isinstance(value, StoredTensor):
         return from_host(value.reader.get(value.key))
     if isinstance(value, Mapping):
-        return type(value)((k, _with_tensors(v)) for k, v in value.items())
+        return {k: _with_tensors(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(map(_with_tensors, value))
     if isinstance(value, tuple):  # a NamedTuple
